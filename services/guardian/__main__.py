@@ -1,0 +1,7 @@
+"""python -m gpufleet.services.guardian"""
+
+from gpufleet.services.guardian.core import GuardianCore
+from gpufleet.shared.service import serve
+
+if __name__ == "__main__":
+    serve("guardian", lambda args: GuardianCore())

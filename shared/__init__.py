@@ -1,0 +1,1 @@
+"""The common library of gpufleet: the event contract, the bus, the runtime loop, the store."""

@@ -1,0 +1,217 @@
+"""The bus: NATS JetStream connection, the two streams, and the publish paths.
+
+- `publish_batch` writes a list of events as one *atomic batch* (NATS 2.12+): all of them or
+  none, optionally guarded by a compare-and-set on a wildcard subject
+  (`Nats-Expected-Last-Subject-Sequence` + `-Subject`). This makes a gang placement, or a whole
+  batch of decisions, a single conditional write.
+- Every message carries `Nats-Msg-Id` = event id, so the server drops re-published copies.
+- nats-py 2.16's `publish_async` never resolves a future whose publish the server rejected
+  (PROBE.md), so every wait here is bounded by a timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import nats
+from nats.aio.client import Client as NatsClient
+from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
+from nats.js.client import JetStreamContext
+
+from .errors import CasConflict, PermanentError, RetryableError
+from .events import STREAM, TELEMETRY_STREAM, Envelope
+
+log = logging.getLogger(__name__)
+
+ATOMIC_BATCH_MAX = 500  # the server accepts up to 1000 messages in one atomic batch
+ERR_WRONG_LAST_SEQ = 10071
+ERR_BATCH_DUP_ID = 10201
+DUPLICATE_WINDOW_S = 120.0
+TELEMETRY_MAX_AGE_S = 6 * 3600.0
+PUBLISH_TIMEOUT_S = 10.0
+
+
+def fleet_stream_config(replicas: int = 1) -> StreamConfig:
+    return StreamConfig(
+        name=STREAM,
+        subjects=["fleet.cmd.>", "fleet.evt.>"],
+        retention=RetentionPolicy.LIMITS,
+        storage=StorageType.FILE,
+        num_replicas=replicas,
+        duplicate_window=DUPLICATE_WINDOW_S,
+        allow_atomic=True,
+        allow_direct=True,
+        max_msg_size=1024 * 1024,
+    )
+
+
+def telemetry_stream_config(replicas: int = 1) -> StreamConfig:
+    return StreamConfig(
+        name=TELEMETRY_STREAM,
+        subjects=["fleet.tel.>"],
+        retention=RetentionPolicy.LIMITS,
+        storage=StorageType.FILE,
+        num_replicas=replicas,
+        max_age=TELEMETRY_MAX_AGE_S,
+        discard=DiscardPolicy.OLD,
+        duplicate_window=10.0,
+        allow_direct=True,
+    )
+
+
+@dataclass(frozen=True)
+class Cas:
+    """Publish only if the last message on `subject` (wildcards allowed) has sequence `last_seq`."""
+
+    subject: str
+    last_seq: int
+
+
+def subject_matches(pattern: str, subject: str) -> bool:
+    """NATS wildcard match: '*' one token, '>' one or more trailing tokens."""
+    p = pattern.split(".")
+    s = subject.split(".")
+    for i, tok in enumerate(p):
+        if tok == ">":
+            return len(s) > i
+        if i >= len(s) or (tok != "*" and tok != s[i]):
+            return False
+    return len(p) == len(s)
+
+
+class Bus:
+    def __init__(self, nc: NatsClient, replicas: int = 1) -> None:
+        self.nc = nc
+        self.js: JetStreamContext = nc.jetstream(timeout=PUBLISH_TIMEOUT_S)
+        self.replicas = replicas
+        self._batch_counter = 0
+
+    @classmethod
+    async def connect(cls, url: str, name: str = "gpufleet", replicas: int = 1, **kw: Any) -> Bus:
+        nc = await nats.connect(
+            url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
+            connect_timeout=5, **kw,
+        )
+        return cls(nc, replicas=replicas)
+
+    async def close(self) -> None:
+        if not self.nc.is_closed:
+            try:
+                await asyncio.wait_for(self.nc.flush(), 2.0)
+            except Exception:  # noqa: BLE001 - closing anyway
+                pass
+            await self.nc.close()
+
+    async def ensure_streams(self) -> None:
+        """Create or update FLEET and FLEET_TELEMETRY; safe to call from every service at start."""
+        for cfg in (fleet_stream_config(self.replicas), telemetry_stream_config(self.replicas)):
+            try:
+                await self.js.stream_info(cfg.name)  # type: ignore[arg-type]
+                await self.js.update_stream(cfg)
+            except nats.js.errors.NotFoundError:
+                try:
+                    await self.js.add_stream(cfg)
+                except nats.js.errors.BadRequestError as exc:
+                    # a concurrent creator won the race
+                    if "already in use" not in str(exc):
+                        raise
+
+    async def last_seq(self, stream: str = STREAM) -> int:
+        info = await self.js.stream_info(stream)
+        return int(info.state.last_seq)
+
+    async def publish(self, env: Envelope, cas: Cas | None = None) -> int:
+        """Publish one event and wait for its ack; returns the stream sequence."""
+        headers = {"Nats-Msg-Id": env.event_id}
+        if cas is not None:
+            headers["Nats-Expected-Last-Subject-Sequence"] = str(cas.last_seq)
+            headers["Nats-Expected-Last-Subject-Sequence-Subject"] = cas.subject
+        try:
+            ack = await self.js.publish(env.subject(), env.to_json(), headers=headers)
+        except nats.js.errors.BadRequestError as exc:
+            if exc.err_code == ERR_WRONG_LAST_SEQ:
+                raise CasConflict(str(exc)) from None
+            raise PermanentError(str(exc)) from None
+        except (nats.errors.TimeoutError, nats.js.errors.NoStreamResponseError, nats.errors.NoRespondersError) as exc:
+            raise RetryableError(f"publish {env.type}: {exc!r}") from None
+        return int(ack.seq)
+
+    async def publish_batch(self, envs: Sequence[Envelope], cas: Cas | None = None) -> list[int]:
+        """Publish events as atomic batches of up to ATOMIC_BATCH_MAX; returns their sequences.
+
+        With `cas`, the first batch is conditional on `cas.last_seq`, and each following batch on
+        the last matching sequence the previous one wrote, so the whole list is one decision.
+        Raises CasConflict when someone else wrote on the guarded subject first.
+        """
+        seqs: list[int] = []
+        guard = cas
+        for start in range(0, len(envs), ATOMIC_BATCH_MAX):
+            chunk = envs[start:start + ATOMIC_BATCH_MAX]
+            chunk_seqs = await self._atomic(chunk, guard)
+            seqs.extend(chunk_seqs)
+            if guard is not None:
+                last = guard.last_seq
+                for env, seq in zip(chunk, chunk_seqs, strict=True):
+                    if subject_matches(guard.subject, env.subject()):
+                        last = seq
+                guard = Cas(guard.subject, last)
+        return seqs
+
+    async def _atomic(self, envs: Sequence[Envelope], cas: Cas | None) -> list[int]:
+        if not envs:
+            return []
+        if len(envs) == 1 and cas is None:
+            return [await self.publish(envs[0])]
+        self._batch_counter += 1
+        batch_id = f"{envs[0].event_id}-{self._batch_counter}"
+        n = len(envs)
+        for i, env in enumerate(envs, 1):
+            headers = {"Nats-Msg-Id": env.event_id, "Nats-Batch-Id": batch_id, "Nats-Batch-Sequence": str(i)}
+            if i == 1 and cas is not None:
+                headers["Nats-Expected-Last-Subject-Sequence"] = str(cas.last_seq)
+                headers["Nats-Expected-Last-Subject-Sequence-Subject"] = cas.subject
+            if i < n:
+                await self.nc.publish(env.subject(), env.to_json(), headers=headers)
+                continue
+            headers["Nats-Batch-Commit"] = "1"
+            try:
+                reply = await self.nc.request(env.subject(), env.to_json(), headers=headers, timeout=PUBLISH_TIMEOUT_S)
+            except (nats.errors.TimeoutError, nats.errors.NoRespondersError) as exc:
+                raise RetryableError(f"atomic batch of {n}: {exc!r}") from None
+            ack = json.loads(reply.data)
+            err = ack.get("error")
+            if err:
+                code = err.get("err_code")
+                if code == ERR_WRONG_LAST_SEQ:
+                    raise CasConflict(err.get("description", "wrong last sequence"))
+                if code == ERR_BATCH_DUP_ID:
+                    # Some of these were written before (a crash between publish and ack):
+                    # fall back to one-by-one, where the server drops the duplicates.
+                    return await self._one_by_one(envs, cas)
+                raise RetryableError(f"atomic batch rejected: {err}")
+            last = int(ack["seq"])
+            return list(range(last - n + 1, last + 1))
+        raise AssertionError("unreachable")
+
+    async def _one_by_one(self, envs: Sequence[Envelope], cas: Cas | None) -> list[int]:
+        seqs = []
+        guard = cas
+        for env in envs:
+            seq = await self.publish(env, guard if guard and subject_matches(guard.subject, env.subject()) else None)
+            seqs.append(seq)
+            if guard is not None and subject_matches(guard.subject, env.subject()):
+                guard = Cas(guard.subject, seq)
+        return seqs
+
+    async def publish_telemetry(self, subject: str, data: bytes) -> None:
+        """Samples: fire-and-forget into FLEET_TELEMETRY (the stream captures core publishes)."""
+        await self.nc.publish(subject, data)
+
+
+async def wait_for(coro: Any, timeout_s: float) -> Any:
+    return await asyncio.wait_for(coro, timeout_s)

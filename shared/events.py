@@ -1,0 +1,430 @@
+"""The contract: one frozen envelope for every message, with a typed payload per event type.
+
+Events are facts in the past tense (`job.placed`); commands (`cmd.submit`) are what a client
+asks, and are kept in the log too. The payload is a discriminated union on `type`; the
+envelope carries the same `type` (a producer may omit `payload.type`).
+
+Subjects (ids in them are validated tokens):
+    fleet.cmd.<tenant>.<verb>                     commands
+    fleet.evt.<tenant>.job.<job_id>.<type>        facts about one job
+    fleet.evt.sys.node.<node_id>.<type>           facts about one node
+    fleet.evt.sys.deadletter.<service>            messages a service could not take
+    fleet.tel.node.<node_id>.<kind>               samples (FLEET_TELEMETRY stream)
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from .ids import check_token
+from .spec import JobSpec
+
+SCHEMA_VERSION = 1
+SYS_TENANT = "sys"
+STREAM = "FLEET"
+TELEMETRY_STREAM = "FLEET_TELEMETRY"
+SUBJECT_ROOT = "fleet"
+
+
+class _Payload(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class _JobPayload(_Payload):
+    job_id: str
+
+    @field_validator("job_id")
+    @classmethod
+    def _job_token(cls, v: str) -> str:
+        return check_token(v, "job_id")
+
+
+class _NodePayload(_Payload):
+    node_id: str
+
+    @field_validator("node_id")
+    @classmethod
+    def _node_token(cls, v: str) -> str:
+        return check_token(v, "node_id")
+
+
+class Reason(_Payload):
+    """Why: a machine-readable code, the field it concerns (if any) and a sentence for people."""
+
+    code: str
+    message: str
+    field: str | None = None
+
+
+# ---------------------------------------------------------------- commands
+
+
+class SubmitRequested(_JobPayload):
+    """A client asks to run a job; the spec is raw so admission can name what is wrong with it."""
+
+    type: Literal["cmd.submit"] = "cmd.submit"
+    spec: dict[str, Any]
+
+
+class CancelRequestedCmd(_JobPayload):
+    """A client asks to cancel a job."""
+
+    type: Literal["cmd.cancel"] = "cmd.cancel"
+    reason: str = "cancelled by user"
+
+
+# ---------------------------------------------------------------- job life cycle
+
+
+class JobSubmitted(_JobPayload):
+    """Admission recorded a well-formed job and its normalised spec."""
+
+    type: Literal["job.submitted"] = "job.submitted"
+    spec: JobSpec
+
+
+class JobAdmitted(_JobPayload):
+    """The job passed validation and tenant policy."""
+
+    type: Literal["job.admitted"] = "job.admitted"
+
+
+class JobRejected(_JobPayload):
+    """The job was refused; every reason names the field or the limit."""
+
+    type: Literal["job.rejected"] = "job.rejected"
+    reasons: tuple[Reason, ...]
+
+
+class JobQueued(_JobPayload):
+    """The job waits for quota in its queue; the reason says which limit."""
+
+    type: Literal["job.queued"] = "job.queued"
+    queue: str
+    reason: Reason | None = None
+
+
+class JobQuotaReserved(_JobPayload):
+    """Quota for all replicas of the job was reserved in its queue."""
+
+    type: Literal["job.quota_reserved"] = "job.quota_reserved"
+    queue: str
+    cpu_milli: int
+    memory_mib: int
+    gpus: int
+
+
+class JobUnschedulable(_JobPayload):
+    """No placement exists now; `filtered` counts the nodes each filter ruled out."""
+
+    type: Literal["job.unschedulable"] = "job.unschedulable"
+    reasons: tuple[Reason, ...]
+    filtered: dict[str, int] = Field(default_factory=dict)
+    nodes_total: int = 0
+
+
+class ReplicaAllocation(_Payload):
+    """Exactly what one replica holds on one node."""
+
+    replica: int
+    node_id: str
+    gpu_indices: tuple[int, ...] = ()
+    cpu_milli: int = 0
+    memory_mib: int = 0
+
+
+class JobPlaced(_JobPayload):
+    """All replicas were given nodes and GPUs, in one compare-and-set decision."""
+
+    type: Literal["job.placed"] = "job.placed"
+    allocations: tuple[ReplicaAllocation, ...]
+    attempt: int = 1
+
+
+class JobStarted(_JobPayload):
+    """The executor started the job's replica on its node."""
+
+    type: Literal["job.started"] = "job.started"
+    node_id: str
+    replica: int = 0
+    driver: str = "sim"
+    attempt: int = 1
+
+
+class JobHeartbeat(_JobPayload):
+    """The job is alive (and how far it got)."""
+
+    type: Literal["job.heartbeat"] = "job.heartbeat"
+    node_id: str
+    progress: float | None = None
+
+
+class JobCheckpointSaved(_JobPayload):
+    """A complete checkpoint was written (manifest with size and checksum)."""
+
+    type: Literal["job.checkpoint_saved"] = "job.checkpoint_saved"
+    uri: str
+    step: int = 0
+    size_bytes: int = 0
+    sha256: str = ""
+
+
+class JobPreemptionRequested(_JobPayload):
+    """Quota asks for the job's resources back; the guardian may checkpoint it first."""
+
+    type: Literal["job.preemption_requested"] = "job.preemption_requested"
+    reason: Reason
+    by_job_id: str | None = None
+    grace_s: float = 30.0
+
+
+class JobPreempted(_JobPayload):
+    """The job was stopped to give its resources to another."""
+
+    type: Literal["job.preempted"] = "job.preempted"
+    reason: Reason
+
+
+class JobCancelRequested(_JobPayload):
+    """Cancellation of a placed or running job was accepted; the executor stops it."""
+
+    type: Literal["job.cancel_requested"] = "job.cancel_requested"
+    reason: str
+    requested_by: str
+
+
+ExitReason = Literal["completed", "error", "cancelled", "preempted", "timeout", "node_lost", "killed"]
+
+
+class JobExited(_JobPayload):
+    """A replica's process ended; its resources are free."""
+
+    type: Literal["job.exited"] = "job.exited"
+    node_id: str
+    replica: int = 0
+    exit_code: int
+    reason: ExitReason = "completed"
+    runtime_s: float = 0.0
+
+
+class JobSucceeded(_JobPayload):
+    """The job ended well."""
+
+    type: Literal["job.succeeded"] = "job.succeeded"
+
+
+class JobFailed(_JobPayload):
+    """The job ended badly and will not be retried."""
+
+    type: Literal["job.failed"] = "job.failed"
+    reason: Reason
+    exit_code: int | None = None
+
+
+class JobCancelled(_JobPayload):
+    """The job was cancelled; it holds nothing any more."""
+
+    type: Literal["job.cancelled"] = "job.cancelled"
+    reason: str
+
+
+class JobResumeRequested(_JobPayload):
+    """The job is to run again, from this checkpoint (or from the start)."""
+
+    type: Literal["job.resume_requested"] = "job.resume_requested"
+    checkpoint_uri: str | None = None
+    reason: Reason
+    lost_work_s: float = 0.0
+
+
+class JobIdleDetected(_JobPayload):
+    """The job's GPUs stayed below the utilisation threshold for `idle_s`."""
+
+    type: Literal["job.idle_detected"] = "job.idle_detected"
+    gpu_util_pct: float
+    idle_s: float
+
+
+# ---------------------------------------------------------------- nodes
+
+
+class GpuDevice(_Payload):
+    """One GPU and where it sits in the node's topology."""
+
+    index: int
+    uuid: str
+    model: str
+    memory_mib: int
+    nvlink_island: int = 0
+    pcie_switch: int = 0
+    numa_node: int = 0
+    mig_enabled: bool = False
+
+
+class NodeInventory(_Payload):
+    cpu_milli: int
+    memory_mib: int
+    gpus: tuple[GpuDevice, ...] = ()
+    numa_nodes: int = 1
+    labels: dict[str, str] = Field(default_factory=dict)
+    driver: str = "sim"
+
+
+class NodeRegistered(_NodePayload):
+    """A node joined (or re-joined) with this inventory."""
+
+    type: Literal["node.registered"] = "node.registered"
+    inventory: NodeInventory
+
+
+class NodeHeartbeat(_NodePayload):
+    """The node's executor is alive (sent to FLEET_TELEMETRY, not the main log)."""
+
+    type: Literal["node.heartbeat"] = "node.heartbeat"
+    running_jobs: tuple[str, ...] = ()
+
+
+class NodeLost(_NodePayload):
+    """Heartbeats stopped past the lease; the node's jobs are gone."""
+
+    type: Literal["node.lost"] = "node.lost"
+    reason: str = "heartbeat lease expired"
+
+
+class NodeCordoned(_NodePayload):
+    """The node takes no new work."""
+
+    type: Literal["node.cordoned"] = "node.cordoned"
+    reason: str
+
+
+class NodeUncordoned(_NodePayload):
+    """The node takes work again."""
+
+    type: Literal["node.uncordoned"] = "node.uncordoned"
+
+
+class NodeGpuUnhealthy(_NodePayload):
+    """A GPU showed ECC / XID errors; it takes no new work."""
+
+    type: Literal["node.gpu_unhealthy"] = "node.gpu_unhealthy"
+    gpu_index: int
+    reason: str
+
+
+class NodeGpuZombieDetected(_NodePayload):
+    """GPU memory held by a process of no running job; the GPU is quarantined."""
+
+    type: Literal["node.gpu_zombie_detected"] = "node.gpu_zombie_detected"
+    gpu_index: int
+    pid: int
+    used_mib: int
+
+
+class DeadLetter(_Payload):
+    """A service could not take a message; it was terminated, and this says why."""
+
+    type: Literal["sys.dead_letter"] = "sys.dead_letter"
+    service: str
+    subject: str
+    stream_seq: int
+    reason: str
+    data_excerpt: str = ""
+
+
+Payload = Annotated[
+    Union[  # noqa: UP007 - a discriminated union reads clearer spelled out
+        SubmitRequested, CancelRequestedCmd,
+        JobSubmitted, JobAdmitted, JobRejected, JobQueued, JobQuotaReserved, JobUnschedulable, JobPlaced,
+        JobStarted, JobHeartbeat, JobCheckpointSaved, JobPreemptionRequested, JobPreempted,
+        JobCancelRequested, JobExited, JobSucceeded, JobFailed, JobCancelled, JobResumeRequested,
+        JobIdleDetected,
+        NodeRegistered, NodeHeartbeat, NodeLost, NodeCordoned, NodeUncordoned, NodeGpuUnhealthy,
+        NodeGpuZombieDetected,
+        DeadLetter,
+    ],
+    Field(discriminator="type"),
+]
+
+PAYLOAD_TYPES: dict[str, type[_Payload]] = {
+    cls.model_fields["type"].default: cls
+    for cls in Payload.__origin__.__args__  # type: ignore[attr-defined]
+}
+EVENT_TYPES: tuple[str, ...] = tuple(PAYLOAD_TYPES)
+TERMINAL_JOB_TYPES = frozenset({"job.succeeded", "job.failed", "job.cancelled", "job.rejected"})
+
+
+class Envelope(BaseModel):
+    """Every message on the bus."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    event_id: str = Field(min_length=26, max_length=26, description="ULID, also sent as Nats-Msg-Id")
+    type: str
+    schema_version: int = SCHEMA_VERSION
+    occurred_at: datetime
+    tenant: str
+    causation_id: str | None = None
+    correlation_id: str | None = None
+    actor: str
+    payload: Payload
+
+    @model_validator(mode="before")
+    @classmethod
+    def _payload_type_from_envelope(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            payload = data.get("payload")
+            if isinstance(payload, dict) and "type" not in payload and isinstance(data.get("type"), str):
+                data = dict(data)
+                data["payload"] = {**payload, "type": data["type"]}
+        return data
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Envelope:
+        if self.payload.type != self.type:
+            raise ValueError(f"type {self.type!r} does not match payload.type {self.payload.type!r}")
+        check_token(self.tenant, "tenant")
+        if self.schema_version > SCHEMA_VERSION:
+            raise ValueError(f"schema_version {self.schema_version} is newer than this code ({SCHEMA_VERSION})")
+        return self
+
+    @property
+    def job_id(self) -> str | None:
+        return getattr(self.payload, "job_id", None)
+
+    @property
+    def node_id(self) -> str | None:
+        return getattr(self.payload, "node_id", None)
+
+    def subject(self) -> str:
+        return subject_for(self.tenant, self.payload)
+
+    def to_json(self) -> bytes:
+        return self.model_dump_json(exclude_none=True).encode()
+
+
+def subject_for(tenant: str, payload: _Payload) -> str:
+    kind = payload.type  # type: ignore[attr-defined]
+    area, _, short = kind.partition(".")
+    if area == "cmd":
+        return f"{SUBJECT_ROOT}.cmd.{tenant}.{short}"
+    if area == "job":
+        return f"{SUBJECT_ROOT}.evt.{tenant}.job.{payload.job_id}.{short}"  # type: ignore[attr-defined]
+    if area == "node":
+        if kind == "node.heartbeat":
+            return f"{SUBJECT_ROOT}.tel.node.{payload.node_id}.heartbeat"  # type: ignore[attr-defined]
+        return f"{SUBJECT_ROOT}.evt.{SYS_TENANT}.node.{payload.node_id}.{short}"  # type: ignore[attr-defined]
+    if kind == "sys.dead_letter":
+        return f"{SUBJECT_ROOT}.evt.{SYS_TENANT}.deadletter.{payload.service}"  # type: ignore[attr-defined]
+    raise ValueError(f"no subject for {kind}")
+
+
+def parse_envelope(data: bytes | str) -> Envelope:
+    return Envelope.model_validate_json(data)
+
+
+def utc(ts: float) -> datetime:
+    return datetime.fromtimestamp(ts, tz=UTC)

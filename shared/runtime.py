@@ -1,0 +1,395 @@
+"""The runtime loop every service runs: fold, then consume in batches, decide, publish, ack.
+
+    durable pull consumer ──fetch(batch)──► evolve ─► decide ─► outputs (evolved at once, so
+    the next decision in the batch sees them) ─► one atomic batch publish (CAS if it takes
+    capacity) ─► ack the inputs
+
+- On start the state is rebuilt by folding the stream (the service's filter subjects) to its
+  head before the first decision. A delivered event the fold already covered is decided but
+  not evolved twice; a service's own outputs coming back are recognised by event id.
+- Output ids derive from the input event id, so re-deciding after a crash re-publishes the
+  same ids and the server drops them; decisions are also idempotent on the folded state.
+- A lost compare-and-set (another writer took the resource) re-folds and decides again.
+- A message that is not valid JSON / not the contract, or that a core cannot handle, is
+  terminated and recorded as a `sys.dead_letter` event with the reason; a message delivered
+  more than MAX_DELIVER times likewise. Publish failures nak the batch with a delay.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Generic, Protocol, TypeVar
+
+import nats
+from nats.aio.msg import Msg
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+from .bus import Bus, Cas, subject_matches
+from .errors import CasConflict, RetryableError
+from .events import STREAM, SYS_TENANT, DeadLetter, Envelope, _Payload, parse_envelope, subject_for, utc
+from .ids import derive_id
+
+log = logging.getLogger(__name__)
+
+S = TypeVar("S")
+MAX_DELIVER = 20
+REDECIDE_MAX = 8
+NAK_DELAY_S = 1.0
+FOLD_BATCH = 2048
+
+
+@dataclass
+class Ctx:
+    """What a pure decision may know about the world: the time, who it is, and what caused it."""
+
+    now: datetime
+    actor: str
+    cause: Envelope | None = None
+    _n: int = 0
+
+    def emit(self, payload: _Payload, tenant: str | None = None, *, key: str | None = None,
+             cause_id: str | None = None, correlation_id: str | None = None) -> Envelope:
+        """An output event with an id derived from its cause (or from `cause_id` + `key`)."""
+        parent = cause_id or (self.cause.event_id if self.cause else None)
+        if key is None:
+            key = str(self._n)
+            self._n += 1
+        if parent is None:
+            event_id = derive_id(f"{self.actor}:{key}", 0, time_ms=int(self.now.timestamp() * 1000))
+        else:
+            event_id = derive_id(parent, key)
+        if tenant is None:
+            tenant = self.cause.tenant if self.cause else SYS_TENANT
+        job_id = getattr(payload, "job_id", None)
+        return Envelope(
+            event_id=event_id,
+            type=payload.type,  # type: ignore[attr-defined]
+            occurred_at=self.now,
+            tenant=tenant,
+            causation_id=parent,
+            correlation_id=correlation_id or job_id or (self.cause.correlation_id if self.cause else None),
+            actor=self.actor,
+            payload=payload,  # type: ignore[arg-type]
+        )
+
+
+class Core(Protocol[S]):
+    """A service's pure core. No I/O, no clock, no randomness: all of that comes in `ctx`."""
+
+    name: str
+    subjects: tuple[str, ...]  # what it folds and decides on
+    cas_subject: str | None  # wildcard subject its capacity decisions are serialised on
+    tick_s: float | None  # how often `tick` runs (None: never)
+
+    def initial_state(self) -> S: ...
+    def evolve(self, state: S, env: Envelope) -> S: ...
+    def decide(self, state: S, env: Envelope, ctx: Ctx) -> list[Envelope]: ...
+    def tick(self, state: S, ctx: Ctx) -> list[Envelope]: ...
+    def on_start(self, state: S, ctx: Ctx) -> list[Envelope]: ...
+
+
+class BaseCore(Generic[S]):
+    """Defaults for the optional parts of a core."""
+
+    name = "core"
+    subjects: tuple[str, ...] = ()
+    cas_subject: str | None = None
+    tick_s: float | None = None
+
+    def decide(self, state: S, env: Envelope, ctx: Ctx) -> list[Envelope]:
+        return []
+
+    def tick(self, state: S, ctx: Ctx) -> list[Envelope]:
+        return []
+
+    def on_start(self, state: S, ctx: Ctx) -> list[Envelope]:
+        return []
+
+
+@dataclass
+class RuntimeStats:
+    consumed: int = 0
+    published: int = 0
+    dead_letters: int = 0
+    cas_conflicts: int = 0
+    refolds: int = 0
+    batches: int = 0
+    last_batch_s: float = 0.0
+
+
+@dataclass
+class ServiceRuntime(Generic[S]):
+    core: Core[S]
+    bus: Bus
+    instance: str = "0"
+    batch: int = 256
+    fetch_timeout_s: float = 0.25
+    clock: Callable[[], float] = time.time
+    state: S = field(init=False)
+    stats: RuntimeStats = field(default_factory=RuntimeStats)
+
+    def __post_init__(self) -> None:
+        self.state = self.core.initial_state()
+        self.applied_seq = 0  # every filtered event <= this is folded into state
+        self.last_cas_seq = 0
+        self._own: set[str] = set()  # ids of our outputs already evolved, not yet seen back
+        self._stop = asyncio.Event()
+        self._next_tick = 0.0
+        self._psub: Any = None
+
+    @property
+    def actor(self) -> str:
+        return f"{self.core.name}/{self.instance}"
+
+    @property
+    def durable(self) -> str:
+        return f"{self.core.name}-{self.instance}" if self.instance != "0" else self.core.name
+
+    def ctx(self, cause: Envelope | None = None) -> Ctx:
+        return Ctx(now=utc(self.clock()), actor=self.actor, cause=cause)
+
+    # ---------------------------------------------------------------- fold
+
+    def _evolve(self, env: Envelope, seq: int) -> None:
+        self.state = self.core.evolve(self.state, env)
+        if self.core.cas_subject and seq > self.last_cas_seq and subject_matches(self.core.cas_subject, env.subject()):
+            self.last_cas_seq = seq
+
+    async def refold(self) -> int:
+        """Rebuild the state from the stream (the core's subjects) up to its head."""
+        self.stats.refolds += 1
+        self.state = self.core.initial_state()
+        self.applied_seq = 0
+        self.last_cas_seq = 0
+        self._own.clear()
+        js = self.bus.js
+        name = f"fold-{self.durable}-{int(self.clock() * 1000)}"
+        cfg = ConsumerConfig(
+            name=name, filter_subjects=list(self.core.subjects), ack_policy=AckPolicy.NONE,
+            deliver_policy=DeliverPolicy.ALL, inactive_threshold=120.0, mem_storage=True,
+        )
+        info = await js.add_consumer(STREAM, cfg)
+        n = 0
+        try:
+            if info.num_pending:
+                psub = await js.pull_subscribe_bind(name, stream=STREAM)
+                try:
+                    done = False
+                    while not done:
+                        try:
+                            msgs = await psub.fetch(FOLD_BATCH, timeout=2.0)
+                        except nats.errors.TimeoutError:
+                            break
+                        for msg in msgs:
+                            md = msg.metadata
+                            seq = md.sequence.stream
+                            try:
+                                env = parse_envelope(msg.data)
+                            except Exception:  # noqa: BLE001 - dead-lettered when consumed
+                                env = None
+                            if env is not None:
+                                try:
+                                    self._evolve(env, seq)
+                                except Exception:
+                                    log.exception("%s: evolve failed on seq %d during fold", self.actor, seq)
+                            self.applied_seq = seq
+                            n += 1
+                            if md.num_pending == 0:
+                                done = True
+                finally:
+                    await psub.unsubscribe()
+        finally:
+            try:
+                await js.delete_consumer(STREAM, name)
+            except Exception:  # noqa: BLE001 - it expires by itself
+                pass
+        log.info("%s folded %d events up to seq %d", self.actor, n, self.applied_seq)
+        return n
+
+    # ---------------------------------------------------------------- consume
+
+    async def start(self) -> None:
+        await self.bus.ensure_streams()
+        await self.refold()
+        cfg = ConsumerConfig(
+            durable_name=self.durable, filter_subjects=list(self.core.subjects),
+            ack_policy=AckPolicy.EXPLICIT, deliver_policy=DeliverPolicy.ALL,
+            max_deliver=MAX_DELIVER + 5, ack_wait=30.0, max_ack_pending=20_000,
+        )
+        try:
+            await self.bus.js.add_consumer(STREAM, cfg)
+        except nats.js.errors.BadRequestError:
+            await self.bus.js.update_consumer(STREAM, cfg)
+        self._psub = await self.bus.js.pull_subscribe_bind(self.durable, stream=STREAM)
+        await self._publish_and_apply(self.core.on_start(self.state, self.ctx()), evolved=False)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    async def run(self) -> None:
+        """Run until `stop()`; call `start()` first."""
+        while not self._stop.is_set():
+            try:
+                await self.step()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - the loop must outlive any one failure
+                log.exception("%s: step failed; continuing", self.actor)
+                await asyncio.sleep(0.5)
+
+    async def step(self) -> int:
+        """Fetch and handle one batch, then tick if due. Returns the number of messages handled."""
+        try:
+            msgs = await self._psub.fetch(self.batch, timeout=self.fetch_timeout_s)
+        except (nats.errors.TimeoutError, asyncio.TimeoutError):
+            msgs = []
+        except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError):
+            await asyncio.sleep(0.2)
+            msgs = []
+        if msgs:
+            await self.handle_batch(msgs)
+        if self.core.tick_s is not None and self.clock() >= self._next_tick:
+            self._next_tick = self.clock() + self.core.tick_s
+            await self._publish_and_apply(self.core.tick(self.state, self.ctx()), evolved=False)
+        return len(msgs)
+
+    def _own_subject(self, subject: str) -> bool:
+        return any(subject_matches(p, subject) for p in self.core.subjects)
+
+    def _dead_letter(self, msg: Msg, reason: str) -> Envelope:
+        md = msg.metadata
+        seq = md.sequence.stream
+        ts_ms = int(md.timestamp.timestamp() * 1000) if md.timestamp else 0
+        self.stats.dead_letters += 1
+        log.warning("%s: dead letter seq %d on %s: %s", self.actor, seq, msg.subject, reason)
+        payload = DeadLetter(
+            service=self.core.name, subject=msg.subject, stream_seq=seq, reason=reason[:2000],
+            data_excerpt=msg.data[:512].decode("utf-8", "replace"),
+        )
+        return Envelope(
+            event_id=derive_id(f"{self.durable}:{seq}", "dead", time_ms=ts_ms), type=payload.type,
+            occurred_at=utc(self.clock()), tenant=SYS_TENANT, actor=self.actor, payload=payload,
+        )
+
+    def _decide_batch(self, msgs: Sequence[Msg]) -> tuple[list[Envelope], list[Msg], list[Msg]]:
+        outputs: list[Envelope] = []
+        good: list[Msg] = []
+        bad: list[Msg] = []
+        for msg in msgs:
+            md = msg.metadata
+            seq = md.sequence.stream
+            try:
+                env = parse_envelope(msg.data)
+            except Exception as exc:  # noqa: BLE001 - any parse failure is a bad message
+                outputs.append(self._dead_letter(msg, f"invalid message: {_short(exc)}"))
+                bad.append(msg)
+                continue
+            if md.num_delivered > MAX_DELIVER:
+                outputs.append(self._dead_letter(msg, f"delivered {md.num_delivered} times"))
+                bad.append(msg)
+                continue
+            try:
+                if env.event_id in self._own:
+                    self._own.discard(env.event_id)
+                elif seq > self.applied_seq:
+                    self._evolve(env, seq)
+                self.applied_seq = max(self.applied_seq, seq)
+                outs = self.core.decide(self.state, env, self.ctx(env))
+                for out in outs:
+                    if self._own_subject(out.subject()):
+                        self.state = self.core.evolve(self.state, out)
+                        self._own.add(out.event_id)
+            except Exception as exc:  # noqa: BLE001 - a core bug must not stop the service
+                log.exception("%s: core failed on seq %d", self.actor, seq)
+                outputs.append(self._dead_letter(msg, f"{type(exc).__name__}: {_short(exc)}"))
+                bad.append(msg)
+                raise _CoreFailed(outputs, good, bad) from exc
+            outputs.extend(outs)
+            good.append(msg)
+        return outputs, good, bad
+
+    async def handle_batch(self, msgs: Sequence[Msg]) -> None:
+        t0 = time.perf_counter()
+        for _attempt in range(REDECIDE_MAX):
+            try:
+                outputs, good, bad = self._decide_batch(msgs)
+            except _CoreFailed as failed:
+                # Publish what was decided before the failure plus the dead letter; the rest of
+                # the batch is redelivered (nak) after a re-fold, since the state may be torn.
+                await self._commit(failed.outputs, failed.good, failed.bad)
+                rest = msgs[len(failed.good) + len(failed.bad):]
+                for m in rest:
+                    await m.nak(delay=0.05)
+                await self.refold()
+                return
+            try:
+                await self._commit(outputs, good, bad)
+            except CasConflict:
+                self.stats.cas_conflicts += 1
+                await self.refold()
+                continue
+            except RetryableError as exc:
+                log.warning("%s: publish failed (%s); will retry the batch", self.actor, exc)
+                for m in msgs:
+                    await m.nak(delay=NAK_DELAY_S)
+                await self.refold()
+                return
+            self.stats.batches += 1
+            self.stats.consumed += len(msgs)
+            self.stats.last_batch_s = time.perf_counter() - t0
+            return
+        for m in msgs:
+            await m.nak(delay=NAK_DELAY_S)
+
+    async def _commit(self, outputs: list[Envelope], good: Sequence[Msg], bad: Sequence[Msg]) -> None:
+        if outputs:
+            cas = None
+            if self.core.cas_subject and any(subject_matches(self.core.cas_subject, o.subject()) for o in outputs):
+                cas = Cas(self.core.cas_subject, self.last_cas_seq)
+            main = [o for o in outputs if not o.subject().startswith("fleet.tel.")]
+            seqs = await self.bus.publish_batch(main, cas=cas)
+            self.stats.published += len(main)
+            for o, seq in zip(main, seqs, strict=True):
+                if cas is not None and subject_matches(cas.subject, o.subject()):
+                    self.last_cas_seq = max(self.last_cas_seq, seq)
+            for o in outputs:
+                if o.subject().startswith("fleet.tel."):
+                    await self.bus.publish_telemetry(o.subject(), o.to_json())
+        for m in good:
+            await m.ack()
+        for m in bad:
+            await m.term()
+
+    async def _publish_and_apply(self, outputs: list[Envelope], evolved: bool) -> None:
+        """Outputs not caused by a consumed message (start-up, ticks)."""
+        if not outputs:
+            return
+        if not evolved:
+            for out in outputs:
+                if self._own_subject(out.subject()):
+                    self.state = self.core.evolve(self.state, out)
+                    self._own.add(out.event_id)
+        try:
+            await self._commit(outputs, (), ())
+        except (CasConflict, RetryableError) as exc:
+            log.warning("%s: publish of %d outputs failed (%s); re-folding", self.actor, len(outputs), exc)
+            await self.refold()
+
+
+class _CoreFailed(Exception):
+    def __init__(self, outputs: list[Envelope], good: list[Msg], bad: list[Msg]) -> None:
+        super().__init__("core failed")
+        self.outputs, self.good, self.bad = outputs, good, bad
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc)
+    return text if len(text) < 1500 else text[:1500] + "..."
+
+
+__all__ = ["BaseCore", "Core", "Ctx", "ServiceRuntime", "subject_for"]

@@ -1,0 +1,68 @@
+"""The shell every service runs as a process: `python -m gpufleet.services.<name>`.
+
+It finds NATS (flag, GPUFLEET_NATS_URL, or the running mesh's data dir), builds the core,
+starts the runtime (fold, durable consumer) and runs until SIGTERM / SIGINT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+from collections.abc import Callable
+from typing import Any
+
+from .bus import Bus
+from .config import resolve_nats_url
+from .runtime import Core, ServiceRuntime
+
+log = logging.getLogger(__name__)
+
+
+def base_parser(name: str) -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog=f"python -m gpufleet.services.{name}", description=f"gpufleet {name} service")
+    ap.add_argument("--nats-url", default=None, help="NATS URL (default: GPUFLEET_NATS_URL or the mesh in --data-dir)")
+    ap.add_argument("--data-dir", default=None, help="the mesh's data dir (default: GPUFLEET_DATA_DIR)")
+    ap.add_argument("--instance", default=os.environ.get("GPUFLEET_INSTANCE", "0"),
+                    help="replica name; each replica has its own durable consumer")
+    ap.add_argument("--batch", type=int, default=256, help="messages per fetch")
+    ap.add_argument("--log-level", default=os.environ.get("GPUFLEET_LOG_LEVEL", "INFO"))
+    return ap
+
+
+async def run_core(core: Core[Any], nats_url: str, instance: str = "0", batch: int = 256,
+                   ready: Callable[[ServiceRuntime[Any]], None] | None = None) -> None:
+    bus = await Bus.connect(nats_url, name=f"gpufleet-{core.name}-{instance}")
+    rt: ServiceRuntime[Any] = ServiceRuntime(core, bus, instance=instance, batch=batch)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, rt.stop)
+        except (NotImplementedError, RuntimeError):
+            pass
+    try:
+        await rt.start()
+        log.info("%s ready (folded to seq %d)", rt.actor, rt.applied_seq)
+        if ready:
+            ready(rt)
+        await rt.run()
+    finally:
+        await bus.close()
+        log.info("%s stopped: %s", rt.actor, rt.stats)
+
+
+def serve(name: str, make_core: Callable[[argparse.Namespace], Core[Any]],
+          parser: argparse.ArgumentParser | None = None, argv: list[str] | None = None) -> None:
+    ap = parser or base_parser(name)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s {name} %(levelname)s %(message)s")
+    url = args.nats_url or resolve_nats_url(args.data_dir)
+    core = make_core(args)
+    try:
+        import uvloop
+        uvloop.install()
+    except ImportError:  # pragma: no cover - uvloop is a dependency; plain asyncio still works
+        pass
+    asyncio.run(run_core(core, url, args.instance, args.batch))

@@ -1,0 +1,262 @@
+"""The job spec: YAML in Kubernetes conventions, validated into a frozen model.
+
+    name: resnet50
+    tenant: acme
+    queue: default
+    type: training
+    priority: 100
+    replicas: 1            # > 1 is a gang: all replicas or none
+    resources:             # per replica
+      cpu: 8               # or "500m"
+      memory: 64Gi
+      gpu: 8
+      gpuModel: H100       # or gpuModels: [H100, A100]
+      gpuMemory: 80Gi      # per GPU, at least
+    maxRuntime: 2h
+    checkpoint: {path: /ckpt/resnet50, interval: 30m}
+    sim: {duration: 20s, exitCode: 0}   # for the sim driver
+
+Every error names the field (`resources.gpu: must be >= 0`).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from .errors import SpecError
+from .ids import check_token
+
+JobType = Literal["training", "finetune", "batch", "inference", "interactive"]
+JOB_TYPES: tuple[str, ...] = ("training", "finetune", "batch", "inference", "interactive")
+
+_MEM_UNITS = {
+    "": 1 / (1024 * 1024), "k": 1000 / 1048576, "M": 1e6 / 1048576, "G": 1e9 / 1048576, "T": 1e12 / 1048576,
+    "Ki": 1 / 1024, "Mi": 1.0, "Gi": 1024.0, "Ti": 1024.0 * 1024,
+}
+_MEM_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*(Ki|Mi|Gi|Ti|k|M|G|T)?\s*$")
+_CPU_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*(m)?\s*$")
+_DUR_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*(ms|s|m|h|d)?\s*$")
+_DUR_UNITS = {"ms": 0.001, "s": 1.0, "": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def parse_cpu_milli(value: Any) -> int:
+    """'500m' -> 500, 2 -> 2000, '1.5' -> 1500."""
+    if isinstance(value, bool):
+        raise ValueError("must be a CPU quantity such as 2 or '500m', not a boolean")
+    if isinstance(value, int | float):
+        text = repr(value)
+    elif isinstance(value, str):
+        text = value
+    else:
+        raise ValueError(f"must be a CPU quantity such as 2 or '500m', got {type(value).__name__}")
+    m = _CPU_RE.match(text)
+    if not m:
+        raise ValueError(f"must be a CPU quantity such as 2 or '500m', got {value!r}")
+    number = float(m.group(1))
+    milli = number if m.group(2) else number * 1000
+    if milli != int(milli):
+        raise ValueError(f"finer than 1m: {value!r}")
+    return int(milli)
+
+
+def parse_memory_mib(value: Any) -> int:
+    """'128Gi' -> 131072 (MiB). A bare number is bytes, as in Kubernetes."""
+    if isinstance(value, bool):
+        raise ValueError("must be a memory quantity such as '128Gi', not a boolean")
+    if isinstance(value, int | float):
+        text = repr(value)
+    elif isinstance(value, str):
+        text = value
+    else:
+        raise ValueError(f"must be a memory quantity such as '128Gi', got {type(value).__name__}")
+    m = _MEM_RE.match(text)
+    if not m:
+        raise ValueError(f"must be a memory quantity such as '512Mi' or '128Gi', got {value!r}")
+    mib = float(m.group(1)) * _MEM_UNITS[m.group(2) or ""]
+    return int(-(-mib // 1))  # round up: never under-reserve
+
+
+def parse_duration_s(value: Any) -> float:
+    """'90s', '30m', '2h', '1d' or a number of seconds."""
+    if isinstance(value, bool):
+        raise ValueError("must be a duration such as '30m', not a boolean")
+    if isinstance(value, int | float):
+        seconds = float(value)
+    elif isinstance(value, str):
+        m = _DUR_RE.match(value)
+        if not m:
+            raise ValueError(f"must be a duration such as '90s', '30m' or '2h', got {value!r}")
+        seconds = float(m.group(1)) * _DUR_UNITS[m.group(2) or ""]
+    else:
+        raise ValueError(f"must be a duration such as '30m', got {type(value).__name__}")
+    if seconds < 0:
+        raise ValueError("must not be negative")
+    return seconds
+
+
+def _canonical_to_quantities(data: dict[str, Any]) -> dict[str, Any]:
+    """Accept the canonical wire names (cpu_milli, memory_mib, ...) as the quantities they are."""
+    if not any(k in data for k in ("cpu_milli", "memory_mib", "gpu_memory_mib")):
+        return data
+    data = dict(data)
+    for name, unit in (("cpu_milli", "m"), ("memory_mib", "Mi"), ("gpu_memory_mib", "Mi")):
+        if name in data and isinstance(data[name], int) and not isinstance(data[name], bool):
+            data[name] = f"{data[name]}{unit}"
+    return data
+
+
+CpuMilli = Annotated[int, BeforeValidator(parse_cpu_milli)]
+MemoryMiB = Annotated[int, BeforeValidator(parse_memory_mib)]
+DurationS = Annotated[float, BeforeValidator(parse_duration_s)]
+
+
+def _token(field: str) -> BeforeValidator:
+    return BeforeValidator(lambda v: check_token(v, field))
+
+
+class _Spec(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True, strict=False)
+
+
+class Resources(_Spec):
+    """Per replica."""
+
+    cpu_milli: CpuMilli = Field(default=1000, alias="cpu", ge=0)
+    memory_mib: MemoryMiB = Field(default=1024, alias="memory", ge=0)
+    gpu: int = Field(default=0, ge=0, le=1024)
+    gpu_models: tuple[str, ...] = Field(default=(), alias="gpuModels")
+    gpu_memory_mib: MemoryMiB = Field(default=0, alias="gpuMemory", ge=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_model(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            data = _canonical_to_quantities(data)
+        if isinstance(data, dict) and "gpuModel" in data:
+            data = dict(data)
+            model = data.pop("gpuModel")
+            if "gpuModels" in data or "gpu_models" in data:
+                raise ValueError("give gpuModel or gpuModels, not both")
+            data["gpuModels"] = [model] if isinstance(model, str) else model
+        return data
+
+    @field_validator("gpu", mode="before")
+    @classmethod
+    def _whole_gpus(cls, v: Any) -> Any:
+        if isinstance(v, bool) or (isinstance(v, float) and v != int(v)):
+            raise ValueError("must be a whole number of GPUs (fractional GPUs need a sharing mode)")
+        if isinstance(v, str):
+            raise ValueError("must be a whole number of GPUs, not a string")
+        return v
+
+    @model_validator(mode="after")
+    def _models_need_gpus(self) -> Resources:
+        if (self.gpu_models or self.gpu_memory_mib) and self.gpu == 0:
+            raise ValueError("gpuModel / gpuMemory given but gpu is 0")
+        return self
+
+
+class CheckpointSpec(_Spec):
+    path: str | None = None
+    interval_s: DurationS = Field(default=1800.0, alias="interval")
+    keep: int = Field(default=3, ge=1, le=1000)
+
+
+class SimSpec(_Spec):
+    """How the sim driver plays the job: how long it runs and how it ends."""
+
+    duration_s: DurationS = Field(default=10.0, alias="duration")
+    exit_code: int = Field(default=0, alias="exitCode", ge=0, le=255)
+
+
+class JobSpec(_Spec):
+    name: Annotated[str, _token("name")]
+    tenant: Annotated[str, _token("tenant")]
+    queue: Annotated[str, _token("queue")] = "default"
+    type: JobType = "batch"
+    priority: int = Field(default=0, ge=-1_000_000, le=1_000_000)
+    replicas: int = Field(default=1, ge=1, le=4096)
+    resources: Resources = Resources()
+    max_runtime_s: DurationS = Field(default=86400.0, alias="maxRuntime", gt=0)
+    image: str | None = Field(default=None, max_length=512)
+    command: tuple[str, ...] = Field(default=(), max_length=256)
+    env: dict[str, str] = Field(default_factory=dict)
+    checkpoint: CheckpointSpec | None = None
+    sim: SimSpec = SimSpec()
+
+    @field_validator("replicas", "priority", mode="before")
+    @classmethod
+    def _ints(cls, v: Any) -> Any:
+        if isinstance(v, bool) or isinstance(v, str) or (isinstance(v, float) and v != int(v)):
+            raise ValueError("must be a whole number")
+        return v
+
+    @field_validator("tenant")
+    @classmethod
+    def _not_sys(cls, v: str) -> str:
+        if v == "sys":
+            raise ValueError("'sys' is reserved for cluster events")
+        return v
+
+    @property
+    def gpus_total(self) -> int:
+        return self.resources.gpu * self.replicas
+
+
+def _field_path(loc: tuple[int | str, ...]) -> str:
+    aliases = {
+        "cpu_milli": "cpu", "memory_mib": "memory", "gpu_models": "gpuModels", "gpu_memory_mib": "gpuMemory",
+        "max_runtime_s": "maxRuntime", "interval_s": "interval", "duration_s": "duration", "exit_code": "exitCode",
+    }
+    parts = [str(aliases.get(str(p), p)) for p in loc if not str(p).startswith("function-")]
+    return ".".join(parts) or "spec"
+
+
+def spec_error_from(exc: ValidationError) -> SpecError:
+    """The first validation error as a SpecError naming the field; all of them in the reason."""
+    errs = exc.errors()
+    first = errs[0]
+    field = _field_path(tuple(first["loc"]))
+    reasons = []
+    for e in errs:
+        msg = str(e["msg"]).removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown field"
+        reasons.append(f"{_field_path(tuple(e['loc']))}: {msg}")
+    err = SpecError(field, "; ".join(reasons))
+    return err
+
+
+def parse_spec(data: Any) -> JobSpec:
+    """Validate a mapping into a JobSpec, or raise SpecError naming the field."""
+    if not isinstance(data, dict):
+        raise SpecError("spec", f"must be a mapping, got {type(data).__name__}")
+    try:
+        return JobSpec.model_validate(data)
+    except ValidationError as exc:
+        raise spec_error_from(exc) from None
+
+
+def load_spec_yaml(text: str) -> JobSpec:
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise SpecError("spec", f"not valid YAML: {exc}") from None
+    return parse_spec(data)
+
+
+def spec_to_wire(spec: JobSpec) -> dict[str, Any]:
+    """The canonical JSON form (aliases, quantities normalised to milli-CPU / MiB / seconds)."""
+    return spec.model_dump(mode="json", by_alias=False)

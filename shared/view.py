@@ -1,0 +1,193 @@
+"""The cluster view: jobs and nodes as a pure fold of the log.
+
+The PostgreSQL read model and `gpufleet replay` both use this fold, so the state rebuilt from
+the log and the live read model are the same by construction (and a test checks it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .events import Envelope
+
+# The documented job statuses, in life-cycle order.
+JOB_STATUSES: tuple[str, ...] = (
+    "submitted", "admitted", "queued", "reserved", "placed", "running",
+    "succeeded", "failed", "cancelled", "preempted", "rejected",
+)
+TERMINAL_STATUSES = frozenset({"succeeded", "failed", "cancelled", "rejected"})
+NODE_STATUSES: tuple[str, ...] = ("ready", "cordoned", "lost")
+
+
+_LATE_AFTER_END = frozenset({
+    "job.submitted", "job.admitted", "job.queued", "job.quota_reserved", "job.unschedulable", "job.placed",
+    "job.started", "job.cancel_requested", "job.resume_requested",
+})
+
+
+@dataclass
+class JobRow:
+    job_id: str
+    tenant: str
+    queue: str = "default"
+    name: str = ""
+    type: str = ""
+    status: str = "submitted"
+    reason: str = ""
+    priority: int = 0
+    replicas: int = 1
+    gpus: int = 0
+    node_ids: list[str] = field(default_factory=list)
+    submitted_at: str = ""
+    updated_at: str = ""
+    last_seq: int = 0
+
+
+@dataclass
+class NodeRow:
+    node_id: str
+    status: str = "ready"
+    gpu_model: str = ""
+    gpus_total: int = 0
+    gpus_allocated: int = 0
+    cpu_milli: int = 0
+    memory_mib: int = 0
+    running_jobs: list[str] = field(default_factory=list)
+    last_seq: int = 0
+
+
+@dataclass
+class ClusterView:
+    seq: int = 0
+    jobs: dict[str, JobRow] = field(default_factory=dict)
+    nodes: dict[str, NodeRow] = field(default_factory=dict)
+    # job_id -> {node_id: gpus held there}
+    allocations: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "seq": self.seq,
+            "jobs": [asdict(self.jobs[k]) for k in sorted(self.jobs)],
+            "nodes": [asdict(self.nodes[k]) for k in sorted(self.nodes)],
+        }
+
+
+def _release(view: ClusterView, job_id: str, seq: int, touched: set[str]) -> None:
+    for node_id, gpus in view.allocations.pop(job_id, {}).items():
+        node = view.nodes.get(node_id)
+        if node is not None:
+            node.gpus_allocated = max(0, node.gpus_allocated - gpus)
+            if job_id in node.running_jobs:
+                node.running_jobs.remove(job_id)
+            node.last_seq = seq
+            touched.add(node_id)
+
+
+def apply(view: ClusterView, env: Envelope, seq: int) -> tuple[set[str], set[str]]:
+    """Fold one event into the view; return the (job ids, node ids) whose rows changed."""
+    view.seq = max(view.seq, seq)
+    jobs_touched: set[str] = set()
+    nodes_touched: set[str] = set()
+    p = env.payload
+    at = env.occurred_at.isoformat()
+    t = env.type
+    if t.startswith("node."):
+        node_id = p.node_id  # type: ignore[union-attr]
+        node = view.nodes.get(node_id)
+        if t == "node.registered":
+            inv = p.inventory  # type: ignore[union-attr]
+            models = sorted({g.model for g in inv.gpus})
+            if node is None:
+                node = view.nodes[node_id] = NodeRow(node_id=node_id)
+            node.status = "ready"
+            node.gpu_model = ",".join(models)
+            node.gpus_total = len(inv.gpus)
+            node.cpu_milli = inv.cpu_milli
+            node.memory_mib = inv.memory_mib
+        elif node is None:
+            return jobs_touched, nodes_touched
+        elif t == "node.lost":
+            node.status = "lost"
+        elif t == "node.cordoned":
+            node.status = "cordoned"
+        elif t == "node.uncordoned":
+            node.status = "ready"
+        else:
+            return jobs_touched, nodes_touched
+        node.last_seq = seq
+        nodes_touched.add(node_id)
+        return jobs_touched, nodes_touched
+    job_id = env.job_id
+    if job_id is None:
+        return jobs_touched, nodes_touched
+    job = view.jobs.get(job_id)
+    if t == "cmd.submit":
+        return jobs_touched, nodes_touched
+    if job is None:
+        if t not in ("job.submitted", "job.rejected"):
+            return jobs_touched, nodes_touched
+        job = view.jobs[job_id] = JobRow(job_id=job_id, tenant=env.tenant, submitted_at=at)
+    if job.status in TERMINAL_STATUSES and t in _LATE_AFTER_END:
+        return jobs_touched, nodes_touched  # a decision that raced the job's end changes nothing
+    if t == "job.submitted":
+        spec = p.spec  # type: ignore[union-attr]
+        job.queue, job.name, job.type = spec.queue, spec.name, spec.type
+        job.priority, job.replicas, job.gpus = spec.priority, spec.replicas, spec.gpus_total
+        job.status = "submitted"
+    elif t == "job.admitted":
+        job.status, job.reason = "admitted", ""
+    elif t == "job.rejected":
+        job.status = "rejected"
+        job.reason = "; ".join(r.message for r in p.reasons)  # type: ignore[union-attr]
+    elif t == "job.queued":
+        job.status = "queued"
+        job.reason = p.reason.message if p.reason else ""  # type: ignore[union-attr]
+    elif t == "job.quota_reserved":
+        job.status, job.reason = "reserved", "waiting for placement"
+    elif t == "job.unschedulable":
+        job.reason = "; ".join(r.message for r in p.reasons)  # type: ignore[union-attr]
+    elif t == "job.placed":
+        job.status, job.reason = "placed", ""
+        held: dict[str, int] = {}
+        for a in p.allocations:  # type: ignore[union-attr]
+            held[a.node_id] = held.get(a.node_id, 0) + len(a.gpu_indices)
+        _release(view, job_id, seq, nodes_touched)
+        view.allocations[job_id] = held
+        job.node_ids = sorted(held)
+        for node_id, gpus in held.items():
+            node = view.nodes.get(node_id)
+            if node is not None:
+                node.gpus_allocated += gpus
+                node.running_jobs.append(job_id)
+                node.last_seq = seq
+                nodes_touched.add(node_id)
+    elif t == "job.started":
+        if job.status not in TERMINAL_STATUSES:
+            job.status = "running"
+    elif t == "job.exited":
+        _release(view, job_id, seq, nodes_touched)
+        if job.status not in TERMINAL_STATUSES:
+            job.reason = f"exited {p.exit_code} ({p.reason})"  # type: ignore[union-attr]
+    elif t == "job.succeeded":
+        job.status, job.reason = "succeeded", ""
+        _release(view, job_id, seq, nodes_touched)
+    elif t == "job.failed":
+        job.status, job.reason = "failed", p.reason.message  # type: ignore[union-attr]
+        _release(view, job_id, seq, nodes_touched)
+    elif t == "job.cancelled":
+        job.status, job.reason = "cancelled", p.reason  # type: ignore[union-attr]
+        _release(view, job_id, seq, nodes_touched)
+    elif t == "job.preempted":
+        job.status, job.reason = "preempted", p.reason.message  # type: ignore[union-attr]
+        _release(view, job_id, seq, nodes_touched)
+    elif t == "job.cancel_requested":
+        job.reason = f"cancelling: {p.reason}"  # type: ignore[union-attr]
+    elif t == "job.resume_requested":
+        job.status, job.reason = "queued", p.reason.message  # type: ignore[union-attr]
+    else:
+        return jobs_touched, nodes_touched
+    job.updated_at = at
+    job.last_seq = seq
+    jobs_touched.add(job_id)
+    return jobs_touched, nodes_touched

