@@ -1,0 +1,131 @@
+"""`gpufleet bench e2e`: the sustained submit -> placed rate of the whole mesh, and its latency.
+
+A fresh embedded mesh (nats-server, the services as separate processes, optionally the
+PostgreSQL read model) with N simulated nodes; M jobs are submitted as fast as the mesh takes
+them (atomic batches of commands); a core-NATS subscription on `fleet.evt.*.job.*.placed`
+timestamps every placement.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from gpufleet.sdk import new_job_id, submit_envelope
+from gpufleet.shared.bus import Bus
+
+SUBMIT_BATCH = 500
+GPU_MIX = (1, 1, 1, 2)  # per job, cycled: 1.25 GPUs on average
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+async def _wait_nodes(bus: Bus, n: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        info = await bus.js.stream_info("FLEET", subjects_filter="fleet.evt.sys.node.*.registered")
+        registered = len(info.state.subjects or {})
+        if registered >= n:
+            placer = await bus.js.consumer_info("FLEET", "placer")
+            if placer.num_pending == 0 and placer.num_ack_pending == 0:
+                return
+        await asyncio.sleep(0.2)
+    raise TimeoutError(f"{n} nodes not registered and folded by the placer in {timeout_s}s")
+
+
+async def _drive(nats_url: str, sim_nodes: int, jobs: int, progress: Callable[[str], None] | None) -> dict[str, Any]:
+    bus = await Bus.connect(nats_url, name="bench")
+    await _wait_nodes(bus, sim_nodes, timeout_s=180)
+    placed_at: dict[str, float] = {}
+    unschedulable: set[str] = set()
+
+    async def on_msg(msg: Any) -> None:
+        job_id = msg.subject.split(".")[4]
+        if msg.subject.endswith(".placed"):
+            placed_at.setdefault(job_id, time.perf_counter())
+        else:
+            unschedulable.add(job_id)
+
+    sub = await bus.nc.subscribe("fleet.evt.*.job.*.placed", cb=on_msg)
+    sub2 = await bus.nc.subscribe("fleet.evt.*.job.*.unschedulable", cb=on_msg)
+    envs = []
+    for i in range(jobs):
+        spec = {
+            "name": f"bench-{i}", "tenant": f"team{i % 4}", "type": "batch",
+            "resources": {"cpu": 1, "memory": "4Gi", "gpu": GPU_MIX[i % len(GPU_MIX)]},
+            "sim": {"duration": "1h"},
+        }
+        envs.append(submit_envelope(spec, new_job_id(), actor="bench"))
+    submitted_at: dict[str, float] = {}
+    t0 = time.perf_counter()
+    last_report = t0
+    for start in range(0, jobs, SUBMIT_BATCH):
+        chunk = envs[start:start + SUBMIT_BATCH]
+        now = time.perf_counter()
+        for e in chunk:
+            submitted_at[e.payload.job_id] = now  # type: ignore[union-attr]
+        await bus.publish_batch(chunk)
+        if progress and now - last_report > 2:
+            last_report = now
+            progress(f"submitted {start + len(chunk)}/{jobs}, placed {len(placed_at)}")
+    t_submitted = time.perf_counter()
+    idle_deadline = time.monotonic() + 60
+    seen = -1
+    while len(placed_at) + len(unschedulable) < jobs and time.monotonic() < idle_deadline:
+        await asyncio.sleep(0.25)
+        if len(placed_at) != seen:
+            seen = len(placed_at)
+            idle_deadline = time.monotonic() + 60
+            if progress and time.perf_counter() - last_report > 2:
+                last_report = time.perf_counter()
+                progress(f"placed {seen}/{jobs}")
+    await sub.unsubscribe()
+    await sub2.unsubscribe()
+    await bus.close()
+    lat = [placed_at[j] - submitted_at[j] for j in placed_at if j in submitted_at]
+    t_last = max(placed_at.values()) if placed_at else t0
+    span = t_last - t0
+    return {
+        "sim_nodes": sim_nodes,
+        "jobs": jobs,
+        "placed": len(placed_at),
+        "unschedulable": len(unschedulable - set(placed_at)),
+        "submit_rate_jobs_s": round(jobs / max(1e-9, t_submitted - t0), 1),
+        "placed_rate_jobs_s": round(len(placed_at) / max(1e-9, span), 1),
+        "latency_p50_ms": round(_pct(lat, 0.50) * 1000, 1),
+        "latency_p99_ms": round(_pct(lat, 0.99) * 1000, 1),
+        "latency_mean_ms": round(statistics.fmean(lat) * 1000, 1) if lat else None,
+        "wall_s": round(span, 2),
+        "cpus": os.cpu_count(),
+    }
+
+
+def run_e2e(sim_nodes: int = 5000, jobs: int = 20000, postgres: bool = True,
+            progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    from gpufleet.mesh import MeshOptions, Supervisor, wait_services_ready
+
+    with tempfile.TemporaryDirectory(prefix="gpufleet-bench-") as tmp:
+        sup = Supervisor(MeshOptions(Path(tmp), sim_nodes=sim_nodes, postgres=postgres, log_level="WARNING"))
+        try:
+            sup.start_infra()
+            sup.start_services()
+            wait_services_ready(sup.nats_url, timeout_s=120)
+            if progress:
+                progress(f"mesh up with {sim_nodes} sim nodes; registering")
+            result = asyncio.run(_drive(sup.nats_url, sim_nodes, jobs, progress))
+            result["postgres"] = postgres
+            result["service_restarts"] = sum(c.restarts for c in sup.children.values())
+            return result
+        finally:
+            sup.stop_all()

@@ -1,0 +1,342 @@
+"""The `gpufleet` command line. Every client command finds the mesh through --data-dir
+(or GPUFLEET_DATA_DIR, default ~/.gpufleet); commands that scripts use take --json."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import typer
+import yaml
+
+from gpufleet.shared.config import data_dir as resolve_data_dir
+from gpufleet.shared.config import read_mesh
+from gpufleet.shared.errors import GpufleetError, SpecError
+from gpufleet.shared.events import TERMINAL_JOB_TYPES, Envelope
+from gpufleet.shared.spec import load_spec_yaml
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="gpufleet: a control plane for GPU clusters, on one event log.")
+schema_app = typer.Typer(no_args_is_help=True, help="The message contract (JSON Schema, AsyncAPI).")
+bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks; figures go to docs/benchmarks.md.")
+app.add_typer(schema_app, name="schema")
+app.add_typer(bench_app, name="bench")
+
+T = TypeVar("T")
+DataDir = Annotated[str | None, typer.Option("--data-dir", envvar="GPUFLEET_DATA_DIR", help="the mesh's data dir")]
+JsonOut = Annotated[bool, typer.Option("--json", help="machine-readable output")]
+
+
+def _run(coro: Awaitable[T]) -> T:
+    try:
+        return asyncio.run(coro)  # type: ignore[arg-type]
+    except GpufleetError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+
+
+def _print_json(obj: Any) -> None:
+    typer.echo(json.dumps(obj, indent=None, default=str))
+
+
+async def _with_fleet(data_dir: str | None, fn: Callable[[Any], Awaitable[T]]) -> T:
+    from gpufleet.sdk import Fleet
+
+    fleet = await Fleet.connect(data_dir=data_dir)
+    try:
+        return await fn(fleet)
+    finally:
+        await fleet.close()
+
+
+# ------------------------------------------------------------------ the mesh
+
+
+@app.command()
+def up(
+    data_dir: DataDir = None,
+    detach: Annotated[bool, typer.Option("--detach", "-d", help="run in the background")] = False,
+    sim_nodes: Annotated[int, typer.Option(help="simulated nodes")] = 16,
+    nats_port: Annotated[int, typer.Option(help="0: a free port")] = 0,
+    pg_port: Annotated[int, typer.Option(help="0: a free port")] = 0,
+    postgres: Annotated[bool, typer.Option(help="run the PostgreSQL read model")] = True,
+) -> None:
+    """Start nats-server, PostgreSQL, the eight services and N simulated nodes."""
+    from gpufleet.mesh import MeshOptions, Supervisor, running_supervisor, up_detached
+
+    ddir = resolve_data_dir(data_dir)
+    running = running_supervisor(ddir)
+    if running:
+        typer.echo(f"already running in {ddir} (supervisor pid {running['supervisor_pid']}, NATS {running['nats_url']})", err=True)
+        raise typer.Exit(1)
+    opts = MeshOptions(ddir, sim_nodes, nats_port, pg_port, postgres)
+    if detach:
+        doc = up_detached(opts)
+        typer.echo(f"gpufleet running in {ddir}: NATS {doc['nats_url']}, PostgreSQL {doc['pg_dsn'] or '-'}, "
+                   f"{sim_nodes} sim nodes")
+        return
+
+    def ready(sup: Supervisor) -> None:
+        typer.echo(f"gpufleet running in {ddir}: NATS {sup.nats_url}, PostgreSQL {sup.pg_dsn or '-'}, "
+                   f"{sim_nodes} sim nodes. Ctrl-C stops it.")
+
+    Supervisor(opts).run(on_ready=ready)
+
+
+@app.command()
+def down(data_dir: DataDir = None) -> None:
+    """Stop the mesh of this data dir."""
+    from gpufleet.mesh import down as mesh_down
+
+    ddir = resolve_data_dir(data_dir)
+    if not mesh_down(ddir):
+        typer.echo(f"no mesh running in {ddir}", err=True)
+        raise typer.Exit(1)
+    typer.echo(f"stopped the mesh in {ddir}")
+
+
+@app.command()
+def status(data_dir: DataDir = None, as_json: JsonOut = False) -> None:
+    """Each part of the mesh: alive or not, with its pid; the stream's size."""
+    from gpufleet.mesh import running_supervisor
+    from gpufleet.shared.procs import pid_alive
+
+    ddir = resolve_data_dir(data_dir)
+    doc = running_supervisor(ddir)
+    if doc is None:
+        out: dict[str, Any] = {"running": False, "data_dir": str(ddir), "parts": {}}
+    else:
+        parts = {
+            name: {"pid": p.get("pid"), "alive": bool(p.get("pid")) and pid_alive(int(p["pid"])),
+                   "restarts": p.get("restarts", 0)}
+            for name, p in doc.get("parts", {}).items()
+        }
+        out = {"running": True, "state": doc.get("state"), "data_dir": str(ddir), "nats_url": doc["nats_url"],
+               "pg_dsn": doc.get("pg_dsn"), "parts": parts}
+        try:
+            out["stream_seq"] = _run(_with_fleet(str(ddir), lambda f: f.bus.last_seq()))
+        except Exception as exc:  # noqa: BLE001 - report, do not fail
+            out["stream_error"] = str(exc)
+    if as_json:
+        _print_json(out)
+        return
+    if not out["running"]:
+        typer.echo(f"not running ({ddir})")
+        raise typer.Exit(1)
+    typer.echo(f"running in {ddir}  NATS {out['nats_url']}  log seq {out.get('stream_seq')}")
+    for name, p in out["parts"].items():
+        typer.echo(f"  {name:<11} {'up' if p['alive'] else 'DOWN':<5} pid {p['pid']}  restarts {p['restarts']}")
+
+
+# ------------------------------------------------------------------ jobs
+
+
+@app.command()
+def submit(
+    file: Annotated[Path, typer.Argument(exists=True, dir_okay=False, help="job spec YAML")],
+    data_dir: DataDir = None,
+    as_json: JsonOut = False,
+    wait: Annotated[bool, typer.Option("--wait", help="follow the job to its end, showing progress")] = False,
+) -> None:
+    """Submit a job; prints its id."""
+    text = file.read_text()
+    try:
+        load_spec_yaml(text)
+    except SpecError as exc:
+        typer.echo(f"error: invalid job spec {file}: {exc}", err=True)
+        raise typer.Exit(2) from None
+    spec = yaml.safe_load(text)
+
+    async def go(fleet: Any) -> str:
+        from gpufleet.sdk import job_filter
+
+        if not wait:
+            return str(await fleet.submit(spec))
+        from gpufleet.sdk import new_job_id
+
+        job_id = new_job_id()
+        events = fleet.watch(job_filter(job_id=job_id), from_start=True, until_terminal=job_id)
+        await fleet.submit(spec, job_id=job_id)
+        typer.echo(job_id if not as_json else json.dumps({"job_id": job_id}))
+        async for seq, env in events:
+            _echo_event(seq, env, as_json)
+        return job_id
+
+    job_id = _run(_with_fleet(data_dir, go))
+    if not wait:
+        typer.echo(json.dumps({"job_id": job_id}) if as_json else job_id)
+
+
+@app.command()
+def cancel(job_id: str, data_dir: DataDir = None,
+           tenant: Annotated[str | None, typer.Option(help="the job's tenant (default: looked up)")] = None) -> None:
+    """Cancel a job (a tenant can cancel only its own jobs)."""
+
+    async def go(fleet: Any) -> None:
+        t = tenant
+        if t is None:
+            view = await fleet.fold()
+            row = view.jobs.get(job_id)
+            if row is None:
+                raise GpufleetError(f"no job {job_id}")
+            t = row.tenant
+        await fleet.cancel(job_id, t)
+
+    _run(_with_fleet(data_dir, go))
+    typer.echo(f"cancel requested for {job_id}")
+
+
+def _rows(kind: str, data_dir: str | None) -> list[dict[str, Any]]:
+    """The live read model (PostgreSQL), or the fold of the log when the mesh has none."""
+    mesh = read_mesh(data_dir)
+    if mesh.get("pg_dsn"):
+        from gpufleet.shared.readmodel import query_rows
+
+        return _run(query_rows(mesh["pg_dsn"], kind))
+    view = _run(_with_fleet(data_dir, lambda f: f.fold()))
+    return list(view.as_json()[kind])
+
+
+@app.command()
+def jobs(data_dir: DataDir = None, as_json: JsonOut = False,
+         tenant: Annotated[str | None, typer.Option()] = None,
+         state: Annotated[str | None, typer.Option("--status", help="only jobs in this status")] = None) -> None:
+    """Jobs and their status, from the live read model."""
+    rows = _rows("jobs", data_dir)
+    rows = [r for r in rows if (tenant is None or r["tenant"] == tenant) and (state is None or r["status"] == state)]
+    if as_json:
+        _print_json(rows)
+        return
+    typer.echo(f"{'JOB':<28}{'TENANT':<10}{'QUEUE':<10}{'NAME':<16}{'GPUS':>5}  {'STATUS':<10} REASON")
+    for r in rows:
+        typer.echo(f"{r['job_id']:<28}{r['tenant']:<10}{r['queue']:<10}{r['name'][:15]:<16}{r['gpus']:>5}  "
+                   f"{r['status']:<10} {r['reason']}")
+
+
+@app.command()
+def nodes(data_dir: DataDir = None, as_json: JsonOut = False) -> None:
+    """Nodes, their GPUs and what is allocated, from the live read model."""
+    rows = _rows("nodes", data_dir)
+    if as_json:
+        _print_json(rows)
+        return
+    typer.echo(f"{'NODE':<14}{'STATUS':<9}{'MODEL':<8}{'GPUS':>10}  {'CPU':>6} {'MEM GiB':>8}  JOBS")
+    for r in rows:
+        typer.echo(f"{r['node_id']:<14}{r['status']:<9}{r['gpu_model'] or '-':<8}"
+                   f"{r['gpus_allocated']:>4}/{r['gpus_total']:<5}  {r['cpu_milli'] // 1000:>6} "
+                   f"{r['memory_mib'] // 1024:>8}  {len(r['running_jobs'])}")
+
+
+def _echo_event(seq: int, env: Envelope, as_json: bool) -> None:
+    if as_json:
+        typer.echo(json.dumps({"seq": seq, **env.model_dump(mode="json", exclude_none=True)}))
+        return
+    p = env.payload.model_dump(exclude={"type", "job_id", "node_id", "spec", "inventory"}, exclude_none=True)
+    subject = env.job_id or env.node_id or ""
+    detail = " ".join(f"{k}={v}" for k, v in p.items())
+    typer.echo(f"{seq:>8} {env.occurred_at:%H:%M:%S.%f}"[:-3] + f" {env.tenant:<8} {env.type:<26} {subject}  {detail}")
+
+
+@app.command()
+def watch(data_dir: DataDir = None, as_json: JsonOut = False,
+          tenant: Annotated[str | None, typer.Option()] = None,
+          job: Annotated[str | None, typer.Option()] = None,
+          type_: Annotated[str | None, typer.Option("--type", help="event type, e.g. placed or job.placed")] = None,
+          from_start: Annotated[bool, typer.Option("--from-start")] = False) -> None:
+    """Live tail of the log, filtered; one JSON object per line with --json."""
+    from gpufleet.sdk import job_filter
+
+    async def go(fleet: Any) -> None:
+        async for seq, env in fleet.watch(job_filter(tenant, job, type_), from_start=from_start):
+            _echo_event(seq, env, as_json)
+
+    try:
+        _run(_with_fleet(data_dir, go))
+    except KeyboardInterrupt:
+        pass
+
+
+@app.command()
+def replay(data_dir: DataDir = None, as_json: JsonOut = False,
+           seq: Annotated[int | None, typer.Option("--seq", help="fold up to this sequence")] = None) -> None:
+    """Fold the log (to the head or --seq) and print the cluster state it gives."""
+    view = _run(_with_fleet(data_dir, lambda f: f.fold(until_seq=seq)))
+    doc = view.as_json()
+    if as_json:
+        _print_json(doc)
+        return
+    by_status: dict[str, int] = {}
+    for j in doc["jobs"]:
+        by_status[j["status"]] = by_status.get(j["status"], 0) + 1
+    gpus = sum(n["gpus_total"] for n in doc["nodes"])
+    used = sum(n["gpus_allocated"] for n in doc["nodes"])
+    typer.echo(f"state at seq {doc['seq']}: {len(doc['jobs'])} jobs {by_status}, {len(doc['nodes'])} nodes, "
+               f"GPUs {used}/{gpus} allocated")
+
+
+@app.command()
+def explain(job_id: str, data_dir: DataDir = None, as_json: JsonOut = False) -> None:
+    """The job's timeline: each event with its sequence, time, actor and cause."""
+    from gpufleet.sdk import job_filter
+
+    hist = _run(_with_fleet(data_dir, lambda f: f.history(job_filter(job_id=job_id))))
+    hist += [(s, e) for s, e in _run(_with_fleet(data_dir, lambda f: f.history("fleet.cmd.*.*")))
+             if e.job_id == job_id]
+    hist.sort(key=lambda x: x[0])
+    if not hist:
+        typer.echo(f"no events for job {job_id}", err=True)
+        raise typer.Exit(1)
+    if as_json:
+        _print_json([{"seq": s, **e.model_dump(mode="json", exclude_none=True)} for s, e in hist])
+        return
+    for s, e in hist:
+        _echo_event(s, e, False)
+    last = hist[-1][1]
+    if last.type not in TERMINAL_JOB_TYPES:
+        typer.echo(f"pending: last event {last.type} (seq {hist[-1][0]})")
+
+
+# ------------------------------------------------------------------ schema, bench
+
+
+@schema_app.command("export")
+def schema_export(out_dir: Annotated[Path, typer.Argument(help="where to write the schemas")]) -> None:
+    """Write a JSON Schema per message type and one AsyncAPI document."""
+    from gpufleet.shared.schema import export
+
+    files = export(out_dir)
+    typer.echo(f"wrote {len(files)} files to {out_dir}")
+
+
+@bench_app.command("e2e")
+def bench_e2e(
+    sim_nodes: Annotated[int, typer.Option(help="simulated nodes")] = 5000,
+    jobs_n: Annotated[int, typer.Option("--jobs", help="jobs to submit")] = 20000,
+    as_json: JsonOut = False,
+    postgres: Annotated[bool, typer.Option(help="include the PostgreSQL read model in the mesh")] = True,
+) -> None:
+    """Submit jobs as fast as the mesh takes them; report submit->placed rate and latency."""
+    from gpufleet.bench import run_e2e
+
+    result = run_e2e(sim_nodes=sim_nodes, jobs=jobs_n, postgres=postgres,
+                     progress=None if as_json else (lambda s: typer.echo(s, err=True)))
+    if as_json:
+        _print_json(result)
+    else:
+        for k, v in result.items():
+            typer.echo(f"{k:>24}: {v}")
+
+
+def main() -> None:
+    try:
+        app()
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()
+

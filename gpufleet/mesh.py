@@ -1,0 +1,295 @@
+"""The embedded mesh: nats-server, PostgreSQL and the services under one data dir, supervised.
+
+    gpufleet up [--detach]    -> Supervisor.run(): start NATS, PostgreSQL, every service;
+                                 restart a service that dies; write <data-dir>/mesh.json
+    gpufleet down             -> SIGTERM to the supervisor, which stops everything in order
+    python -m gpufleet.mesh supervise ...   (what `up --detach` runs in background)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gpufleet.shared.config import MESH_FILE, data_dir
+from gpufleet.shared.procs import free_port, pid_alive, start_nats, stop_process
+
+log = logging.getLogger("gpufleet.mesh")
+
+SERVICES = ("admission", "quota", "placer", "executor", "telemetry", "guardian", "billing", "autoscaler")
+RESTART_BACKOFF_S = (0.5, 1, 2, 5, 10)
+
+
+@dataclass
+class MeshOptions:
+    data_dir: Path
+    sim_nodes: int = 16
+    nats_port: int = 0
+    pg_port: int = 0
+    postgres: bool = True
+    log_level: str = "INFO"
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    proc: subprocess.Popen[bytes] | None = None
+    restarts: int = 0
+    started_at: float = 0.0
+
+
+@dataclass
+class Supervisor:
+    opts: MeshOptions
+    children: dict[str, Child] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.dir = self.opts.data_dir
+        self.logs = self.dir / "logs"
+        self.nats_proc: subprocess.Popen[bytes] | None = None
+        self.pg: Any = None
+        self.nats_url = ""
+        self.pg_dsn = ""
+        self._stopping = False
+
+    # -------------------------------------------------------------- mesh.json
+
+    def write_mesh(self, state: str) -> None:
+        doc = {
+            "state": state,
+            "supervisor_pid": os.getpid(),
+            "data_dir": str(self.dir),
+            "nats_url": self.nats_url,
+            "pg_dsn": self.pg_dsn,
+            "sim_nodes": self.opts.sim_nodes,
+            "started_at": time.time(),
+            "parts": {
+                "nats": {"pid": self.nats_proc.pid if self.nats_proc else None},
+                "postgres": {"pid": self.pg.pid() if self.pg and hasattr(self.pg, "pid") else None},
+                **{c.name: {"pid": c.proc.pid if c.proc else None, "restarts": c.restarts} for c in self.children.values()},
+            },
+        }
+        tmp = self.dir / (MESH_FILE + ".tmp")
+        tmp.write_text(json.dumps(doc, indent=2))
+        tmp.replace(self.dir / MESH_FILE)
+
+    # -------------------------------------------------------------- start / stop
+
+    def start_infra(self) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.logs.mkdir(exist_ok=True)
+        port = self.opts.nats_port or free_port()
+        self.nats_proc = start_nats(self.dir / "nats", port, log_file=self.logs / "nats.log")
+        self.nats_url = f"nats://127.0.0.1:{port}"
+        log.info("nats-server up at %s", self.nats_url)
+        if self.opts.postgres:
+            from gpufleet.shared.pg import EmbeddedPostgres
+
+            self.pg = EmbeddedPostgres(self.dir / "postgres", self.opts.pg_port or free_port())
+            self.pg.start()
+            self.pg_dsn = self.pg.dsn
+            log.info("postgres up at %s", self.pg_dsn)
+
+    def child_argv(self, name: str) -> list[str]:
+        py = sys.executable
+        common = ["--nats-url", self.nats_url, "--log-level", self.opts.log_level]
+        if name == "readmodel":
+            return [py, "-m", "gpufleet.shared.readmodel", "--nats", self.nats_url, "--dsn", self.pg_dsn]
+        argv = [py, "-m", f"gpufleet.services.{name}", *common]
+        if name == "executor":
+            argv += ["--sim-nodes", str(self.opts.sim_nodes)]
+        return argv
+
+    def spawn(self, child: Child) -> None:
+        out = open(self.logs / f"{child.name}.log", "ab")  # noqa: SIM115 - handed to the child
+        child.proc = subprocess.Popen(child.argv, stdout=out, stderr=subprocess.STDOUT, env={**os.environ})
+        child.started_at = time.monotonic()
+        out.close()
+
+    def start_services(self) -> None:
+        names = [*SERVICES, *(["readmodel"] if self.opts.postgres else [])]
+        for name in names:
+            child = Child(name, self.child_argv(name))
+            self.children[name] = child
+            self.spawn(child)
+
+    def check_children(self) -> None:
+        """Restart a service that died, with backoff; every restart is counted in mesh.json."""
+        for child in self.children.values():
+            if child.proc is not None and child.proc.poll() is not None and not self._stopping:
+                wait = RESTART_BACKOFF_S[min(child.restarts, len(RESTART_BACKOFF_S) - 1)]
+                if time.monotonic() - child.started_at < wait:
+                    continue
+                log.warning("%s exited with %s; restarting", child.name, child.proc.returncode)
+                child.restarts += 1
+                self.spawn(child)
+                self.write_mesh("running")
+
+    def stop_all(self) -> None:
+        self._stopping = True
+        for child in self.children.values():
+            if child.proc and child.proc.poll() is None:
+                child.proc.send_signal(signal.SIGTERM)
+        for child in self.children.values():
+            if child.proc:
+                stop_process(child.proc, timeout_s=10)
+        if self.pg is not None:
+            try:
+                self.pg.stop()
+            except Exception:  # noqa: BLE001 - keep stopping the rest
+                log.exception("stopping postgres")
+        if self.nats_proc is not None:
+            stop_process(self.nats_proc)
+        try:
+            (self.dir / MESH_FILE).unlink()
+        except FileNotFoundError:
+            pass
+
+    def run(self, on_ready: Any = None) -> None:
+        stop = {"flag": False}
+
+        def handler(signum: int, frame: Any) -> None:
+            stop["flag"] = True
+
+        signal.signal(signal.SIGTERM, handler)
+        signal.signal(signal.SIGINT, handler)
+        try:
+            self.start_infra()
+            self.start_services()
+            self.write_mesh("starting")
+            wait_services_ready(self.nats_url, timeout_s=60)
+            self.write_mesh("running")
+            if on_ready:
+                on_ready(self)
+            while not stop["flag"]:
+                time.sleep(0.5)
+                self.check_children()
+        finally:
+            self.stop_all()
+
+
+def wait_services_ready(nats_url: str, timeout_s: float) -> None:
+    """Ready = every service's durable consumer exists (each creates it after folding)."""
+    import nats
+
+    async def check() -> None:
+        deadline = time.monotonic() + timeout_s
+        nc = await nats.connect(nats_url)
+        try:
+            js = nc.jetstream()
+            while True:
+                try:
+                    names = {c.name async for c in _consumers(js)}
+                except Exception:  # noqa: BLE001 - stream not there yet
+                    names = set()
+                if all(s in names for s in SERVICES):
+                    return
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"services not ready after {timeout_s}s: missing {set(SERVICES) - names}")
+                await asyncio.sleep(0.2)
+        finally:
+            await nc.close()
+
+    asyncio.run(check())
+
+
+async def _consumers(js: Any) -> Any:
+    for info in await js.consumers_info("FLEET"):
+        yield info
+
+
+def running_supervisor(ddir: Path) -> dict[str, Any] | None:
+    try:
+        doc = json.loads((ddir / MESH_FILE).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+    return doc if pid_alive(int(doc.get("supervisor_pid", 0))) else None
+
+
+def up_detached(opts: MeshOptions, timeout_s: float = 90.0) -> dict[str, Any]:
+    opts.data_dir.mkdir(parents=True, exist_ok=True)
+    argv = [
+        sys.executable, "-m", "gpufleet.mesh", "supervise", "--data-dir", str(opts.data_dir),
+        "--sim-nodes", str(opts.sim_nodes), "--nats-port", str(opts.nats_port), "--pg-port", str(opts.pg_port),
+        "--log-level", opts.log_level, *([] if opts.postgres else ["--no-postgres"]),
+    ]
+    (opts.data_dir / "logs").mkdir(exist_ok=True)
+    out = open(opts.data_dir / "logs" / "supervisor.log", "ab")  # noqa: SIM115
+    proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                            stdin=subprocess.DEVNULL)
+    out.close()
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"supervisor exited with {proc.returncode}; see {opts.data_dir / 'logs' / 'supervisor.log'}")
+        doc = running_supervisor(opts.data_dir)
+        if doc and doc.get("state") == "running":
+            return doc
+        time.sleep(0.2)
+    raise TimeoutError(f"mesh not running after {timeout_s}s; see {opts.data_dir / 'logs'}")
+
+
+def down(ddir: Path, timeout_s: float = 60.0) -> bool:
+    """Stop the mesh of this data dir; False if none was running."""
+    try:
+        doc = json.loads((ddir / MESH_FILE).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return False
+    pid = int(doc.get("supervisor_pid", 0))
+    if pid and pid_alive(pid):
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        while pid_alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+            _reap(pid)
+        if not pid_alive(pid):
+            return True
+    # the supervisor is gone: stop what it left behind
+    for part in doc.get("parts", {}).values():
+        p = part.get("pid")
+        if p and pid_alive(int(p)):
+            os.kill(int(p), signal.SIGTERM)
+    (ddir / MESH_FILE).unlink(missing_ok=True)
+    return True
+
+
+def _reap(pid: int) -> None:
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m gpufleet.mesh")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    sp = sub.add_parser("supervise")
+    sp.add_argument("--data-dir", required=True)
+    sp.add_argument("--sim-nodes", type=int, default=16)
+    sp.add_argument("--nats-port", type=int, default=0)
+    sp.add_argument("--pg-port", type=int, default=0)
+    sp.add_argument("--no-postgres", action="store_true")
+    sp.add_argument("--log-level", default="INFO")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    opts = MeshOptions(Path(args.data_dir), args.sim_nodes, args.nats_port, args.pg_port,
+                       not args.no_postgres, args.log_level)
+    Supervisor(opts).run()
+
+
+if __name__ == "__main__":
+    main()
+
+
+__all__ = ["MeshOptions", "Supervisor", "data_dir", "down", "running_supervisor", "up_detached"]

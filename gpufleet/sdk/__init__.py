@@ -1,0 +1,131 @@
+"""The Python SDK: submit and cancel jobs, follow their events, rebuild the cluster state.
+
+    async with await Fleet.connect(data_dir=None) as fleet:
+        job_id = await fleet.submit(spec_dict)
+        async for env in fleet.watch(job_id=job_id):
+            ...
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import AsyncIterator
+from types import TracebackType
+from typing import Any
+
+from nats.js.api import DeliverPolicy
+
+from gpufleet.shared.bus import Bus
+from gpufleet.shared.config import resolve_nats_url
+from gpufleet.shared.events import (
+    TERMINAL_JOB_TYPES,
+    CancelRequestedCmd,
+    Envelope,
+    SubmitRequested,
+    parse_envelope,
+    utc,
+)
+from gpufleet.shared.ids import check_token, derive_id, ulid
+from gpufleet.shared.log import read_stream
+from gpufleet.shared.spec import parse_spec
+from gpufleet.shared.view import ClusterView, apply
+
+
+def new_job_id() -> str:
+    return ulid(int(time.time() * 1000), os.urandom(10))
+
+
+def submit_envelope(spec: dict[str, Any], job_id: str, actor: str = "sdk") -> Envelope:
+    """The cmd.submit message; its id derives from the job id, so a retried submit is dropped."""
+    check_token(job_id, "job_id")
+    tenant = spec.get("tenant")
+    check_token(str(tenant), "tenant")
+    return Envelope(
+        event_id=derive_id(job_id, "submit"), type="cmd.submit", occurred_at=utc(time.time()),
+        tenant=str(tenant), actor=actor, correlation_id=job_id, payload=SubmitRequested(job_id=job_id, spec=spec),
+    )
+
+
+def job_filter(tenant: str | None = None, job_id: str | None = None, type_pattern: str | None = None) -> str:
+    short = (type_pattern or "*").removeprefix("job.")
+    if job_id or tenant or type_pattern:
+        return f"fleet.evt.{tenant or '*'}.job.{job_id or '*'}.{short}"
+    return "fleet.>"
+
+
+class Fleet:
+    def __init__(self, bus: Bus) -> None:
+        self.bus = bus
+
+    @classmethod
+    async def connect(cls, data_dir: str | None = None, nats_url: str | None = None) -> Fleet:
+        url = nats_url or resolve_nats_url(data_dir)
+        return cls(await Bus.connect(url, name="gpufleet-sdk"))
+
+    async def __aenter__(self) -> Fleet:
+        return self
+
+    async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self.bus.close()
+
+    async def submit(self, spec: dict[str, Any], job_id: str | None = None, validate: bool = True) -> str:
+        """Publish a submit command; returns the job id. Raises SpecError on a bad spec."""
+        if validate:
+            parse_spec(spec)
+        job_id = job_id or new_job_id()
+        await self.bus.publish(submit_envelope(spec, job_id))
+        return job_id
+
+    async def cancel(self, job_id: str, tenant: str, reason: str = "cancelled by user") -> None:
+        env = Envelope(
+            event_id=derive_id(job_id, f"cancel:{time.time_ns()}"), type="cmd.cancel", occurred_at=utc(time.time()),
+            tenant=tenant, actor="sdk", correlation_id=job_id, payload=CancelRequestedCmd(job_id=job_id, reason=reason),
+        )
+        await self.bus.publish(env)
+
+    async def fold(self, until_seq: int | None = None) -> ClusterView:
+        """The cluster state after `until_seq` (default: the head), folded from the log."""
+        view = ClusterView()
+        async for batch in read_stream(self.bus, ("fleet.evt.>",), until_seq=until_seq):
+            for msg in batch:
+                try:
+                    env = parse_envelope(msg.data)
+                except Exception:  # noqa: BLE001 - dead letters are the services' business
+                    continue
+                apply(view, env, msg.metadata.sequence.stream)
+        view.seq = max(view.seq, until_seq or await self.bus.last_seq())
+        return view
+
+    async def history(self, subject: str = "fleet.>") -> list[tuple[int, Envelope]]:
+        out: list[tuple[int, Envelope]] = []
+        async for batch in read_stream(self.bus, (subject,)):
+            for msg in batch:
+                try:
+                    out.append((msg.metadata.sequence.stream, parse_envelope(msg.data)))
+                except Exception:  # noqa: BLE001
+                    continue
+        return out
+
+    async def watch(self, subject: str = "fleet.>", from_start: bool = False,
+                    until_terminal: str | None = None) -> AsyncIterator[tuple[int, Envelope]]:
+        """Live events on `subject` (an ordered consumer); stops after the terminal event of
+        job `until_terminal` if given."""
+        sub = await self.bus.js.subscribe(
+            subject, ordered_consumer=True,
+            deliver_policy=DeliverPolicy.ALL if from_start else DeliverPolicy.NEW,
+        )
+        try:
+            async for msg in sub.messages:
+                try:
+                    env = parse_envelope(msg.data)
+                except Exception:  # noqa: BLE001
+                    continue
+                yield msg.metadata.sequence.stream, env
+                if until_terminal and env.job_id == until_terminal and env.type in TERMINAL_JOB_TYPES:
+                    return
+        finally:
+            await sub.unsubscribe()
