@@ -111,6 +111,15 @@ async def _drive(nats_url: str, sim_nodes: int, jobs: int, progress: Callable[[s
     }
 
 
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds a process has used so far (Linux /proc)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return round((int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), 2)
+    except (OSError, IndexError, ValueError):
+        return float("nan")
+
+
 def run_e2e(sim_nodes: int = 5000, jobs: int = 20000, postgres: bool = True,
             progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     from gpufleet.mesh import MeshOptions, Supervisor, wait_services_ready
@@ -126,6 +135,9 @@ def run_e2e(sim_nodes: int = 5000, jobs: int = 20000, postgres: bool = True,
             result = asyncio.run(_drive(sup.nats_url, sim_nodes, jobs, progress))
             result["postgres"] = postgres
             result["service_restarts"] = sum(c.restarts for c in sup.children.values())
+            result["cpu_s"] = {name: _cpu_s(c.proc.pid) for name, c in sup.children.items() if c.proc}
+            if sup.nats_proc:
+                result["cpu_s"]["nats-server"] = _cpu_s(sup.nats_proc.pid)
             return result
         finally:
             sup.stop_all()

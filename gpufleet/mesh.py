@@ -76,7 +76,7 @@ class Supervisor:
             "started_at": time.time(),
             "parts": {
                 "nats": {"pid": self.nats_proc.pid if self.nats_proc else None},
-                "postgres": {"pid": self.pg.pid() if self.pg and hasattr(self.pg, "pid") else None},
+                **({"postgres": {"pid": self.pg.running_pid()}} if self.pg is not None else {}),
                 **{c.name: {"pid": c.proc.pid if c.proc else None, "restarts": c.restarts} for c in self.children.values()},
             },
         }

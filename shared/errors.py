@@ -26,7 +26,7 @@ class SpecError(PermanentError):
     """A job spec that breaks a rule; `field` names the offending field."""
 
     def __init__(self, field: str, reason: str) -> None:
-        super().__init__(f"{field}: {reason}")
+        super().__init__(reason if reason.startswith(f"{field}:") else f"{field}: {reason}")
         self.field = field
         self.reason = reason
 
