@@ -1,0 +1,348 @@
+"""The published contract (docs/schemas) matches the models and validates real messages."""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from jsonschema import Draft202012Validator
+from pydantic import ValidationError
+
+from gpufleet.shared import schema
+from gpufleet.shared.events import (
+    PAYLOAD_TYPES,
+    CancelRequestedCmd,
+    DeadLetter,
+    Envelope,
+    GpuDevice,
+    JobAdmitted,
+    JobCancelled,
+    JobCancelRequested,
+    JobCheckpointSaved,
+    JobExited,
+    JobFailed,
+    JobHeartbeat,
+    JobIdleDetected,
+    JobPlaced,
+    JobPreempted,
+    JobPreemptionRequested,
+    JobQueued,
+    JobQuotaReserved,
+    JobRejected,
+    JobResumeRequested,
+    JobStarted,
+    JobSubmitted,
+    JobSucceeded,
+    JobUnschedulable,
+    NodeCordoned,
+    NodeGpuUnhealthy,
+    NodeGpuZombieDetected,
+    NodeHeartbeat,
+    NodeInventory,
+    NodeLost,
+    NodeRegistered,
+    NodeUncordoned,
+    Reason,
+    ReplicaAllocation,
+    SubmitRequested,
+)
+from gpufleet.shared.ids import derive_id, ulid
+from gpufleet.shared.spec import parse_spec
+
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "schemas"
+JOB = "job-0001"
+NODE = "node-a"
+SPEC = {
+    "name": "resnet50", "tenant": "acme", "type": "training", "priority": 100, "replicas": 2,
+    "resources": {"cpu": 8, "memory": "64Gi", "gpu": 8, "gpuModel": "H100", "gpuMemory": "80Gi"},
+    "maxRuntime": "2h", "checkpoint": {"path": "/ckpt/resnet50", "interval": "30m"},
+    "sim": {"duration": "20s", "exitCode": 0}, "env": {"NCCL_DEBUG": "INFO"}, "command": ["python", "train.py"],
+}
+OOM = Reason(code="oom", message="replica 0 ran out of memory")
+
+EXAMPLES: dict[str, Any] = {
+    "cmd.submit": SubmitRequested(job_id=JOB, spec=SPEC),
+    "cmd.cancel": CancelRequestedCmd(job_id=JOB),
+    "job.submitted": JobSubmitted(job_id=JOB, spec=parse_spec(SPEC)),
+    "job.admitted": JobAdmitted(job_id=JOB),
+    "job.rejected": JobRejected(job_id=JOB, reasons=(Reason(code="spec", message="must be >= 0", field="resources.gpu"),)),
+    "job.queued": JobQueued(job_id=JOB, queue="default", reason=Reason(code="quota", message="gpu quota 16 used")),
+    "job.quota_reserved": JobQuotaReserved(job_id=JOB, queue="default", cpu_milli=16000, memory_mib=131072, gpus=16),
+    "job.unschedulable": JobUnschedulable(
+        job_id=JOB, reasons=(Reason(code="no_fit", message="no node has 8 free H100"),),
+        filtered={"gpu_model": 3, "gpu_free": 1}, nodes_total=4,
+    ),
+    "job.placed": JobPlaced(job_id=JOB, allocations=(
+        ReplicaAllocation(replica=0, node_id=NODE, gpu_indices=tuple(range(8)), cpu_milli=8000, memory_mib=65536),
+        ReplicaAllocation(replica=1, node_id="node-b", gpu_indices=tuple(range(8)), cpu_milli=8000, memory_mib=65536),
+    )),
+    "job.started": JobStarted(job_id=JOB, node_id=NODE, replica=1, driver="docker", attempt=2),
+    "job.heartbeat": JobHeartbeat(job_id=JOB, node_id=NODE, progress=0.42),
+    "job.checkpoint_saved": JobCheckpointSaved(
+        job_id=JOB, uri="file:///ckpt/resnet50/step-100", step=100, size_bytes=1 << 30, sha256="ab" * 32,
+    ),
+    "job.preemption_requested": JobPreemptionRequested(
+        job_id=JOB, reason=Reason(code="priority", message="a higher-priority job needs the GPUs"), by_job_id="job-0002",
+    ),
+    "job.preempted": JobPreempted(job_id=JOB, reason=Reason(code="priority", message="stopped for job-0002")),
+    "job.cancel_requested": JobCancelRequested(job_id=JOB, reason="cancelled by user", requested_by="alice"),
+    "job.exited": JobExited(job_id=JOB, node_id=NODE, exit_code=137, reason="killed", runtime_s=12.5),
+    "job.succeeded": JobSucceeded(job_id=JOB),
+    "job.failed": JobFailed(job_id=JOB, reason=OOM, exit_code=1),
+    "job.cancelled": JobCancelled(job_id=JOB, reason="cancelled by user"),
+    "job.resume_requested": JobResumeRequested(
+        job_id=JOB, checkpoint_uri="file:///ckpt/resnet50/step-100", reason=OOM, lost_work_s=30.0,
+    ),
+    "job.idle_detected": JobIdleDetected(job_id=JOB, gpu_util_pct=1.5, idle_s=900.0),
+    "node.registered": NodeRegistered(node_id=NODE, inventory=NodeInventory(
+        cpu_milli=128000, memory_mib=1048576, numa_nodes=2, labels={"zone": "a"},
+        gpus=tuple(GpuDevice(index=i, uuid=f"GPU-{i}", model="H100", memory_mib=81920, nvlink_island=0,
+                             numa_node=i // 4) for i in range(8)),
+    )),
+    "node.heartbeat": NodeHeartbeat(node_id=NODE, running_jobs=(JOB,)),
+    "node.lost": NodeLost(node_id=NODE),
+    "node.cordoned": NodeCordoned(node_id=NODE, reason="maintenance"),
+    "node.uncordoned": NodeUncordoned(node_id=NODE),
+    "node.gpu_unhealthy": NodeGpuUnhealthy(node_id=NODE, gpu_index=3, reason="XID 79"),
+    "node.gpu_zombie_detected": NodeGpuZombieDetected(node_id=NODE, gpu_index=3, pid=4242, used_mib=2048),
+    "sys.dead_letter": DeadLetter(
+        service="placer", subject="fleet.evt.acme.job.job-0001.submitted", stream_seq=17, reason="bad json",
+        data_excerpt="{not json",
+    ),
+}
+TYPES: list[str] = sorted(PAYLOAD_TYPES)
+
+
+def envelope(type_name: str) -> Envelope:
+    payload = EXAMPLES[type_name]
+    tenant = "acme" if type_name.split(".")[0] in ("cmd", "job") else "sys"
+    return Envelope(
+        event_id=ulid(1_760_000_000_000, bytes(range(10))), type=type_name,
+        occurred_at=datetime(2025, 10, 9, 12, 0, 0, tzinfo=UTC), tenant=tenant, actor="test",
+        causation_id=derive_id(JOB, "cause"), correlation_id=JOB if tenant == "acme" else None, payload=payload,
+    )
+
+
+def wire(type_name: str) -> dict[str, Any]:
+    doc: dict[str, Any] = envelope(type_name).model_dump(mode="json")
+    return doc
+
+
+def load(name: str) -> dict[str, Any]:
+    result: dict[str, Any] = json.loads((DOCS / name).read_text())
+    return result
+
+
+@functools.cache
+def validator(name: str) -> Draft202012Validator:
+    s = load(name)
+    Draft202012Validator.check_schema(s)
+    return Draft202012Validator(s, format_checker=Draft202012Validator.FORMAT_CHECKER)
+
+
+def test_examples_cover_every_type() -> None:
+    assert set(EXAMPLES) == set(PAYLOAD_TYPES)
+
+
+def test_docs_schemas_in_sync() -> None:
+    assert schema.check_in_sync(DOCS) == [], "run: .venv/bin/python -m gpufleet.shared.schema docs/schemas"
+
+
+def test_every_type_has_a_standalone_documented_schema() -> None:
+    for t, cls in PAYLOAD_TYPES.items():
+        s = load(schema.schema_file(t))
+        assert s["$schema"] == schema.DRAFT
+        assert s["title"] == t
+        assert s["description"] and "\n" not in s["description"]
+        assert s["description"] == " ".join((cls.__doc__ or "").split())
+        assert s["properties"]["type"]["const"] == t
+        refs = set(re.findall(r'"\$ref": "([^"]+)"', json.dumps(s)))
+        assert all(r.startswith("#/$defs/") and r.removeprefix("#/$defs/") in s["$defs"] for r in refs), refs
+
+
+@pytest.mark.parametrize("t", TYPES)
+def test_schema_validates_real_envelope(t: str) -> None:
+    for doc in (wire(t), json.loads(envelope(t).to_json())):
+        validator(schema.schema_file(t)).validate(doc)
+        validator(schema.ENVELOPE_FILE).validate(doc)
+
+
+@pytest.mark.parametrize("t", TYPES)
+def test_payload_type_may_be_omitted(t: str) -> None:
+    doc = wire(t)
+    del doc["payload"]["type"]
+    Envelope.model_validate(doc)
+    validator(schema.schema_file(t)).validate(doc)
+    validator(schema.ENVELOPE_FILE).validate(doc)
+
+
+def _other(t: str) -> str:
+    other: str = next(o for o in TYPES if o != t)
+    return other
+
+
+@pytest.mark.parametrize("t", TYPES)
+def test_wrong_type_const_fails(t: str) -> None:
+    doc = wire(t)
+    doc["type"] = _other(t)
+    assert not validator(schema.schema_file(t)).is_valid(doc)
+    assert not validator(schema.ENVELOPE_FILE).is_valid(doc)
+    with pytest.raises(ValidationError):
+        Envelope.model_validate(doc)
+    doc = wire(t)
+    doc["payload"]["type"] = _other(t)
+    assert not validator(schema.schema_file(t)).is_valid(doc)
+    doc["type"] = "job.nonexistent"
+    assert not validator(schema.ENVELOPE_FILE).is_valid(doc)
+
+
+@pytest.mark.parametrize("t", TYPES)
+def test_missing_required_payload_field_fails(t: str) -> None:
+    required = [f for f, info in PAYLOAD_TYPES[t].model_fields.items() if info.is_required()]
+    assert required
+    for field in required:
+        doc = wire(t)
+        del doc["payload"][field]
+        assert not validator(schema.schema_file(t)).is_valid(doc), field
+        assert not validator(schema.ENVELOPE_FILE).is_valid(doc), field
+        with pytest.raises(ValidationError):
+            Envelope.model_validate(doc)
+
+
+@pytest.mark.parametrize("t", TYPES)
+def test_unknown_field_fails(t: str) -> None:
+    for where in ("envelope", "payload"):
+        doc = wire(t)
+        (doc if where == "envelope" else doc["payload"])["surprise"] = 1
+        assert not validator(schema.schema_file(t)).is_valid(doc), where
+        with pytest.raises(ValidationError):
+            Envelope.model_validate(doc)
+
+
+def test_another_types_payload_fails() -> None:
+    doc = wire("job.placed")
+    doc["payload"] = wire("job.admitted")["payload"]
+    assert not validator(schema.schema_file("job.placed")).is_valid(doc)
+    assert not validator(schema.ENVELOPE_FILE).is_valid(doc)
+
+
+@pytest.mark.parametrize("bad", ["a.b", "a*", ">", "", "with space", "x" * 65])
+def test_subject_tokens_are_constrained_like_the_models(bad: str) -> None:
+    cases = [("job.placed", ("payload", "job_id")), ("node.lost", ("payload", "node_id")), ("job.admitted", ("tenant",))]
+    for t, path in cases:
+        doc = wire(t)
+        target = doc
+        for key in path[:-1]:
+            target = target[key]
+        target[path[-1]] = bad
+        assert not validator(schema.schema_file(t)).is_valid(doc), (t, path)
+        with pytest.raises(ValidationError):
+            Envelope.model_validate(doc)
+
+
+def test_newer_schema_version_fails() -> None:
+    doc = wire("job.admitted")
+    doc["schema_version"] += 1
+    assert not validator(schema.schema_file("job.admitted")).is_valid(doc)
+    with pytest.raises(ValidationError):
+        Envelope.model_validate(doc)
+
+
+def _resolve(doc: dict[str, Any], ref: str) -> Any:
+    """The object a local $ref points to, following references to references."""
+    assert ref.startswith("#/"), ref
+    node: Any = doc
+    for part in ref[2:].split("/"):
+        node = node[part.replace("~1", "/").replace("~0", "~")]
+    if isinstance(node, dict) and set(node) == {"$ref"}:
+        return _resolve(doc, node["$ref"])
+    return node
+
+
+def _refs(node: Any) -> list[str]:
+    if isinstance(node, dict):
+        return [v for k, v in node.items() if k == "$ref"] + [r for v in node.values() for r in _refs(v)]
+    if isinstance(node, list):
+        return [r for v in node for r in _refs(v)]
+    return []
+
+
+def test_asyncapi_document() -> None:
+    doc = yaml.safe_load((DOCS / schema.ASYNCAPI_FILE).read_text())
+    assert doc["asyncapi"] == "3.0.0"
+    assert doc["servers"]["nats"]["protocol"] == "nats"
+    addresses = {ch["address"] for ch in doc["channels"].values()}
+    assert addresses == {
+        "fleet.cmd.{tenant}.{verb}",
+        "fleet.evt.{tenant}.job.{job_id}.{type}",
+        "fleet.evt.sys.node.{node_id}.{type}",
+        "fleet.evt.sys.deadletter.{service}",
+        "fleet.tel.node.{node_id}.{kind}",
+    }
+    for ch in doc["channels"].values():
+        assert set(re.findall(r"\{(\w+)\}", ch["address"])) == set(ch["parameters"])
+    assert "Nats-Msg-Id" in doc["info"]["description"] and "event_id" in doc["info"]["description"]
+
+    # every internal reference resolves; every external one names a file that is there
+    for ref in _refs(doc):
+        if ref.startswith("#/"):
+            _resolve(doc, ref)
+        else:
+            assert (DOCS / ref).is_file(), ref
+
+    # every type is a message on exactly one channel, its payload the type's schema file
+    seen: dict[str, str] = {}
+    for key, ch in doc["channels"].items():
+        for ref in ch["messages"].values():
+            msg = _resolve(doc, ref["$ref"])
+            assert msg["name"] not in seen
+            seen[msg["name"]] = key
+            payload = _resolve(doc, msg["payload"]["$ref"])
+            assert payload["schema"]["$ref"] == f"./{schema.schema_file(msg['name'])}"
+    assert set(seen) == set(PAYLOAD_TYPES)
+
+    # commands are sent, everything else received
+    for op in doc["operations"].values():
+        channel = op["channel"]["$ref"].removeprefix("#/channels/")
+        assert op["action"] == ("send" if channel == "commands" else "receive")
+        assert all(m["$ref"].startswith(f"#/channels/{channel}/messages/") for m in op["messages"])
+    sent = {_resolve(doc, m["$ref"])["name"] for op in doc["operations"].values() if op["action"] == "send"
+            for m in op["messages"]}
+    assert sent == {"cmd.submit", "cmd.cancel"}
+
+
+@pytest.mark.parametrize("t", TYPES)
+def test_subject_templates_match_real_subjects(t: str) -> None:
+    env = envelope(t)
+    template = schema.subject_template(t)
+    values = {"tenant": env.tenant, "job_id": env.job_id, "node_id": env.node_id,
+              "service": getattr(env.payload, "service", None)}
+    assert re.sub(r"\{(\w+)\}", lambda m: str(values[m.group(1)]), template) == env.subject()
+
+
+def test_readme_lists_every_type() -> None:
+    text = (DOCS / schema.README_FILE).read_text()
+    for t, cls in PAYLOAD_TYPES.items():
+        line = next(line for line in text.splitlines() if line.startswith(f"| [`{t}`]"))
+        assert schema.subject_template(t) in line
+        assert " ".join((cls.__doc__ or "").split()) in line
+
+
+def test_check_in_sync_reports_differences(tmp_path: Path) -> None:
+    written = schema.export(tmp_path)
+    assert {p.name for p in written} == set(schema.render())
+    assert schema.check_in_sync(tmp_path) == []
+    assert schema.export(tmp_path) == written and schema.check_in_sync(tmp_path) == []  # deterministic
+    (tmp_path / "job.placed.schema.json").write_text("{}")
+    (tmp_path / schema.README_FILE).unlink()
+    (tmp_path / "job.gone.schema.json").write_text("{}")
+    assert schema.check_in_sync(tmp_path) == [schema.README_FILE, "job.gone.schema.json", "job.placed.schema.json"]
+    schema.export(tmp_path)
+    assert schema.check_in_sync(tmp_path) == []
+    assert not (tmp_path / "job.gone.schema.json").exists()
