@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -191,11 +192,13 @@ def cancel(job_id: str, data_dir: DataDir = None,
 
 def _rows(kind: str, data_dir: str | None) -> list[dict[str, Any]]:
     """The live read model (PostgreSQL), or the fold of the log when the mesh has none."""
-    mesh = read_mesh(data_dir)
-    if mesh.get("pg_dsn"):
+    dsn = os.environ.get("GPUFLEET_PG_DSN") if not data_dir else None
+    if dsn is None:
+        dsn = read_mesh(data_dir).get("pg_dsn") or None
+    if dsn:
         from gpufleet.shared.readmodel import query_rows
 
-        return _run(query_rows(mesh["pg_dsn"], kind))
+        return _run(query_rows(dsn, kind))
     view = _run(_with_fleet(data_dir, lambda f: f.fold()))
     return list(view.as_json()[kind])
 

@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import os
 import signal
 import time
 from collections.abc import Iterable, Sequence
@@ -392,7 +393,7 @@ class Projector:
     async def _fetch(self) -> list[Msg]:
         try:
             return list(await self._psub.fetch(self.batch, timeout=self.fetch_timeout_s))
-        except nats.errors.TimeoutError:
+        except (nats.errors.TimeoutError, TimeoutError):  # nats-py also raises a bare asyncio one
             return []
         except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError):
             await asyncio.sleep(0.2)
@@ -505,8 +506,8 @@ async def main(nats_url: str, dsn: str, name: str = DEFAULT_NAME) -> None:
 
 def _cli() -> None:
     parser = argparse.ArgumentParser(description="gpufleet read-model projector (FLEET -> PostgreSQL)")
-    parser.add_argument("--nats", default="nats://127.0.0.1:4222")
-    parser.add_argument("--dsn", required=True)
+    parser.add_argument("--nats", default=os.environ.get("GPUFLEET_NATS_URL", "nats://127.0.0.1:4222"))
+    parser.add_argument("--dsn", default=os.environ.get("GPUFLEET_PG_DSN"), required="GPUFLEET_PG_DSN" not in os.environ)
     parser.add_argument("--name", default=DEFAULT_NAME)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
