@@ -141,6 +141,26 @@ class Bus:
             raise RetryableError(f"publish {env.type}: {exc!r}") from None
         return int(ack.seq)
 
+    async def publish_many(self, envs: Sequence[Envelope]) -> list[int]:
+        """Publish unconditionally, pipelined (publish_async), every ack awaited with a timeout.
+
+        Not atomic: after a crash some of these may be written and others not; the derived ids
+        and idempotent decisions make the re-decision write only the missing ones.
+        """
+        if not envs:
+            return []
+        futs = [
+            await self.js.publish_async(e.subject(), e.to_json(), headers={"Nats-Msg-Id": e.event_id})
+            for e in envs
+        ]
+        try:
+            acks = await asyncio.wait_for(asyncio.gather(*futs), PUBLISH_TIMEOUT_S)
+        except (TimeoutError, nats.errors.TimeoutError, nats.js.errors.APIError) as exc:
+            for f in futs:
+                f.cancel()
+            raise RetryableError(f"publish of {len(envs)} events: {exc!r}") from None
+        return [int(a.seq) for a in acks]
+
     async def publish_batch(self, envs: Sequence[Envelope], cas: Cas | None = None) -> list[int]:
         """Publish events as atomic batches of up to ATOMIC_BATCH_MAX; returns their sequences.
 

@@ -129,6 +129,7 @@ class ServiceRuntime(Generic[S]):
     instance: str = "0"
     batch: int = 256
     fetch_timeout_s: float = 0.25
+    ack_wait_s: float = 30.0  # an unacked message (a crash before the ack) comes back after this
     clock: Callable[[], float] = time.time
     state: S = field(init=False)
     stats: RuntimeStats = field(default_factory=RuntimeStats)
@@ -138,6 +139,7 @@ class ServiceRuntime(Generic[S]):
         self.applied_seq = 0  # every filtered event <= this is folded into state
         self.last_cas_seq = 0
         self._own: set[str] = set()  # ids of our outputs already evolved, not yet seen back
+        self._decided_cas_seq: int | None = None  # what the batch's first capacity decision saw
         self._stop = asyncio.Event()
         self._next_tick = 0.0
         self._psub: Any = None
@@ -188,10 +190,13 @@ class ServiceRuntime(Generic[S]):
                         for msg in msgs:
                             md = msg.metadata
                             seq = md.sequence.stream
+                            env: Envelope | None
                             try:
                                 env = parse_envelope(msg.data)
                             except Exception:  # noqa: BLE001 - dead-lettered when consumed
                                 env = None
+                            if env is not None and env.subject() != msg.subject:
+                                env = None  # likewise
                             if env is not None:
                                 try:
                                     self._evolve(env, seq)
@@ -218,13 +223,20 @@ class ServiceRuntime(Generic[S]):
         await self.refold()
         cfg = ConsumerConfig(
             durable_name=self.durable, filter_subjects=list(self.core.subjects),
+            # Explicit, not AckAll: after a crash, or a nak, the messages awaiting redelivery sit
+            # below newer ones, and an AckAll of a newer one would ack them without a decision.
             ack_policy=AckPolicy.EXPLICIT, deliver_policy=DeliverPolicy.ALL,
-            max_deliver=MAX_DELIVER + 5, ack_wait=30.0, max_ack_pending=20_000,
+            max_deliver=MAX_DELIVER + 5, ack_wait=self.ack_wait_s, max_ack_pending=20_000,
         )
         try:
             await self.bus.js.add_consumer(STREAM, cfg)
-        except nats.js.errors.BadRequestError:
-            await self.bus.js.update_consumer(STREAM, cfg)
+        except (nats.js.errors.BadRequestError, nats.js.errors.ServerError):
+            # The durable exists with another config (an older version): recreate it. It then
+            # redelivers from the start, and the decisions, idempotent on the folded state,
+            # emit nothing twice.
+            log.warning("%s: consumer %s has another config; recreating it", self.actor, self.durable)
+            await self.bus.js.delete_consumer(STREAM, self.durable)
+            await self.bus.js.add_consumer(STREAM, cfg)
         self._psub = await self.bus.js.pull_subscribe_bind(self.durable, stream=STREAM)
         await self._publish_and_apply(self.core.on_start(self.state, self.ctx()), evolved=False)
 
@@ -246,7 +258,7 @@ class ServiceRuntime(Generic[S]):
         """Fetch and handle one batch, then tick if due. Returns the number of messages handled."""
         try:
             msgs = await self._psub.fetch(self.batch, timeout=self.fetch_timeout_s)
-        except (nats.errors.TimeoutError, asyncio.TimeoutError):
+        except (TimeoutError, nats.errors.TimeoutError):
             msgs = []
         except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError):
             await asyncio.sleep(0.2)
@@ -277,6 +289,7 @@ class ServiceRuntime(Generic[S]):
         )
 
     def _decide_batch(self, msgs: Sequence[Msg]) -> tuple[list[Envelope], list[Msg], list[Msg]]:
+        self._decided_cas_seq = None
         outputs: list[Envelope] = []
         good: list[Msg] = []
         bad: list[Msg] = []
@@ -287,6 +300,13 @@ class ServiceRuntime(Generic[S]):
                 env = parse_envelope(msg.data)
             except Exception as exc:  # noqa: BLE001 - any parse failure is a bad message
                 outputs.append(self._dead_letter(msg, f"invalid message: {_short(exc)}"))
+                bad.append(msg)
+                continue
+            if env.subject() != msg.subject:
+                # the subject is what NATS permissions check: an envelope must not claim another
+                # tenant, job or type than the subject it was allowed to publish on
+                outputs.append(self._dead_letter(
+                    msg, f"invalid message: envelope belongs on {env.subject()}, not {msg.subject}"))
                 bad.append(msg)
                 continue
             if md.num_delivered > MAX_DELIVER:
@@ -300,6 +320,10 @@ class ServiceRuntime(Generic[S]):
                     self._evolve(env, seq)
                 self.applied_seq = max(self.applied_seq, seq)
                 outs = self.core.decide(self.state, env, self.ctx(env))
+                if self._decided_cas_seq is None and self._takes_capacity(outs):
+                    # The guard is what this decision saw: a rival's write consumed later in the
+                    # same batch must fail the CAS, not move the guard past itself.
+                    self._decided_cas_seq = self.last_cas_seq
                 for out in outs:
                     if self._own_subject(out.subject()):
                         self.state = self.core.evolve(self.state, out)
@@ -321,14 +345,14 @@ class ServiceRuntime(Generic[S]):
             except _CoreFailed as failed:
                 # Publish what was decided before the failure plus the dead letter; the rest of
                 # the batch is redelivered (nak) after a re-fold, since the state may be torn.
-                await self._commit(failed.outputs, failed.good, failed.bad)
+                await self._commit(failed.outputs, failed.good, failed.bad, self._decided_cas_seq)
                 rest = msgs[len(failed.good) + len(failed.bad):]
                 for m in rest:
                     await m.nak(delay=0.05)
                 await self.refold()
                 return
             try:
-                await self._commit(outputs, good, bad)
+                await self._commit(outputs, good, bad, self._decided_cas_seq)
             except CasConflict:
                 self.stats.cas_conflicts += 1
                 await self.refold()
@@ -346,13 +370,18 @@ class ServiceRuntime(Generic[S]):
         for m in msgs:
             await m.nak(delay=NAK_DELAY_S)
 
-    async def _commit(self, outputs: list[Envelope], good: Sequence[Msg], bad: Sequence[Msg]) -> None:
+    def _takes_capacity(self, outputs: Sequence[Envelope]) -> bool:
+        subject = self.core.cas_subject
+        return bool(subject) and any(subject_matches(subject, o.subject()) for o in outputs)  # type: ignore[arg-type]
+
+    async def _commit(self, outputs: list[Envelope], good: Sequence[Msg], bad: Sequence[Msg],
+                      cas_seq: int | None = None) -> None:
         if outputs:
             cas = None
-            if self.core.cas_subject and any(subject_matches(self.core.cas_subject, o.subject()) for o in outputs):
-                cas = Cas(self.core.cas_subject, self.last_cas_seq)
+            if self.core.cas_subject and self._takes_capacity(outputs):
+                cas = Cas(self.core.cas_subject, self.last_cas_seq if cas_seq is None else cas_seq)
             main = [o for o in outputs if not o.subject().startswith("fleet.tel.")]
-            seqs = await self.bus.publish_batch(main, cas=cas)
+            seqs = await (self.bus.publish_batch(main, cas=cas) if cas else self.bus.publish_many(main))
             self.stats.published += len(main)
             for o, seq in zip(main, seqs, strict=True):
                 if cas is not None and subject_matches(cas.subject, o.subject()):
@@ -360,10 +389,10 @@ class ServiceRuntime(Generic[S]):
             for o in outputs:
                 if o.subject().startswith("fleet.tel."):
                     await self.bus.publish_telemetry(o.subject(), o.to_json())
-        for m in good:
-            await m.ack()
         for m in bad:
             await m.term()
+        for m in good:  # each one: an AckAll past a message awaiting redelivery would ack it unhandled
+            await m.ack()
 
     async def _publish_and_apply(self, outputs: list[Envelope], evolved: bool) -> None:
         """Outputs not caused by a consumed message (start-up, ticks)."""

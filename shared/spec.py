@@ -21,7 +21,9 @@ Every error names the field (`resources.gpu: must be >= 0`).
 
 from __future__ import annotations
 
+import math
 import re
+from decimal import Decimal
 from typing import Annotated, Any, Literal
 
 import yaml
@@ -31,6 +33,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -64,9 +67,9 @@ def parse_cpu_milli(value: Any) -> int:
     m = _CPU_RE.match(text)
     if not m:
         raise ValueError(f"must be a CPU quantity such as 2 or '500m', got {value!r}")
-    number = float(m.group(1))
+    number = Decimal(m.group(1))  # exact: with floats, '1.001' * 1000 is not 1001
     milli = number if m.group(2) else number * 1000
-    if milli != int(milli):
+    if milli != milli.to_integral_value():
         raise ValueError(f"finer than 1m: {value!r}")
     return int(milli)
 
@@ -101,6 +104,8 @@ def parse_duration_s(value: Any) -> float:
         seconds = float(m.group(1)) * _DUR_UNITS[m.group(2) or ""]
     else:
         raise ValueError(f"must be a duration such as '30m', got {type(value).__name__}")
+    if not math.isfinite(seconds):  # JSON has no infinity: the event would not parse downstream
+        raise ValueError(f"must be a finite duration, got {value!r}")
     if seconds < 0:
         raise ValueError("must not be negative")
     return seconds
@@ -161,11 +166,13 @@ class Resources(_Spec):
             raise ValueError("must be a whole number of GPUs, not a string")
         return v
 
-    @model_validator(mode="after")
-    def _models_need_gpus(self) -> Resources:
-        if (self.gpu_models or self.gpu_memory_mib) and self.gpu == 0:
-            raise ValueError("gpuModel / gpuMemory given but gpu is 0")
-        return self
+    @field_validator("gpu_models", "gpu_memory_mib")
+    @classmethod
+    def _models_need_gpus(cls, v: Any, info: ValidationInfo) -> Any:
+        # a field validator (not a model one) so that the error names the field
+        if v and info.data.get("gpu") == 0:
+            raise ValueError("given but gpu is 0: ask for at least one GPU")
+        return v
 
 
 class CheckpointSpec(_Spec):

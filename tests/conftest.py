@@ -41,6 +41,7 @@ import shutil  # noqa: E402 - this section's own imports
 import tempfile  # noqa: E402
 
 import asyncpg  # noqa: E402
+
 from gpufleet.shared.pg import EmbeddedPostgres  # noqa: E402
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import asyncpg
 import nats
 import pytest
+
 from gpufleet.shared.bus import Bus
 from gpufleet.shared.events import (
     STREAM,

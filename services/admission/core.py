@@ -23,21 +23,25 @@ from gpufleet.shared.events import (
 from gpufleet.shared.runtime import BaseCore, Ctx
 from gpufleet.shared.spec import parse_spec
 
-PENDING, PLACED, ENDED = "pending", "placed", "ended"
+PENDING, PLACED, CANCELLING, ENDED = "pending", "placed", "cancelling", "ended"
 
 
 @dataclass
 class AdmissionState:
     # job_id -> (tenant, phase)
     jobs: dict[str, tuple[str, str]] = field(default_factory=dict)
+    # submitted, admitted not yet seen: a publish cut short between the two is finished on redelivery
+    unadmitted: set[str] = field(default_factory=set)
 
 
 class AdmissionCore(BaseCore[AdmissionState]):
     name = "admission"
     subjects = (
         "fleet.cmd.*.*",
-        "fleet.evt.*.job.*.submitted", "fleet.evt.*.job.*.rejected", "fleet.evt.*.job.*.placed",
+        "fleet.evt.*.job.*.submitted", "fleet.evt.*.job.*.admitted", "fleet.evt.*.job.*.rejected",
+        "fleet.evt.*.job.*.placed",
         "fleet.evt.*.job.*.succeeded", "fleet.evt.*.job.*.failed", "fleet.evt.*.job.*.cancelled",
+        "fleet.evt.*.job.*.cancel_requested",
     )
 
     def initial_state(self) -> AdmissionState:
@@ -49,15 +53,24 @@ class AdmissionCore(BaseCore[AdmissionState]):
         if job_id is None or t.startswith("cmd."):
             return state
         if t == "job.submitted":
-            state.jobs.setdefault(job_id, (env.tenant, PENDING))
+            if job_id not in state.jobs:
+                state.jobs[job_id] = (env.tenant, PENDING)
+                state.unadmitted.add(job_id)
+        elif t == "job.admitted":
+            state.unadmitted.discard(job_id)
         elif t == "job.rejected":
             state.jobs[job_id] = (env.tenant, ENDED)
         elif t == "job.placed":
             known = state.jobs.get(job_id)
             if known and known[1] == PENDING:
                 state.jobs[job_id] = (known[0], PLACED)
+        elif t == "job.cancel_requested":
+            known = state.jobs.get(job_id)
+            if known and known[1] == PLACED:
+                state.jobs[job_id] = (known[0], CANCELLING)
         elif t in ("job.succeeded", "job.failed", "job.cancelled"):
             state.jobs[job_id] = (env.tenant, ENDED)
+            state.unadmitted.discard(job_id)
         return state
 
     def decide(self, state: AdmissionState, env: Envelope, ctx: Ctx) -> list[Envelope]:
@@ -70,6 +83,10 @@ class AdmissionCore(BaseCore[AdmissionState]):
 
     def _submit(self, state: AdmissionState, env: Envelope, p: SubmitRequested, ctx: Ctx) -> list[Envelope]:
         if p.job_id in state.jobs:
+            if p.job_id in state.unadmitted and state.jobs[p.job_id][1] == PENDING:
+                # job.submitted was written, job.admitted not (a publish cut short): finish the
+                # decision, with the id the first try gave it
+                return [ctx.emit(JobAdmitted(job_id=p.job_id), key="1")]
             return []  # a retried or duplicated submit: the job exists, do nothing twice
         try:
             spec = parse_spec(p.spec)
@@ -89,7 +106,7 @@ class AdmissionCore(BaseCore[AdmissionState]):
 
     def _cancel(self, state: AdmissionState, env: Envelope, p: CancelRequestedCmd, ctx: Ctx) -> list[Envelope]:
         known = state.jobs.get(p.job_id)
-        if known is None or known[0] != env.tenant or known[1] == ENDED:
+        if known is None or known[0] != env.tenant or known[1] in (ENDED, CANCELLING):
             return []
         if known[1] == PENDING:
             return [ctx.emit(JobCancelled(job_id=p.job_id, reason=p.reason))]

@@ -8,6 +8,7 @@ runtime) and exits with `spec.sim.exitCode`; one process can host thousands of s
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 
 from gpufleet.shared.cluster import inventory_digest
@@ -41,7 +42,12 @@ class ExecutorState:
     registered: dict[str, str] = field(default_factory=dict)  # node_id -> inventory digest
     plans: dict[str, RunPlan] = field(default_factory=dict)
     running: dict[tuple[str, int], Running] = field(default_factory=dict)
+    replicas_of: dict[str, list[int]] = field(default_factory=dict)  # job_id -> running replicas
+    # (when it ends, job_id, replica): a tick looks only at what is due, not at every replica
+    deadlines: list[tuple[float, str, int]] = field(default_factory=list)
     ended: set[str] = field(default_factory=set)
+    # job_id -> (replica, attempt) started here: a placement redelivered after its replica exited starts nothing
+    started: dict[str, set[tuple[int, int]]] = field(default_factory=dict)
 
 
 class ExecutorCore(BaseCore[ExecutorState]):
@@ -76,15 +82,27 @@ class ExecutorCore(BaseCore[ExecutorState]):
         elif t == "job.started":
             if p.node_id in self.nodes and job_id not in state.ended:  # type: ignore[union-attr]
                 plan = state.plans.get(job_id, RunPlan(0.0, 0, 86400.0))
-                state.running[(job_id, p.replica)] = Running(  # type: ignore[union-attr]
+                state.started.setdefault(job_id, set()).add((p.replica, p.attempt))  # type: ignore[union-attr]
+                run = Running(
                     job_id, env.tenant, p.replica, p.node_id,  # type: ignore[union-attr]
                     env.occurred_at.timestamp(), env.event_id, plan,
                 )
+                if (job_id, run.replica) not in state.running:
+                    state.running[(job_id, run.replica)] = run
+                    state.replicas_of.setdefault(job_id, []).append(run.replica)
+                    ends = run.started_at_s + min(plan.duration_s, plan.max_runtime_s)
+                    heapq.heappush(state.deadlines, (ends, job_id, run.replica))
         elif t == "job.exited":
-            state.running.pop((job_id, p.replica), None)  # type: ignore[union-attr]
+            if state.running.pop((job_id, p.replica), None) is not None:  # type: ignore[union-attr]
+                replicas = state.replicas_of.get(job_id, [])
+                if p.replica in replicas:  # type: ignore[union-attr]
+                    replicas.remove(p.replica)  # type: ignore[union-attr]
+                if not replicas:
+                    state.replicas_of.pop(job_id, None)
         elif t in ("job.succeeded", "job.failed", "job.cancelled", "job.preempted"):
             state.ended.add(job_id)
             state.plans.pop(job_id, None)
+            state.started.pop(job_id, None)
         return state
 
     def on_start(self, state: ExecutorState, ctx: Ctx) -> list[Envelope]:
@@ -106,7 +124,8 @@ class ExecutorCore(BaseCore[ExecutorState]):
                 return []
             out = []
             for a in p.allocations:  # type: ignore[union-attr]
-                if a.node_id in self.nodes and (job_id, a.replica) not in state.running:
+                if (a.node_id in self.nodes and (job_id, a.replica) not in state.running
+                        and (a.replica, p.attempt) not in state.started.get(job_id, ())):  # type: ignore[union-attr]
                     out.append(ctx.emit(JobStarted(
                         job_id=job_id, node_id=a.node_id, replica=a.replica, driver="sim",
                         attempt=p.attempt,  # type: ignore[union-attr]
@@ -124,7 +143,14 @@ class ExecutorCore(BaseCore[ExecutorState]):
     def tick(self, state: ExecutorState, ctx: Ctx) -> list[Envelope]:
         now = ctx.now.timestamp()
         out = []
-        for r in list(state.running.values()):
+        due: list[Running] = []
+        # pop what is due; entries of replicas that already ended are dropped on the way
+        while state.deadlines and state.deadlines[0][0] <= now:
+            _, job_id, replica = heapq.heappop(state.deadlines)
+            run = state.running.get((job_id, replica))
+            if run is not None:
+                due.append(run)
+        for r in due:
             elapsed = now - r.started_at_s
             if elapsed >= r.plan.max_runtime_s and r.plan.max_runtime_s < r.plan.duration_s:
                 out.append(self._exit(r, ctx, EXIT_TIMEOUT, "timeout", "exit"))
@@ -134,7 +160,7 @@ class ExecutorCore(BaseCore[ExecutorState]):
 
     @staticmethod
     def _replicas(state: ExecutorState, job_id: str) -> list[Running]:
-        return [r for (j, _), r in state.running.items() if j == job_id]
+        return [state.running[(job_id, i)] for i in state.replicas_of.get(job_id, ())]
 
     @staticmethod
     def _exit(r: Running, ctx: Ctx, code: int, reason: str, key: str) -> Envelope:

@@ -165,8 +165,14 @@ class PlacerCore(BaseCore[PlacerState]):
                 state.specs.pop(job_id, None)
                 state.pending.pop(job_id, None)
                 state.unschedulable_said.pop(job_id, None)
-            for a in state.allocations.pop(job_id, ()):
-                _give_back(state, a)
+            held = state.allocations.pop(job_id, ())
+            # one replica's exit frees that replica's resources only: the rest of a gang still runs
+            keep = tuple(a for a in held if a.replica != p.replica) if t == "job.exited" else ()  # type: ignore[union-attr]
+            for a in held:
+                if a not in keep:
+                    _give_back(state, a)
+            if keep:
+                state.allocations[job_id] = keep
         return state
 
     # ------------------------------------------------------------ decide
