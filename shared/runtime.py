@@ -11,8 +11,10 @@
   same ids and the server drops them; decisions are also idempotent on the folded state.
 - A lost compare-and-set (another writer took the resource) re-folds and decides again.
 - A message that is not valid JSON / not the contract, or that a core cannot handle, is
-  terminated and recorded as a `sys.dead_letter` event with the reason; a message delivered
-  more than MAX_DELIVER times likewise. Publish failures nak the batch with a delay.
+  acknowledged and recorded as a `sys.dead_letter` event with the reason; a message delivered
+  more than MAX_DELIVER times likewise.
+- One ack per batch (AckAll). After any failure in a batch the service re-folds and recreates
+  its consumer at the ack floor, so what was not decided is delivered again, in order.
 """
 
 from __future__ import annotations
@@ -29,10 +31,12 @@ import nats
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from .bus import Bus, Cas, subject_matches
+from .bus import Bus, Cas
 from .errors import CasConflict, RetryableError
 from .events import STREAM, SYS_TENANT, DeadLetter, Envelope, _Payload, parse_envelope, subject_for, utc
 from .ids import derive_id
+from .log import read_stream
+from .subjects import SubjectFilter, consumer_filter
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +147,10 @@ class ServiceRuntime(Generic[S]):
         self._stop = asyncio.Event()
         self._next_tick = 0.0
         self._psub: Any = None
+        self._interest = SubjectFilter(self.core.subjects)
+        self._takes = SubjectFilter([self.core.cas_subject] if self.core.cas_subject else [])
+        # one broad server-side filter, the rest in the client (see shared/subjects.py)
+        self.filter_subject = consumer_filter(self.core.subjects)
 
     @property
     def actor(self) -> str:
@@ -159,7 +167,7 @@ class ServiceRuntime(Generic[S]):
 
     def _evolve(self, env: Envelope, seq: int) -> None:
         self.state = self.core.evolve(self.state, env)
-        if self.core.cas_subject and seq > self.last_cas_seq and subject_matches(self.core.cas_subject, env.subject()):
+        if seq > self.last_cas_seq and self._takes(env.subject()):
             self.last_cas_seq = seq
 
     async def refold(self) -> int:
@@ -169,50 +177,24 @@ class ServiceRuntime(Generic[S]):
         self.applied_seq = 0
         self.last_cas_seq = 0
         self._own.clear()
-        js = self.bus.js
-        name = f"fold-{self.durable}-{int(self.clock() * 1000)}"
-        cfg = ConsumerConfig(
-            name=name, filter_subjects=list(self.core.subjects), ack_policy=AckPolicy.NONE,
-            deliver_policy=DeliverPolicy.ALL, inactive_threshold=120.0, mem_storage=True,
-        )
-        info = await js.add_consumer(STREAM, cfg)
         n = 0
-        try:
-            if info.num_pending:
-                psub = await js.pull_subscribe_bind(name, stream=STREAM)
+        async for msgs in read_stream(self.bus, (self.filter_subject,)):
+            for msg in msgs:
+                seq = msg.metadata.sequence.stream
+                self.applied_seq = seq
+                if not self._interest(msg.subject):
+                    continue
                 try:
-                    done = False
-                    while not done:
-                        try:
-                            msgs = await psub.fetch(FOLD_BATCH, timeout=2.0)
-                        except nats.errors.TimeoutError:
-                            break
-                        for msg in msgs:
-                            md = msg.metadata
-                            seq = md.sequence.stream
-                            env: Envelope | None
-                            try:
-                                env = parse_envelope(msg.data)
-                            except Exception:  # noqa: BLE001 - dead-lettered when consumed
-                                env = None
-                            if env is not None and env.subject() != msg.subject:
-                                env = None  # likewise
-                            if env is not None:
-                                try:
-                                    self._evolve(env, seq)
-                                except Exception:
-                                    log.exception("%s: evolve failed on seq %d during fold", self.actor, seq)
-                            self.applied_seq = seq
-                            n += 1
-                            if md.num_pending == 0:
-                                done = True
-                finally:
-                    await psub.unsubscribe()
-        finally:
-            try:
-                await js.delete_consumer(STREAM, name)
-            except Exception:  # noqa: BLE001 - it expires by itself
-                pass
+                    env: Envelope | None = parse_envelope(msg.data)
+                except Exception:  # noqa: BLE001 - dead-lettered when consumed
+                    env = None
+                if env is None or env.subject() != msg.subject:
+                    continue  # likewise
+                try:
+                    self._evolve(env, seq)
+                except Exception:
+                    log.exception("%s: evolve failed on seq %d during fold", self.actor, seq)
+                n += 1
         log.info("%s folded %d events up to seq %d", self.actor, n, self.applied_seq)
         return n
 
@@ -221,24 +203,45 @@ class ServiceRuntime(Generic[S]):
     async def start(self) -> None:
         await self.bus.ensure_streams()
         await self.refold()
-        cfg = ConsumerConfig(
-            durable_name=self.durable, filter_subjects=list(self.core.subjects),
-            # Explicit, not AckAll: after a crash, or a nak, the messages awaiting redelivery sit
-            # below newer ones, and an AckAll of a newer one would ack them without a decision.
-            ack_policy=AckPolicy.EXPLICIT, deliver_policy=DeliverPolicy.ALL,
-            max_deliver=MAX_DELIVER + 5, ack_wait=self.ack_wait_s, max_ack_pending=20_000,
-        )
-        try:
-            await self.bus.js.add_consumer(STREAM, cfg)
-        except (nats.js.errors.BadRequestError, nats.js.errors.ServerError):
-            # The durable exists with another config (an older version): recreate it. It then
-            # redelivers from the start, and the decisions, idempotent on the folded state,
-            # emit nothing twice.
-            log.warning("%s: consumer %s has another config; recreating it", self.actor, self.durable)
-            await self.bus.js.delete_consumer(STREAM, self.durable)
-            await self.bus.js.add_consumer(STREAM, cfg)
-        self._psub = await self.bus.js.pull_subscribe_bind(self.durable, stream=STREAM)
+        await self._open_consumer()
         await self._publish_and_apply(self.core.on_start(self.state, self.ctx()), evolved=False)
+
+    async def _open_consumer(self) -> None:
+        """(Re)create the durable consumer at its ack floor + 1.
+
+        AckAll acknowledges everything up to the acked message, so the ack floor is exactly what
+        has been decided. Recreating the consumer there (on start, and after any failure in a
+        batch) redelivers the rest in stream order — never a newer message before an older one,
+        so one ack per batch cannot acknowledge a message that was not decided.
+        """
+        js = self.bus.js
+        floor = 0
+        try:
+            info = await js.consumer_info(STREAM, self.durable)
+            floor = int(info.ack_floor.stream_seq or 0) if info.ack_floor else 0
+            await js.delete_consumer(STREAM, self.durable)
+        except nats.js.errors.NotFoundError:
+            pass
+        cfg = ConsumerConfig(
+            durable_name=self.durable, filter_subject=self.filter_subject,
+            ack_policy=AckPolicy.ALL,
+            deliver_policy=DeliverPolicy.BY_START_SEQUENCE if floor else DeliverPolicy.ALL,
+            opt_start_seq=floor + 1 if floor else None,
+            max_deliver=-1, ack_wait=self.ack_wait_s, max_ack_pending=20_000,
+        )
+        await js.add_consumer(STREAM, cfg)
+        if self._psub is not None:
+            try:
+                await self._psub.unsubscribe()
+            except Exception:  # noqa: BLE001 - the old subscription is gone either way
+                pass
+        self._psub = await js.pull_subscribe_bind(self.durable, stream=STREAM)
+
+    async def _recover(self, reason: str) -> None:
+        """After a failed batch: rebuild the state from the log, redeliver from the ack floor."""
+        log.warning("%s: %s; re-folding and redelivering from the ack floor", self.actor, reason)
+        await self.refold()
+        await self._open_consumer()
 
     def stop(self) -> None:
         self._stop.set()
@@ -271,7 +274,7 @@ class ServiceRuntime(Generic[S]):
         return len(msgs)
 
     def _own_subject(self, subject: str) -> bool:
-        return any(subject_matches(p, subject) for p in self.core.subjects)
+        return self._interest(subject)
 
     def _dead_letter(self, msg: Msg, reason: str) -> Envelope:
         md = msg.metadata
@@ -294,6 +297,9 @@ class ServiceRuntime(Generic[S]):
         good: list[Msg] = []
         bad: list[Msg] = []
         for msg in msgs:
+            if not self._interest(msg.subject):
+                good.append(msg)  # not this service's business; acked with the batch
+                continue
             md = msg.metadata
             seq = md.sequence.stream
             try:
@@ -343,39 +349,33 @@ class ServiceRuntime(Generic[S]):
             try:
                 outputs, good, bad = self._decide_batch(msgs)
             except _CoreFailed as failed:
-                # Publish what was decided before the failure plus the dead letter; the rest of
-                # the batch is redelivered (nak) after a re-fold, since the state may be torn.
-                await self._commit(failed.outputs, failed.good, failed.bad, self._decided_cas_seq)
-                rest = msgs[len(failed.good) + len(failed.bad):]
-                for m in rest:
-                    await m.nak(delay=0.05)
-                await self.refold()
+                # Publish what was decided before the failure plus the dead letter, ack up to
+                # there; the rest comes again after a re-fold, since the state may be torn.
+                await self._commit(failed.outputs, [*failed.good, *failed.bad], self._decided_cas_seq)
+                await self._recover("a core failed")
                 return
             try:
-                await self._commit(outputs, good, bad, self._decided_cas_seq)
+                await self._commit(outputs, [*good, *bad], self._decided_cas_seq)
             except CasConflict:
                 self.stats.cas_conflicts += 1
-                await self.refold()
+                await self.refold()  # the batch is not acked: decide it again on the new state
                 continue
             except RetryableError as exc:
-                log.warning("%s: publish failed (%s); will retry the batch", self.actor, exc)
-                for m in msgs:
-                    await m.nak(delay=NAK_DELAY_S)
-                await self.refold()
+                await asyncio.sleep(NAK_DELAY_S)
+                await self._recover(f"publish failed ({exc})")
                 return
             self.stats.batches += 1
             self.stats.consumed += len(msgs)
             self.stats.last_batch_s = time.perf_counter() - t0
             return
-        for m in msgs:
-            await m.nak(delay=NAK_DELAY_S)
+        await asyncio.sleep(NAK_DELAY_S)
+        await self._recover(f"{REDECIDE_MAX} compare-and-set conflicts in a row")
 
     def _takes_capacity(self, outputs: Sequence[Envelope]) -> bool:
-        subject = self.core.cas_subject
-        return bool(subject) and any(subject_matches(subject, o.subject()) for o in outputs)  # type: ignore[arg-type]
+        return any(self._takes(o.subject()) for o in outputs)
 
-    async def _commit(self, outputs: list[Envelope], good: Sequence[Msg], bad: Sequence[Msg],
-                      cas_seq: int | None = None) -> None:
+    async def _commit(self, outputs: list[Envelope], handled: Sequence[Msg], cas_seq: int | None = None) -> None:
+        """Publish the outputs, then ack the handled messages (one AckAll for all of them)."""
         if outputs:
             cas = None
             if self.core.cas_subject and self._takes_capacity(outputs):
@@ -383,16 +383,15 @@ class ServiceRuntime(Generic[S]):
             main = [o for o in outputs if not o.subject().startswith("fleet.tel.")]
             seqs = await (self.bus.publish_batch(main, cas=cas) if cas else self.bus.publish_many(main))
             self.stats.published += len(main)
-            for o, seq in zip(main, seqs, strict=True):
-                if cas is not None and subject_matches(cas.subject, o.subject()):
-                    self.last_cas_seq = max(self.last_cas_seq, seq)
+            if cas is not None:
+                for o, seq in zip(main, seqs, strict=True):
+                    if self._takes(o.subject()):
+                        self.last_cas_seq = max(self.last_cas_seq, seq)
             for o in outputs:
                 if o.subject().startswith("fleet.tel."):
                     await self.bus.publish_telemetry(o.subject(), o.to_json())
-        for m in bad:
-            await m.term()
-        for m in good:  # each one: an AckAll past a message awaiting redelivery would ack it unhandled
-            await m.ack()
+        if handled:
+            await max(handled, key=lambda m: m.metadata.sequence.stream).ack()
 
     async def _publish_and_apply(self, outputs: list[Envelope], evolved: bool) -> None:
         """Outputs not caused by a consumed message (start-up, ticks)."""
@@ -404,7 +403,7 @@ class ServiceRuntime(Generic[S]):
                     self.state = self.core.evolve(self.state, out)
                     self._own.add(out.event_id)
         try:
-            await self._commit(outputs, (), ())
+            await self._commit(outputs, ())
         except (CasConflict, RetryableError) as exc:
             log.warning("%s: publish of %d outputs failed (%s); re-folding", self.actor, len(outputs), exc)
             await self.refold()

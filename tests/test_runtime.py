@@ -136,9 +136,8 @@ async def test_bad_messages_are_dead_lettered_once_and_the_service_goes_on(bus: 
 class CrashBeforeAck(ServiceRuntime[Any]):
     """Publishes its decisions and dies before it acks them."""
 
-    async def _commit(self, outputs: list[Envelope], good: Sequence[Msg], bad: Sequence[Msg],
-                      cas_seq: int | None = None) -> None:
-        await super()._commit(outputs, (), (), cas_seq)
+    async def _commit(self, outputs: list[Envelope], handled: Sequence[Msg], cas_seq: int | None = None) -> None:
+        await super()._commit(outputs, (), cas_seq)
         if outputs:
             self.stop()
 
@@ -188,14 +187,14 @@ async def test_crash_between_publish_and_ack_writes_nothing_twice(bus: Bus, nats
 class CrashBeforePublish(ServiceRuntime[Any]):
     """Fetches and decides, then dies before it publishes or acks anything."""
 
-    async def _commit(self, outputs: list[Envelope], good: Sequence[Msg], bad: Sequence[Msg],
-                      cas_seq: int | None = None) -> None:
+    async def _commit(self, outputs: list[Envelope], handled: Sequence[Msg], cas_seq: int | None = None) -> None:
         self.stop()
 
 
 async def test_crash_before_publish_then_newer_input_loses_nothing(bus: Bus, nats_url: str) -> None:
     # The fetched-but-unacked messages wait for redelivery *below* newer ones, which the fresh
-    # runtime gets first: acking those must not ack the older ones undecided (as AckAll would).
+    # runtime could get first: acking those must not ack the older ones undecided (the runtime
+    # recreates its consumer at the ack floor, so they come first, in order).
     early = [submit(make_job(f"e{i}"), f"e{i}") for i in range(3)]
     await bus.publish_batch(early)
     crashed = await Service(nats_url, AdmissionCore(), ack_wait_s=1.0, runtime=CrashBeforePublish).start()
