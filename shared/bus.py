@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -85,16 +86,19 @@ def subject_matches(pattern: str, subject: str) -> bool:
 
 
 class Bus:
-    def __init__(self, nc: NatsClient, replicas: int = 1) -> None:
+    def __init__(self, nc: NatsClient, replicas: int | None = None) -> None:
         self.nc = nc
         self.js: JetStreamContext = nc.jetstream(timeout=PUBLISH_TIMEOUT_S)
-        self.replicas = replicas
+        # 1 on one machine, 3 in a cluster (GPUFLEET_STREAM_REPLICAS=3 in docker-compose / k8s)
+        self.replicas = int(os.environ.get("GPUFLEET_STREAM_REPLICAS", "1")) if replicas is None else replicas
         self._batch_counter = 0
 
     @classmethod
-    async def connect(cls, url: str, name: str = "gpufleet", replicas: int = 1, **kw: Any) -> Bus:
+    async def connect(cls, url: str, name: str = "gpufleet", replicas: int | None = None, **kw: Any) -> Bus:
+        """`url` may list several servers, comma-separated (a cluster)."""
+        servers = [u.strip() for u in url.split(",") if u.strip()]
         nc = await nats.connect(
-            url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
+            servers, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
             connect_timeout=5, **kw,
         )
         return cls(nc, replicas=replicas)
@@ -111,7 +115,10 @@ class Bus:
         """Create or update FLEET and FLEET_TELEMETRY; safe to call from every service at start."""
         for cfg in (fleet_stream_config(self.replicas), telemetry_stream_config(self.replicas)):
             try:
-                await self.js.stream_info(cfg.name)  # type: ignore[arg-type]
+                info = await self.js.stream_info(cfg.name)  # type: ignore[arg-type]
+                if (info.config.num_replicas or 1) > (cfg.num_replicas or 1):
+                    # never lower a cluster's replication from a service started with the default
+                    cfg.num_replicas = info.config.num_replicas
                 await self.js.update_stream(cfg)
             except nats.js.errors.NotFoundError:
                 try:

@@ -6,7 +6,7 @@ timestamps as the ISO strings the fold makes, so a row reads back equal). Two mo
 
 - `projection_offsets(name, seq)`: the last stream sequence folded into the rows, written in
   the same transaction as the rows, so a batch is applied once or not at all.
-- `job_allocations(job_id, node_id, gpus)`: `ClusterView.allocations` (how many GPUs a job
+- `job_replica_allocations(job_id, replica, node_id, gpus)`: `ClusterView.allocations` (how many GPUs a job's replica
   holds on each node). It is not part of any row, but the fold needs it to release GPUs
   later, so without it a view loaded back from PostgreSQL would not continue exactly.
 
@@ -75,8 +75,9 @@ SCHEMA: tuple[str, ...] = (
     _create_table("jobs", JobRow, "job_id"),
     _create_table("nodes", NodeRow, "node_id"),
     "CREATE TABLE IF NOT EXISTS projection_offsets (name text PRIMARY KEY, seq bigint NOT NULL)",
-    "CREATE TABLE IF NOT EXISTS job_allocations ("
-    " job_id text NOT NULL, node_id text NOT NULL, gpus bigint NOT NULL, PRIMARY KEY (job_id, node_id))",
+    "CREATE TABLE IF NOT EXISTS job_replica_allocations ("
+    " job_id text NOT NULL, replica int NOT NULL, node_id text NOT NULL, gpus bigint NOT NULL,"
+    " PRIMARY KEY (job_id, replica))",
     "CREATE INDEX IF NOT EXISTS jobs_tenant_status ON jobs (tenant, status)",
 )
 
@@ -143,7 +144,8 @@ class ReadModel:
         async with _acquire(self.pool) as conn, conn.transaction(isolation="repeatable_read", readonly=True):
             jobs = await conn.fetch(_SELECT_JOBS)
             nodes = await conn.fetch(_SELECT_NODES)
-            allocs = await conn.fetch("SELECT job_id, node_id, gpus FROM job_allocations ORDER BY job_id, node_id")
+            allocs = await conn.fetch(
+                "SELECT job_id, replica, node_id, gpus FROM job_replica_allocations ORDER BY job_id, replica")
             seq = await conn.fetchval("SELECT seq FROM projection_offsets WHERE name = $1", self.name)
         view = ClusterView(seq=int(seq or 0))
         for r in jobs:
@@ -151,7 +153,7 @@ class ReadModel:
         for r in nodes:
             view.nodes[r["node_id"]] = NodeRow(**dict(r))
         for r in allocs:
-            view.allocations.setdefault(r["job_id"], {})[r["node_id"]] = int(r["gpus"])
+            view.allocations.setdefault(r["job_id"], {})[int(r["replica"])] = (r["node_id"], int(r["gpus"]))
         self._view = view
         return view
 
@@ -191,7 +193,7 @@ class ReadModel:
                     j = {env.job_id} if env.job_id else set()
                     n = {env.node_id} if env.node_id else set()
                     if env.job_id:
-                        n |= set(view.allocations.get(env.job_id, {}))
+                        n |= {node for node, _ in view.allocations.get(env.job_id, {}).values()}
                 jobs_touched |= j
                 nodes_touched |= n
             view.seq = new_offset
@@ -208,7 +210,7 @@ class ReadModel:
         gone_jobs = [j for j in jobs_touched if j not in view.jobs]
         gone_nodes = [n for n in nodes_touched if n not in view.nodes]
         alloc_jobs = sorted(jobs_touched)
-        alloc_rows = [(j, node, gpus) for j in alloc_jobs for node, gpus in view.allocations.get(j, {}).items()]
+        alloc_rows = [(j, r, node, gpus) for j in alloc_jobs for r, (node, gpus) in view.allocations.get(j, {}).items()]
         async with _acquire(self.pool) as conn, conn.transaction():
             stored = await conn.fetchval(
                 "SELECT seq FROM projection_offsets WHERE name = $1 FOR UPDATE", self.name)
@@ -224,10 +226,11 @@ class ReadModel:
                 await conn.execute("DELETE FROM nodes WHERE node_id = ANY($1::text[])", gone_nodes)
             if alloc_jobs:
                 # Only an event about a job changes that job's allocation (see view.apply).
-                await conn.execute("DELETE FROM job_allocations WHERE job_id = ANY($1::text[])", alloc_jobs)
+                await conn.execute("DELETE FROM job_replica_allocations WHERE job_id = ANY($1::text[])", alloc_jobs)
                 if alloc_rows:
                     await conn.executemany(
-                        "INSERT INTO job_allocations (job_id, node_id, gpus) VALUES ($1, $2, $3)", alloc_rows)
+                        "INSERT INTO job_replica_allocations (job_id, replica, node_id, gpus) VALUES ($1, $2, $3, $4)",
+                        alloc_rows)
             await conn.execute(
                 "INSERT INTO projection_offsets (name, seq) VALUES ($1, $2)"
                 " ON CONFLICT (name) DO UPDATE SET seq = EXCLUDED.seq", self.name, offset)

@@ -62,8 +62,8 @@ class ClusterView:
     seq: int = 0
     jobs: dict[str, JobRow] = field(default_factory=dict)
     nodes: dict[str, NodeRow] = field(default_factory=dict)
-    # job_id -> {node_id: gpus held there}
-    allocations: dict[str, dict[str, int]] = field(default_factory=dict)
+    # job_id -> {replica: (node_id, GPUs it holds)}; a gang's replicas end one by one
+    allocations: dict[str, dict[int, tuple[str, int]]] = field(default_factory=dict)
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -73,15 +73,24 @@ class ClusterView:
         }
 
 
-def _release(view: ClusterView, job_id: str, seq: int, touched: set[str]) -> None:
-    for node_id, gpus in view.allocations.pop(job_id, {}).items():
+def _release(view: ClusterView, job_id: str, seq: int, touched: set[str], replica: int | None = None) -> None:
+    """Free what the job (or just one of its replicas) holds."""
+    held = view.allocations.get(job_id)
+    if not held:
+        return
+    for r in [replica] if replica is not None else list(held):
+        if r not in held:
+            continue
+        node_id, gpus = held.pop(r)
         node = view.nodes.get(node_id)
         if node is not None:
             node.gpus_allocated = max(0, node.gpus_allocated - gpus)
-            if job_id in node.running_jobs:
+            if job_id in node.running_jobs and not any(n == node_id for n, _ in held.values()):
                 node.running_jobs.remove(job_id)
             node.last_seq = seq
             touched.add(node_id)
+    if not held:
+        del view.allocations[job_id]
 
 
 def apply(view: ClusterView, env: Envelope, seq: int) -> tuple[set[str], set[str]]:
@@ -149,24 +158,24 @@ def apply(view: ClusterView, env: Envelope, seq: int) -> tuple[set[str], set[str
         job.reason = "; ".join(r.message for r in p.reasons)  # type: ignore[union-attr]
     elif t == "job.placed":
         job.status, job.reason = "placed", ""
-        held: dict[str, int] = {}
-        for a in p.allocations:  # type: ignore[union-attr]
-            held[a.node_id] = held.get(a.node_id, 0) + len(a.gpu_indices)
         _release(view, job_id, seq, nodes_touched)
-        view.allocations[job_id] = held
-        job.node_ids = sorted(held)
-        for node_id, gpus in held.items():
+        held = view.allocations[job_id] = {
+            a.replica: (a.node_id, len(a.gpu_indices)) for a in p.allocations  # type: ignore[union-attr]
+        }
+        job.node_ids = sorted({n for n, _ in held.values()})
+        for node_id, gpus in held.values():
             node = view.nodes.get(node_id)
             if node is not None:
                 node.gpus_allocated += gpus
-                node.running_jobs.append(job_id)
+                if job_id not in node.running_jobs:
+                    node.running_jobs.append(job_id)
                 node.last_seq = seq
                 nodes_touched.add(node_id)
     elif t == "job.started":
         if job.status not in TERMINAL_STATUSES:
             job.status = "running"
     elif t == "job.exited":
-        _release(view, job_id, seq, nodes_touched)
+        _release(view, job_id, seq, nodes_touched, replica=p.replica)  # type: ignore[union-attr]
         if job.status not in TERMINAL_STATUSES:
             job.reason = f"exited {p.exit_code} ({p.reason})"  # type: ignore[union-attr]
     elif t == "job.succeeded":

@@ -94,6 +94,8 @@ class ExecutorCore(BaseCore[ExecutorState]):
                     heapq.heappush(state.deadlines, (ends, job_id, run.replica))
         elif t == "job.exited":
             if state.running.pop((job_id, p.replica), None) is not None:  # type: ignore[union-attr]
+                while state.deadlines and (state.deadlines[0][1], state.deadlines[0][2]) not in state.running:
+                    heapq.heappop(state.deadlines)  # entries of ended replicas, now at the top
                 replicas = state.replicas_of.get(job_id, [])
                 if p.replica in replicas:  # type: ignore[union-attr]
                     replicas.remove(p.replica)  # type: ignore[union-attr]
@@ -144,12 +146,20 @@ class ExecutorCore(BaseCore[ExecutorState]):
         now = ctx.now.timestamp()
         out = []
         due: list[Running] = []
-        # pop what is due; entries of replicas that already ended are dropped on the way
-        while state.deadlines and state.deadlines[0][0] <= now:
-            _, job_id, replica = heapq.heappop(state.deadlines)
+        # walk the heap down from its root to every entry that is due, without changing it
+        # (tick is pure; evolve drops the entries of replicas that ended)
+        heap = state.deadlines
+        stack = [0] if heap else []
+        while stack:
+            i = stack.pop()
+            ends, job_id, replica = heap[i]
+            if ends > now:
+                continue
             run = state.running.get((job_id, replica))
-            if run is not None:
-                due.append(run)
+            if run is not None and ends == run.started_at_s + min(run.plan.duration_s, run.plan.max_runtime_s):
+                due.append(run)  # (an entry of an earlier run of the same replica does not count)
+            stack.extend(c for c in (2 * i + 1, 2 * i + 2) if c < len(heap))
+        due.sort(key=lambda r: (r.started_at_s, r.job_id, r.replica))
         for r in due:
             elapsed = now - r.started_at_s
             if elapsed >= r.plan.max_runtime_s and r.plan.max_runtime_s < r.plan.duration_s:
