@@ -28,8 +28,10 @@ SHAPES: dict[str, tuple[str, int, int, int, int, int]] = {
     "a10x4": ("A10", 4, 24 * GIB, 4, 32, 256 * GIB),
     "cpu64": ("", 0, 0, 1, 64, 256 * GIB),
 }
-# The default mix, by weight out of 10.
-MIX: tuple[tuple[str, int], ...] = (("h100x8", 4), ("a100x8", 3), ("a10x4", 2), ("cpu64", 1))
+# The default mix, 4 : 3 : 2 : 1, interleaved so that even a few nodes have every shape.
+MIX_CYCLE: tuple[str, ...] = (
+    "h100x8", "a100x8", "a10x4", "cpu64", "h100x8", "a100x8", "h100x8", "a10x4", "a100x8", "h100x8",
+)
 
 
 def shape_inventory(shape: str, node_id: str, rack: str = "rack-0") -> NodeInventory:
@@ -42,7 +44,7 @@ def shape_inventory(shape: str, node_id: str, rack: str = "rack-0") -> NodeInven
 
 def sim_fleet(n: int, prefix: str = "sim") -> dict[str, NodeInventory]:
     """`n` nodes in the default mix, 16 per rack; deterministic for a given n."""
-    order = [name for name, weight in MIX for _ in range(weight)]
+    order = MIX_CYCLE
     nodes: dict[str, NodeInventory] = {}
     for i in range(n):
         node_id = f"{prefix}-{i:05d}"

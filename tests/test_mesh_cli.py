@@ -1,0 +1,133 @@
+"""The embedded stack end to end, through the CLI as a user runs it: up, submit, jobs, replay,
+status, a service killed and restarted, down. Real processes, real nats-server and PostgreSQL."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLES = REPO / "examples"
+
+pytestmark = pytest.mark.slow
+
+
+def cli(data_dir: Path, *args: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "gpufleet.cli", *args, "--data-dir", str(data_dir)],
+        capture_output=True, text=True, timeout=timeout, cwd=REPO,
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(f"gpufleet {' '.join(args)} -> {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def jobs(data_dir: Path) -> list[dict[str, Any]]:
+    return list(json.loads(cli(data_dir, "jobs", "--json").stdout))
+
+
+def wait_jobs(data_dir: Path, ids: set[str], status: str, timeout_s: float = 60) -> list[dict[str, Any]]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        rows = [r for r in jobs(data_dir) if r["job_id"] in ids]
+        if len(rows) == len(ids) and all(r["status"] == status for r in rows):
+            return rows
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not all {status}: {[(r['job_id'], r['status']) for r in rows]}")
+        time.sleep(0.3)
+
+
+@pytest.fixture
+def mesh(tmp_path: Path) -> Any:
+    data_dir = tmp_path / "mesh"
+    cli(data_dir, "up", "--detach", "--sim-nodes", "6")
+    try:
+        yield data_dir
+    finally:
+        subprocess.run([sys.executable, "-m", "gpufleet.cli", "down", "--data-dir", str(data_dir)],
+                       capture_output=True, timeout=120)
+
+
+def test_a_training_job_runs_end_to_end_and_replay_equals_the_read_model(mesh: Path) -> None:
+    st = json.loads(cli(mesh, "status", "--json").stdout)
+    assert st["running"] and all(p["alive"] for p in st["parts"].values()), st
+    assert {"nats", "postgres", "admission", "quota", "placer", "executor", "telemetry", "guardian",
+            "billing", "autoscaler", "readmodel"} <= set(st["parts"])
+
+    again = cli(mesh, "up", "--detach", check=False)
+    assert again.returncode != 0 and "already running" in again.stderr
+
+    bad = cli(mesh, "submit", str(EXAMPLES / "bad-spec.yaml"), check=False)
+    assert bad.returncode == 2 and "resources.gpu" in bad.stderr
+
+    job_id = json.loads(cli(mesh, "submit", str(EXAMPLES / "train-resnet.yaml"), "--json").stdout)["job_id"]
+    [row] = wait_jobs(mesh, {job_id}, "succeeded", timeout_s=60)
+    assert row["gpus"] == 8 and row["tenant"] == "acme" and len(row["node_ids"]) == 1
+
+    timeline = [json.loads(line) for line in cli(mesh, "explain", job_id, "--json").stdout.splitlines()][0]
+    assert [e["type"] for e in timeline] == [
+        "cmd.submit", "job.submitted", "job.admitted", "job.quota_reserved", "job.placed",
+        "job.started", "job.exited", "job.succeeded",
+    ]
+
+    # the read model catches up asynchronously; replay at the head must then equal it exactly
+    deadline = time.monotonic() + 20
+    while True:
+        replay = json.loads(cli(mesh, "replay", "--json").stdout)
+        live_jobs = jobs(mesh)
+        live_nodes = json.loads(cli(mesh, "nodes", "--json").stdout)
+        if replay["jobs"] == live_jobs and replay["nodes"] == live_nodes:
+            break
+        assert time.monotonic() < deadline, "replay never equalled the live read model"
+        time.sleep(0.3)
+    assert replay["seq"] > 0 and len(replay["nodes"]) == 6
+    assert all(n["gpus_allocated"] == 0 for n in replay["nodes"])
+
+
+def test_a_service_killed_mid_flight_is_restarted_and_loses_nothing(mesh: Path, tmp_path: Path) -> None:
+    doc = json.loads((mesh / "mesh.json").read_text())
+    spec = tmp_path / "one-gpu.yaml"
+    spec.write_text("name: tiny\ntenant: acme\nresources: {gpu: 1, cpu: 1, memory: 1Gi}\nsim: {duration: 1s}\n")
+    ids = {json.loads(cli(mesh, "submit", str(spec), "--json").stdout)["job_id"] for _ in range(3)}
+    for name in ("placer", "guardian"):
+        os.kill(int(doc["parts"][name]["pid"]), signal.SIGKILL)
+    ids |= {json.loads(cli(mesh, "submit", str(spec), "--json").stdout)["job_id"] for _ in range(3)}
+    wait_jobs(mesh, ids, "succeeded", timeout_s=90)
+    st = json.loads(cli(mesh, "status", "--json").stdout)
+    assert st["parts"]["placer"]["restarts"] >= 1 and st["parts"]["guardian"]["restarts"] >= 1
+    assert all(p["alive"] for p in st["parts"].values())
+
+
+def test_down_stops_every_part(tmp_path: Path) -> None:
+    data_dir = tmp_path / "m2"
+    cli(data_dir, "up", "--detach", "--sim-nodes", "2", "--no-postgres")
+    pids = [int(p["pid"]) for p in json.loads((data_dir / "mesh.json").read_text())["parts"].values() if p["pid"]]
+    pids.append(int(json.loads((data_dir / "mesh.json").read_text())["supervisor_pid"]))
+    cli(data_dir, "down")
+    deadline = time.monotonic() + 15
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in pids if _alive(p)]
+        time.sleep(0.1)
+    assert not alive, f"still running: {alive}"
+    assert not (data_dir / "mesh.json").exists()
+    assert json.loads(cli(data_dir, "status", "--json", check=False).stdout)["running"] is False
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie child of ours is not running
+        return "Z" not in Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
