@@ -124,17 +124,32 @@ def _cpu_s(pid: int) -> float:
 
 
 def run_e2e(sim_nodes: int = 5000, jobs: int = 20000, postgres: bool = True,
-            progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+            progress: Callable[[str], None] | None = None, layouts: tuple[str, ...] = ("grouped", "separate"),
+            ) -> dict[str, Any]:
+    """Run the bench once per layout, the first being the one reported; the others are baselines."""
+    runs = {layout: run_layout(sim_nodes, jobs, postgres, layout, progress) for layout in layouts}
+    main = dict(runs[layouts[0]])
+    main["layout"] = layouts[0]
+    for layout in layouts[1:]:
+        base = runs[layout]
+        main[f"baseline_{layout}"] = base
+        main[f"ratio_vs_{layout}"] = round(main["placed_rate_jobs_s"] / max(1e-9, base["placed_rate_jobs_s"]), 2)
+    return main
+
+
+def run_layout(sim_nodes: int, jobs: int, postgres: bool, layout: str,
+               progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     from gpufleet.mesh import MeshOptions, Supervisor, wait_services_ready
 
     with tempfile.TemporaryDirectory(prefix="gpufleet-bench-") as tmp:
-        sup = Supervisor(MeshOptions(Path(tmp), sim_nodes=sim_nodes, postgres=postgres, log_level="WARNING"))
+        sup = Supervisor(MeshOptions(Path(tmp), sim_nodes=sim_nodes, postgres=postgres, log_level="WARNING",
+                                     layout=layout))
         try:
             sup.start_infra()
             sup.start_services()
-            wait_services_ready(sup.nats_url, timeout_s=120)
+            wait_services_ready(sup.nats_url, timeout_s=120, layout=layout)
             if progress:
-                progress(f"mesh up with {sim_nodes} sim nodes; registering")
+                progress(f"[{layout}] mesh up with {sim_nodes} sim nodes; registering")
             pids = {name: c.proc.pid for name, c in sup.children.items() if c.proc}
             if sup.nats_proc:
                 pids["nats-server"] = sup.nats_proc.pid

@@ -64,6 +64,7 @@ def up(
     nats_port: Annotated[int, typer.Option(help="0: a free port")] = 0,
     pg_port: Annotated[int, typer.Option(help="0: a free port")] = 0,
     postgres: Annotated[bool, typer.Option(help="run the PostgreSQL read model")] = True,
+    layout: Annotated[str, typer.Option(help="grouped: light services share a process; separate: one process each")] = "grouped",
 ) -> None:
     """Start nats-server, PostgreSQL, the eight services and N simulated nodes."""
     from gpufleet.mesh import MeshOptions, Supervisor, running_supervisor, up_detached
@@ -73,7 +74,7 @@ def up(
     if running:
         typer.echo(f"already running in {ddir} (supervisor pid {running['supervisor_pid']}, NATS {running['nats_url']})", err=True)
         raise typer.Exit(1)
-    opts = MeshOptions(ddir, sim_nodes, nats_port, pg_port, postgres)
+    opts = MeshOptions(ddir, sim_nodes, nats_port, pg_port, postgres, layout=layout)
     if detach:
         doc = up_detached(opts)
         typer.echo(f"gpufleet running in {ddir}: NATS {doc['nats_url']}, PostgreSQL {doc['pg_dsn'] or '-'}, "
@@ -320,12 +321,14 @@ def bench_e2e(
     jobs_n: Annotated[int, typer.Option("--jobs", help="jobs to submit")] = 20000,
     as_json: JsonOut = False,
     postgres: Annotated[bool, typer.Option(help="include the PostgreSQL read model in the mesh")] = True,
+    layouts: Annotated[str, typer.Option(help="layouts to run, the first reported, the rest as baselines")] = "grouped,separate",
 ) -> None:
     """Submit jobs as fast as the mesh takes them; report submit->placed rate and latency."""
     from gpufleet.bench import run_e2e
 
     result = run_e2e(sim_nodes=sim_nodes, jobs=jobs_n, postgres=postgres,
-                     progress=None if as_json else (lambda s: typer.echo(s, err=True)))
+                     progress=None if as_json else (lambda s: typer.echo(s, err=True)),
+                     layouts=tuple(x.strip() for x in layouts.split(",") if x.strip()))
     if as_json:
         _print_json(result)
     else:

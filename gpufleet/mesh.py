@@ -27,6 +27,13 @@ from gpufleet.shared.procs import free_port, pid_alive, start_nats, stop_process
 log = logging.getLogger("gpufleet.mesh")
 
 SERVICES = ("admission", "quota", "placer", "executor", "telemetry", "guardian", "billing", "autoscaler")
+# How the services map onto processes. "grouped" (the default) co-locates the light services in
+# one process sharing one consumer, so each event is delivered and parsed once there instead of
+# six times; "separate" runs every service as its own process (as the distributed mode does).
+LAYOUTS: dict[str, tuple[tuple[str, ...], ...]] = {
+    "separate": tuple((name,) for name in SERVICES),
+    "grouped": (("admission", "quota", "guardian", "telemetry", "billing", "autoscaler"), ("placer",), ("executor",)),
+}
 RESTART_BACKOFF_S = (0.5, 1, 2, 5, 10)
 
 
@@ -38,12 +45,14 @@ class MeshOptions:
     pg_port: int = 0
     postgres: bool = True
     log_level: str = "INFO"
+    layout: str = "grouped"
 
 
 @dataclass
 class Child:
     name: str
     argv: list[str]
+    services: tuple[str, ...] = ()
     proc: subprocess.Popen[bytes] | None = None
     restarts: int = 0
     started_at: float = 0.0
@@ -77,7 +86,10 @@ class Supervisor:
             "parts": {
                 "nats": {"pid": self.nats_proc.pid if self.nats_proc else None},
                 **({"postgres": {"pid": self.pg.running_pid()}} if self.pg is not None else {}),
-                **{c.name: {"pid": c.proc.pid if c.proc else None, "restarts": c.restarts} for c in self.children.values()},
+                **{
+                    svc: {"pid": c.proc.pid if c.proc else None, "restarts": c.restarts, "process": c.name}
+                    for c in self.children.values() for svc in (c.services or (c.name,))
+                },
             },
         }
         tmp = self.dir / (MESH_FILE + ".tmp")
@@ -101,13 +113,16 @@ class Supervisor:
             self.pg_dsn = self.pg.dsn
             log.info("postgres up at %s", self.pg_dsn)
 
-    def child_argv(self, name: str) -> list[str]:
+    def child_argv(self, services: tuple[str, ...]) -> list[str]:
         py = sys.executable
         common = ["--nats-url", self.nats_url, "--log-level", self.opts.log_level]
-        if name == "readmodel":
+        if services == ("readmodel",):
             return [py, "-m", "gpufleet.shared.readmodel", "--nats", self.nats_url, "--dsn", self.pg_dsn]
-        argv = [py, "-m", f"gpufleet.services.{name}", *common]
-        if name == "executor":
+        if len(services) == 1:
+            argv = [py, "-m", f"gpufleet.services.{services[0]}", *common]
+        else:
+            argv = [py, "-m", "gpufleet.shared.service", *services, *common]
+        if "executor" in services:
             argv += ["--sim-nodes", str(self.opts.sim_nodes)]
         return argv
 
@@ -118,9 +133,10 @@ class Supervisor:
         out.close()
 
     def start_services(self) -> None:
-        names = [*SERVICES, *(["readmodel"] if self.opts.postgres else [])]
-        for name in names:
-            child = Child(name, self.child_argv(name))
+        groups = [*LAYOUTS[self.opts.layout], *([("readmodel",)] if self.opts.postgres else [])]
+        for services in groups:
+            name = "+".join(services)
+            child = Child(name, self.child_argv(services), services)
             self.children[name] = child
             self.spawn(child)
 
@@ -168,7 +184,7 @@ class Supervisor:
             self.start_infra()
             self.start_services()
             self.write_mesh("starting")
-            wait_services_ready(self.nats_url, timeout_s=60)
+            wait_services_ready(self.nats_url, timeout_s=60, layout=self.opts.layout)
             self.write_mesh("running")
             if on_ready:
                 on_ready(self)
@@ -179,8 +195,14 @@ class Supervisor:
             self.stop_all()
 
 
-def wait_services_ready(nats_url: str, timeout_s: float) -> None:
-    """Ready = every service's durable consumer exists (each creates it after folding)."""
+def durables(layout: str) -> set[str]:
+    """The durable consumer each process of a layout creates (after its fold)."""
+    return {group[0] if len(group) == 1 else "group-" + "-".join(group) for group in LAYOUTS[layout]}
+
+
+def wait_services_ready(nats_url: str, timeout_s: float, layout: str = "grouped") -> None:
+    """Ready = every process's durable consumer exists (each creates it after folding)."""
+    expected = durables(layout)
     import nats
 
     async def check() -> None:
@@ -193,10 +215,10 @@ def wait_services_ready(nats_url: str, timeout_s: float) -> None:
                     names = {c.name async for c in _consumers(js)}
                 except Exception:  # noqa: BLE001 - stream not there yet
                     names = set()
-                if all(s in names for s in SERVICES):
+                if expected <= names:
                     return
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"services not ready after {timeout_s}s: missing {set(SERVICES) - names}")
+                    raise TimeoutError(f"services not ready after {timeout_s}s: missing {expected - names}")
                 await asyncio.sleep(0.2)
         finally:
             await nc.close()
@@ -222,7 +244,7 @@ def up_detached(opts: MeshOptions, timeout_s: float = 90.0) -> dict[str, Any]:
     argv = [
         sys.executable, "-m", "gpufleet.mesh", "supervise", "--data-dir", str(opts.data_dir),
         "--sim-nodes", str(opts.sim_nodes), "--nats-port", str(opts.nats_port), "--pg-port", str(opts.pg_port),
-        "--log-level", opts.log_level, *([] if opts.postgres else ["--no-postgres"]),
+        "--log-level", opts.log_level, "--layout", opts.layout, *([] if opts.postgres else ["--no-postgres"]),
     ]
     (opts.data_dir / "logs").mkdir(exist_ok=True)
     out = open(opts.data_dir / "logs" / "supervisor.log", "ab")  # noqa: SIM115
@@ -281,10 +303,11 @@ def main(argv: list[str] | None = None) -> None:
     sp.add_argument("--pg-port", type=int, default=0)
     sp.add_argument("--no-postgres", action="store_true")
     sp.add_argument("--log-level", default="INFO")
+    sp.add_argument("--layout", default="grouped", choices=sorted(LAYOUTS))
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     opts = MeshOptions(Path(args.data_dir), args.sim_nodes, args.nats_port, args.pg_port,
-                       not args.no_postgres, args.log_level)
+                       not args.no_postgres, args.log_level, args.layout)
     Supervisor(opts).run()
 
 

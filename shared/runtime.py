@@ -135,6 +135,7 @@ class ServiceRuntime(Generic[S]):
     fetch_timeout_s: float = 0.25
     ack_wait_s: float = 30.0  # an unacked message (a crash before the ack) comes back after this
     clock: Callable[[], float] = time.time
+    group: RuntimeGroup | None = None  # set when co-located: the group owns consumer and acks
     state: S = field(init=False)
     stats: RuntimeStats = field(default_factory=RuntimeStats)
 
@@ -147,6 +148,7 @@ class ServiceRuntime(Generic[S]):
         self._stop = asyncio.Event()
         self._next_tick = 0.0
         self._psub: Any = None
+        self._parsed: dict[int, Envelope] | None = None  # a group's parse cache for one batch
         self._interest = SubjectFilter(self.core.subjects)
         self._takes = SubjectFilter([self.core.cas_subject] if self.core.cas_subject else [])
         # one broad server-side filter, the rest in the client (see shared/subjects.py)
@@ -207,35 +209,10 @@ class ServiceRuntime(Generic[S]):
         await self._publish_and_apply(self.core.on_start(self.state, self.ctx()), evolved=False)
 
     async def _open_consumer(self) -> None:
-        """(Re)create the durable consumer at its ack floor + 1.
-
-        AckAll acknowledges everything up to the acked message, so the ack floor is exactly what
-        has been decided. Recreating the consumer there (on start, and after any failure in a
-        batch) redelivers the rest in stream order — never a newer message before an older one,
-        so one ack per batch cannot acknowledge a message that was not decided.
-        """
-        js = self.bus.js
-        floor = 0
-        try:
-            info = await js.consumer_info(STREAM, self.durable)
-            floor = int(info.ack_floor.stream_seq or 0) if info.ack_floor else 0
-            await js.delete_consumer(STREAM, self.durable)
-        except nats.js.errors.NotFoundError:
-            pass
-        cfg = ConsumerConfig(
-            durable_name=self.durable, filter_subject=self.filter_subject,
-            ack_policy=AckPolicy.ALL,
-            deliver_policy=DeliverPolicy.BY_START_SEQUENCE if floor else DeliverPolicy.ALL,
-            opt_start_seq=floor + 1 if floor else None,
-            max_deliver=-1, ack_wait=self.ack_wait_s, max_ack_pending=20_000,
-        )
-        await js.add_consumer(STREAM, cfg)
-        if self._psub is not None:
-            try:
-                await self._psub.unsubscribe()
-            except Exception:  # noqa: BLE001 - the old subscription is gone either way
-                pass
-        self._psub = await js.pull_subscribe_bind(self.durable, stream=STREAM)
+        if self.group is not None:
+            await self.group.reopen()
+            return
+        self._psub = await open_durable(self.bus, self.durable, self.filter_subject, self.ack_wait_s, self._psub)
 
     async def _recover(self, reason: str) -> None:
         """After a failed batch: rebuild the state from the log, redeliver from the ack floor."""
@@ -268,10 +245,13 @@ class ServiceRuntime(Generic[S]):
             msgs = []
         if msgs:
             await self.handle_batch(msgs)
+        await self.tick_if_due()
+        return len(msgs)
+
+    async def tick_if_due(self) -> None:
         if self.core.tick_s is not None and self.clock() >= self._next_tick:
             self._next_tick = self.clock() + self.core.tick_s
             await self._publish_and_apply(self.core.tick(self.state, self.ctx()), evolved=False)
-        return len(msgs)
 
     def _own_subject(self, subject: str) -> bool:
         return self._interest(subject)
@@ -303,7 +283,10 @@ class ServiceRuntime(Generic[S]):
             md = msg.metadata
             seq = md.sequence.stream
             try:
-                env = parse_envelope(msg.data)
+                cached = self._parsed.get(seq) if self._parsed is not None else None
+                env = cached or parse_envelope(msg.data)
+                if self._parsed is not None:
+                    self._parsed[seq] = env
             except Exception as exc:  # noqa: BLE001 - any parse failure is a bad message
                 outputs.append(self._dead_letter(msg, f"invalid message: {_short(exc)}"))
                 bad.append(msg)
@@ -390,7 +373,7 @@ class ServiceRuntime(Generic[S]):
             for o in outputs:
                 if o.subject().startswith("fleet.tel."):
                     await self.bus.publish_telemetry(o.subject(), o.to_json())
-        if handled:
+        if handled and self.group is None:
             await max(handled, key=lambda m: m.metadata.sequence.stream).ack()
 
     async def _publish_and_apply(self, outputs: list[Envelope], evolved: bool) -> None:
@@ -407,6 +390,112 @@ class ServiceRuntime(Generic[S]):
         except (CasConflict, RetryableError) as exc:
             log.warning("%s: publish of %d outputs failed (%s); re-folding", self.actor, len(outputs), exc)
             await self.refold()
+
+
+async def open_durable(bus: Bus, durable: str, filter_subject: str, ack_wait_s: float, old_psub: Any = None) -> Any:
+    """(Re)create a durable consumer at its ack floor + 1 and bind a pull subscription to it.
+
+    AckAll acknowledges everything up to the acked message, so the ack floor is exactly what
+    has been decided. Recreating the consumer there (on start, and after any failure in a
+    batch) redelivers the rest in stream order — never a newer message before an older one,
+    so one ack per batch cannot acknowledge a message that was not decided.
+    """
+    js = bus.js
+    floor = 0
+    try:
+        info = await js.consumer_info(STREAM, durable)
+        floor = int(info.ack_floor.stream_seq or 0) if info.ack_floor else 0
+        await js.delete_consumer(STREAM, durable)
+    except nats.js.errors.NotFoundError:
+        pass
+    cfg = ConsumerConfig(
+        durable_name=durable, filter_subject=filter_subject,
+        ack_policy=AckPolicy.ALL,
+        deliver_policy=DeliverPolicy.BY_START_SEQUENCE if floor else DeliverPolicy.ALL,
+        opt_start_seq=floor + 1 if floor else None,
+        max_deliver=-1, ack_wait=ack_wait_s, max_ack_pending=20_000,
+    )
+    await js.add_consumer(STREAM, cfg)
+    if old_psub is not None:
+        try:
+            await old_psub.unsubscribe()
+        except Exception:  # noqa: BLE001 - the old subscription is gone either way
+            pass
+    return await js.pull_subscribe_bind(durable, stream=STREAM)
+
+
+class RuntimeGroup:
+    """Several cores co-located in one process, sharing one durable consumer.
+
+    Each core keeps its own state, fold, decisions and compare-and-set; what they share is the
+    delivery: every event is received and parsed once per process instead of once per service
+    (on 2 cores the client-side cost of a delivery dominates). A failure in any core re-folds
+    that core and redelivers the batch to all, whose decisions are idempotent on their state.
+    """
+
+    def __init__(self, cores: Sequence[Core[Any]], bus: Bus, instance: str = "0", batch: int = 256,
+                 fetch_timeout_s: float = 0.25, ack_wait_s: float = 30.0) -> None:
+        self.bus = bus
+        self.runtimes: list[ServiceRuntime[Any]] = [
+            ServiceRuntime(core, bus, instance=instance, batch=batch, fetch_timeout_s=fetch_timeout_s,
+                           ack_wait_s=ack_wait_s, group=self)
+            for core in cores
+        ]
+        names = "-".join(c.name for c in cores)
+        self.durable = f"group-{names}" + (f"-{instance}" if instance != "0" else "")
+        self.filter_subject = consumer_filter([p for c in cores for p in c.subjects])
+        self.batch, self.fetch_timeout_s, self.ack_wait_s = batch, fetch_timeout_s, ack_wait_s
+        self._psub: Any = None
+        self._generation = 0
+        self._stop = asyncio.Event()
+
+    async def start(self) -> None:
+        await self.bus.ensure_streams()
+        for rt in self.runtimes:
+            await rt.refold()
+        await self.reopen()
+        for rt in self.runtimes:
+            await rt._publish_and_apply(rt.core.on_start(rt.state, rt.ctx()), evolved=False)
+
+    async def reopen(self) -> None:
+        self._generation += 1
+        self._psub = await open_durable(self.bus, self.durable, self.filter_subject, self.ack_wait_s, self._psub)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    async def run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                await self.step()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - the loop must outlive any one failure
+                log.exception("group %s: step failed; continuing", self.durable)
+                await asyncio.sleep(0.5)
+
+    async def step(self) -> int:
+        try:
+            msgs = await self._psub.fetch(self.batch, timeout=self.fetch_timeout_s)
+        except (TimeoutError, nats.errors.TimeoutError):
+            msgs = []
+        except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError):
+            await asyncio.sleep(0.2)
+            msgs = []
+        if msgs:
+            generation = self._generation
+            parsed: dict[int, Envelope] = {}
+            for rt in self.runtimes:
+                rt._parsed = parsed
+                try:
+                    await rt.handle_batch(msgs)
+                finally:
+                    rt._parsed = None
+            if generation == self._generation:  # no member recreated the consumer meanwhile
+                await max(msgs, key=lambda m: m.metadata.sequence.stream).ack()
+        for rt in self.runtimes:
+            await rt.tick_if_due()
+        return len(msgs)
 
 
 class _CoreFailed(Exception):

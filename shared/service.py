@@ -16,7 +16,7 @@ from typing import Any
 
 from .bus import Bus
 from .config import resolve_nats_url
-from .runtime import Core, ServiceRuntime
+from .runtime import Core, RuntimeGroup, ServiceRuntime
 
 log = logging.getLogger(__name__)
 
@@ -66,3 +66,45 @@ def serve(name: str, make_core: Callable[[argparse.Namespace], Core[Any]],
     except ImportError:  # pragma: no cover - uvloop is a dependency; plain asyncio still works
         pass
     asyncio.run(run_core(core, url, args.instance, args.batch))
+
+
+async def run_group(cores: list[Core[Any]], nats_url: str, instance: str = "0", batch: int = 256) -> None:
+    bus = await Bus.connect(nats_url, name=f"gpufleet-group-{'-'.join(c.name for c in cores)}")
+    group = RuntimeGroup(cores, bus, instance=instance, batch=batch)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, group.stop)
+        except (NotImplementedError, RuntimeError):
+            pass
+    try:
+        await group.start()
+        log.info("group %s ready", group.durable)
+        await group.run()
+    finally:
+        await bus.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m gpufleet.shared.service admission quota guardian ...`: co-locate services."""
+    from gpufleet.services.registry import make_core
+
+    ap = base_parser("group")
+    ap.prog = "python -m gpufleet.shared.service"
+    ap.add_argument("services", nargs="+", help="services to run together in this process")
+    ap.add_argument("--sim-nodes", type=int, default=4, help="simulated nodes (if executor is one of them)")
+    ap.add_argument("--node-prefix", default="sim")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s group %(levelname)s %(message)s")
+    url = args.nats_url or resolve_nats_url(args.data_dir)
+    cores = [make_core(name, args) for name in args.services]
+    try:
+        import uvloop
+        uvloop.install()
+    except ImportError:  # pragma: no cover
+        pass
+    asyncio.run(run_group(cores, url, args.instance, args.batch))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,39 @@
+"""Every service core by name, built from command-line arguments (for groups and tools)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from gpufleet.shared.runtime import Core
+
+SERVICE_NAMES = ("admission", "quota", "placer", "executor", "telemetry", "guardian", "billing", "autoscaler")
+
+
+def make_core(name: str, args: argparse.Namespace) -> Core[Any]:
+    if name == "admission":
+        from gpufleet.services.admission.core import AdmissionCore
+        return AdmissionCore()
+    if name == "quota":
+        from gpufleet.services.quota.core import QuotaCore
+        return QuotaCore()
+    if name == "placer":
+        from gpufleet.services.placer.core import PlacerCore
+        return PlacerCore()
+    if name == "executor":
+        from gpufleet.services.executor.core import ExecutorCore
+        from gpufleet.shared.cluster import sim_fleet
+        return ExecutorCore(sim_fleet(getattr(args, "sim_nodes", 4), getattr(args, "node_prefix", "sim")))
+    if name == "telemetry":
+        from gpufleet.services.telemetry.core import TelemetryCore
+        return TelemetryCore()
+    if name == "guardian":
+        from gpufleet.services.guardian.core import GuardianCore
+        return GuardianCore()
+    if name == "billing":
+        from gpufleet.services.billing.core import BillingCore
+        return BillingCore()
+    if name == "autoscaler":
+        from gpufleet.services.autoscaler.core import AutoscalerCore
+        return AutoscalerCore()
+    raise ValueError(f"unknown service {name!r}; known: {', '.join(SERVICE_NAMES)}")
