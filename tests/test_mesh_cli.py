@@ -131,3 +131,31 @@ def _alive(pid: int) -> bool:
         return "Z" not in Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except OSError:
         return False
+
+
+def test_cancel_and_watch(mesh: Path, tmp_path: Path) -> None:
+    spec = tmp_path / "long.yaml"
+    spec.write_text("name: long\ntenant: globex\nresources: {gpu: 2, cpu: 2, memory: 2Gi}\nsim: {duration: 10m}\n")
+    job_id = json.loads(cli(mesh, "submit", str(spec), "--json").stdout)["job_id"]
+    wait_jobs(mesh, {job_id}, "running", timeout_s=30)
+    cli(mesh, "cancel", job_id)
+    [row] = wait_jobs(mesh, {job_id}, "cancelled", timeout_s=30)
+    assert row["tenant"] == "globex"
+
+    # watch --from-start --json: one JSON object per line, filtered to the job, in log order
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gpufleet.cli", "watch", "--job", job_id, "--from-start", "--json",
+         "--data-dir", str(mesh)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+    )
+    try:
+        out, _ = proc.communicate(timeout=8)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=10)
+    events = [json.loads(line) for line in out.splitlines() if line.strip()]
+    assert {e["payload"]["job_id"] for e in events} == {job_id}
+    assert [e["seq"] for e in events] == sorted(e["seq"] for e in events)
+    types = [e["type"] for e in events]
+    assert types[:2] == ["job.submitted", "job.admitted"]
+    assert "job.cancel_requested" in types and types[-1] == "job.cancelled"
+    assert any(e["type"] == "job.exited" and e["payload"]["reason"] == "cancelled" for e in events)
