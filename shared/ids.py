@@ -59,7 +59,7 @@ def derive_id(parent_id: str, key: str | int, time_ms: int | None = None) -> str
 
 def is_token(value: str) -> bool:
     """Whether `value` may be embedded in a NATS subject (no '.', '*', '>', spaces or leading '$')."""
-    return 0 < len(value) <= TOKEN_LEN_MAX and bool(_TOKEN_RE.match(value))
+    return 0 < len(value) <= TOKEN_LEN_MAX and bool(_TOKEN_RE.fullmatch(value))
 
 
 def check_token(value: str, field: str = "id") -> str:

@@ -33,10 +33,10 @@ from typing import Any
 import asyncpg
 import nats
 from nats.aio.msg import Msg
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from .bus import Bus
 from .events import STREAM, Envelope, parse_envelope
+from .runtime import open_durable
 from .view import ClusterView, JobRow, NodeRow, apply
 
 log = logging.getLogger(__name__)
@@ -328,19 +328,9 @@ class Projector:
 
     async def start(self) -> None:
         await self.bus.ensure_streams()
-        cfg = ConsumerConfig(
-            durable_name=self.name, filter_subject=EVENTS_FILTER, ack_policy=AckPolicy.EXPLICIT,
-            deliver_policy=DeliverPolicy.ALL, ack_wait=self.ack_wait_s, max_ack_pending=max(20_000, self.batch * 4),
-        )
-        try:
-            await self.bus.js.add_consumer(STREAM, cfg)  # creates, or updates a compatible one
-        except (nats.js.errors.BadRequestError, nats.js.errors.ServerError) as exc:
-            # An incompatible durable of this name (say, another deliver policy: err 10012): replace it. The new one
-            # delivers the whole stream again, which is harmless: seq <= offset is acked, no effect.
-            log.warning("projector %s: replacing its consumer (%s)", self.name, exc)
-            await self.bus.js.delete_consumer(STREAM, self.name)
-            await self.bus.js.add_consumer(STREAM, cfg)
-        self._psub = await self.bus.js.pull_subscribe_bind(self.name, stream=STREAM)
+        # AckAll, reopened at its ack floor (shared/runtime.open_durable): batches are committed
+        # in order and acked only after PostgreSQL has them, so one ack per batch is exact.
+        self._psub = await open_durable(self.bus, self.name, EVENTS_FILTER, self.ack_wait_s)
         await self._connect()
 
     def stop(self) -> None:
@@ -382,9 +372,8 @@ class Projector:
             await self._keep_alive()
             await self._sleep_backoff()
             return 0
-        for m in self._held:
-            with contextlib.suppress(Exception):  # a lost ack is redelivered and then acked as stale
-                await m.ack()
+        with contextlib.suppress(Exception):  # a lost ack is redelivered and then acked as stale
+            await max(self._held, key=lambda m: m.metadata.sequence.stream).ack()
         self._held = []
         self._backoff = self.min_backoff_s
         if self._down_since is not None:

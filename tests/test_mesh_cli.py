@@ -108,8 +108,11 @@ def test_a_service_killed_mid_flight_is_restarted_and_loses_nothing(mesh: Path, 
 
 def test_down_stops_every_part(tmp_path: Path) -> None:
     data_dir = tmp_path / "m2"
-    cli(data_dir, "up", "--detach", "--sim-nodes", "2", "--no-postgres")
-    pids = [int(p["pid"]) for p in json.loads((data_dir / "mesh.json").read_text())["parts"].values() if p["pid"]]
+    cli(data_dir, "up", "--detach", "--sim-nodes", "2", "--no-postgres", "--layout", "separate")
+    parts = json.loads((data_dir / "mesh.json").read_text())["parts"]
+    # every service as its own process: `python -m gpufleet.services.<name>` each
+    assert len({p["pid"] for name, p in parts.items() if name not in ("nats",)}) == 8
+    pids = [int(p["pid"]) for p in parts.values() if p["pid"]]
     pids.append(int(json.loads((data_dir / "mesh.json").read_text())["supervisor_pid"]))
     cli(data_dir, "down")
     deadline = time.monotonic() + 15
