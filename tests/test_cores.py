@@ -109,7 +109,7 @@ def test_submit_written_in_part_is_finished_with_the_same_id() -> None:
 
 
 @pytest.mark.parametrize(("history", "cmd", "then"), [
-    ("pending", cancel("j1"), ["job.cancelled"]),
+    ("pending", cancel("j1"), ["job.cancel_requested"]),  # admission only asks: it may lag
     ("placed", cancel("j1"), ["job.cancel_requested"]),
     ("pending", cancel("j1", tenant="globex"), []),
     ("placed", cancel("j1", tenant="globex"), []),
@@ -515,3 +515,28 @@ def test_executor_tick_ids_derive_from_the_start() -> None:
     b = ExecutorCore({"n1": inventory()}).tick(copy.deepcopy(h.state), ctx(None, late + timedelta(seconds=9)))
 
     assert [e.event_id for e in a] == [e.event_id for e in b] and len(a) == 1
+
+
+# ---------------------------------------------------------------- cancellation races
+
+
+def test_placer_cancels_a_job_it_has_not_placed_and_then_never_places_it() -> None:
+    job = make_job().gpus(1)
+    h = Harness(PlacerCore()).given(node("n1"), submitted(job, "j1"))
+    out = h.when(cancel_requested("j1"))
+    assert types(out) == ["job.cancelled"]
+    assert h.when(quota_reserved(job, "j1")) == []  # its reservation arrives late: nothing placed
+
+
+def test_placer_leaves_a_placed_job_to_the_executor() -> None:
+    job = make_job().gpus(1)
+    h = Harness(PlacerCore()).given(node("n1"), submitted(job, "j1"), placed("j1", ("n1", [0])))
+    assert h.when(cancel_requested("j1")) == []
+
+
+def test_executor_never_starts_a_placement_its_cancel_overtook() -> None:
+    nodes = {"n1": inventory()}
+    h = Harness(ExecutorCore(nodes)).given(submitted(make_job().gpus(1), "j1"), cancel_requested("j1"))
+    out = h.when(placed("j1", ("n1", [0])))
+    assert types(out) == ["job.exited"]
+    assert out[0].payload.reason == "cancelled"  # type: ignore[union-attr]

@@ -13,7 +13,6 @@ from gpufleet.shared.events import (
     CancelRequestedCmd,
     Envelope,
     JobAdmitted,
-    JobCancelled,
     JobCancelRequested,
     JobRejected,
     JobSubmitted,
@@ -66,7 +65,7 @@ class AdmissionCore(BaseCore[AdmissionState]):
                 state.jobs[job_id] = (known[0], PLACED)
         elif t == "job.cancel_requested":
             known = state.jobs.get(job_id)
-            if known and known[1] == PLACED:
+            if known and known[1] in (PENDING, PLACED):
                 state.jobs[job_id] = (known[0], CANCELLING)
         elif t in ("job.succeeded", "job.failed", "job.cancelled"):
             state.jobs[job_id] = (env.tenant, ENDED)
@@ -108,6 +107,6 @@ class AdmissionCore(BaseCore[AdmissionState]):
         known = state.jobs.get(p.job_id)
         if known is None or known[0] != env.tenant or known[1] in (ENDED, CANCELLING):
             return []
-        if known[1] == PENDING:
-            return [ctx.emit(JobCancelled(job_id=p.job_id, reason=p.reason))]
+        # Admission may lag behind the job: it only asks. The placer, which alone places jobs,
+        # cancels one it has not placed; the executor stops one that runs; the guardian ends it.
         return [ctx.emit(JobCancelRequested(job_id=p.job_id, reason=p.reason, requested_by=env.actor))]

@@ -46,6 +46,7 @@ class ExecutorState:
     # (when it ends, job_id, replica): a tick looks only at what is due, not at every replica
     deadlines: list[tuple[float, str, int]] = field(default_factory=list)
     ended: set[str] = field(default_factory=set)
+    cancelling: set[str] = field(default_factory=set)  # asked to stop: a late placement does not run
     # job_id -> (replica, attempt) started here: a placement redelivered after its replica exited starts nothing
     started: dict[str, set[tuple[int, int]]] = field(default_factory=dict)
 
@@ -101,8 +102,11 @@ class ExecutorCore(BaseCore[ExecutorState]):
                     replicas.remove(p.replica)  # type: ignore[union-attr]
                 if not replicas:
                     state.replicas_of.pop(job_id, None)
+        elif t == "job.cancel_requested":
+            state.cancelling.add(job_id)
         elif t in ("job.succeeded", "job.failed", "job.cancelled", "job.preempted"):
             state.ended.add(job_id)
+            state.cancelling.discard(job_id)
             state.plans.pop(job_id, None)
             state.started.pop(job_id, None)
         return state
@@ -128,6 +132,13 @@ class ExecutorCore(BaseCore[ExecutorState]):
             for a in p.allocations:  # type: ignore[union-attr]
                 if (a.node_id in self.nodes and (job_id, a.replica) not in state.running
                         and (a.replica, p.attempt) not in state.started.get(job_id, ())):  # type: ignore[union-attr]
+                    if job_id in state.cancelling:
+                        # the cancel overtook this placement: never start it, free what it holds
+                        out.append(ctx.emit(JobExited(
+                            job_id=job_id, node_id=a.node_id, replica=a.replica, exit_code=EXIT_KILLED,
+                            reason="cancelled",
+                        ), key=f"start:{a.replica}"))
+                        continue
                     out.append(ctx.emit(JobStarted(
                         job_id=job_id, node_id=a.node_id, replica=a.replica, driver="sim",
                         attempt=p.attempt,  # type: ignore[union-attr]

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from gpufleet.shared.events import (
     Envelope,
+    JobCancelled,
     JobPlaced,
     JobUnschedulable,
     NodeInventory,
@@ -111,7 +112,7 @@ class PlacerCore(BaseCore[PlacerState]):
     subjects = (
         "fleet.evt.sys.node.*.*",
         "fleet.evt.*.job.*.submitted", "fleet.evt.*.job.*.quota_reserved", "fleet.evt.*.job.*.placed",
-        "fleet.evt.*.job.*.unschedulable", "fleet.evt.*.job.*.exited",
+        "fleet.evt.*.job.*.unschedulable", "fleet.evt.*.job.*.exited", "fleet.evt.*.job.*.cancel_requested",
         "fleet.evt.*.job.*.succeeded", "fleet.evt.*.job.*.failed", "fleet.evt.*.job.*.cancelled",
         "fleet.evt.*.job.*.preempted",
     )
@@ -179,6 +180,12 @@ class PlacerCore(BaseCore[PlacerState]):
 
     def decide(self, state: PlacerState, env: Envelope, ctx: Ctx) -> list[Envelope]:
         t = env.type
+        if t == "job.cancel_requested":
+            job_id = env.job_id
+            if job_id in state.specs and job_id not in state.allocations and job_id not in state.ended:
+                # not placed (and, placements being ours alone, it never will be): cancelled here
+                return [ctx.emit(JobCancelled(job_id=job_id, reason=env.payload.reason), key="cancelled")]  # type: ignore[union-attr,arg-type]
+            return []  # placed: the executor stops it, the guardian ends it
         if t == "job.quota_reserved":
             job_id = env.job_id
             if job_id in state.pending:
