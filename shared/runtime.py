@@ -231,8 +231,12 @@ class ServiceRuntime(Generic[S]):
             except asyncio.CancelledError:
                 raise
             except Exception:  # noqa: BLE001 - the loop must outlive any one failure
-                log.exception("%s: step failed; continuing", self.actor)
+                log.exception("%s: step failed; re-folding", self.actor)
                 await asyncio.sleep(0.5)
+                try:
+                    await self._recover("a step failed")
+                except Exception:  # noqa: BLE001 - NATS may be away; the next step tries again
+                    log.exception("%s: recovery failed", self.actor)
 
     async def step(self) -> int:
         """Fetch and handle one batch, then tick if due. Returns the number of messages handled."""
@@ -343,9 +347,9 @@ class ServiceRuntime(Generic[S]):
                 self.stats.cas_conflicts += 1
                 await self.refold()  # the batch is not acked: decide it again on the new state
                 continue
-            except RetryableError as exc:
+            except Exception as exc:  # noqa: BLE001 - retryable or not: the state holds unpublished outputs
                 await asyncio.sleep(NAK_DELAY_S)
-                await self._recover(f"publish failed ({exc})")
+                await self._recover(f"publish failed ({type(exc).__name__}: {exc})")
                 return
             self.stats.batches += 1
             self.stats.consumed += len(msgs)
@@ -471,8 +475,14 @@ class RuntimeGroup:
             except asyncio.CancelledError:
                 raise
             except Exception:  # noqa: BLE001 - the loop must outlive any one failure
-                log.exception("group %s: step failed; continuing", self.durable)
+                log.exception("group %s: step failed; re-folding", self.durable)
                 await asyncio.sleep(0.5)
+                try:
+                    for rt in self.runtimes:
+                        await rt.refold()
+                    await self.reopen()
+                except Exception:  # noqa: BLE001 - NATS may be away; the next step tries again
+                    log.exception("group %s: recovery failed", self.durable)
 
     async def step(self) -> int:
         try:
