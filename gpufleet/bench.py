@@ -63,21 +63,23 @@ async def _drive(nats_url: str, sim_nodes: int, jobs: int, progress: Callable[[s
     sub = await bus.nc.subscribe("fleet.evt.*.job.*.placed", cb=on_msg)
     sub2 = await bus.nc.subscribe("fleet.evt.*.job.*.unschedulable", cb=on_msg)
     envs = []
+    job_ids: list[str] = []
     for i in range(jobs):
         spec = {
             "name": f"bench-{i}", "tenant": f"team{i % 4}", "type": "batch",
             "resources": {"cpu": 1, "memory": "4Gi", "gpu": GPU_MIX[i % len(GPU_MIX)]},
             "sim": {"duration": "1h"},
         }
-        envs.append(submit_envelope(spec, new_job_id(), actor="bench"))
+        job_ids.append(new_job_id())
+        envs.append(submit_envelope(spec, job_ids[-1], actor="bench"))
     submitted_at: dict[str, float] = {}
     t0 = time.perf_counter()
     last_report = t0
     for start in range(0, jobs, SUBMIT_BATCH):
         chunk = envs[start:start + SUBMIT_BATCH]
         now = time.perf_counter()
-        for e in chunk:
-            submitted_at[e.payload.job_id] = now  # type: ignore[union-attr]
+        for job_id in job_ids[start:start + SUBMIT_BATCH]:
+            submitted_at[job_id] = now
         await bus.publish_batch(chunk)
         if progress and now - last_report > 2:
             last_report = now

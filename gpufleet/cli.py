@@ -7,7 +7,7 @@ import asyncio
 import json
 import os
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
@@ -31,9 +31,9 @@ DataDir = Annotated[str | None, typer.Option("--data-dir", envvar="GPUFLEET_DATA
 JsonOut = Annotated[bool, typer.Option("--json", help="machine-readable output")]
 
 
-def _run(coro: Awaitable[T]) -> T:
+def _run(coro: Coroutine[Any, Any, T]) -> T:
     try:
-        return asyncio.run(coro)  # type: ignore[arg-type]
+        return asyncio.run(coro)
     except GpufleetError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from None
@@ -65,6 +65,7 @@ def up(
     pg_port: Annotated[int, typer.Option(help="0: a free port")] = 0,
     postgres: Annotated[bool, typer.Option(help="run the PostgreSQL read model")] = True,
     layout: Annotated[str, typer.Option(help="grouped: light services share a process; separate: one process each")] = "grouped",
+    config: Annotated[Path | None, typer.Option(help="cluster config YAML: tenants and policies (docs/config.md)")] = None,
 ) -> None:
     """Start nats-server, PostgreSQL, the eight services and N simulated nodes."""
     from gpufleet.mesh import MeshOptions, Supervisor, running_supervisor, up_detached
@@ -74,7 +75,15 @@ def up(
     if running:
         typer.echo(f"already running in {ddir} (supervisor pid {running['supervisor_pid']}, NATS {running['nats_url']})", err=True)
         raise typer.Exit(1)
-    opts = MeshOptions(ddir, sim_nodes, nats_port, pg_port, postgres, layout=layout)
+    if config is not None:
+        from gpufleet.shared.clusterconfig import load_config
+
+        try:
+            load_config(config)
+        except SpecError as exc:
+            typer.echo(f"error: invalid cluster config {config}: {exc}", err=True)
+            raise typer.Exit(2) from None
+    opts = MeshOptions(ddir, sim_nodes, nats_port, pg_port, postgres, layout=layout, config=config)
     if detach:
         doc = up_detached(opts)
         typer.echo(f"gpufleet running in {ddir}: NATS {doc['nats_url']}, PostgreSQL {doc['pg_dsn'] or '-'}, "

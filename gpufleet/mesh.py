@@ -46,6 +46,7 @@ class MeshOptions:
     postgres: bool = True
     log_level: str = "INFO"
     layout: str = "grouped"
+    config: Path | None = None  # cluster config (tenants, policies); copied into the data dir
 
 
 @dataclass
@@ -71,6 +72,7 @@ class Supervisor:
         self.nats_url = ""
         self.pg_dsn = ""
         self._stopping = False
+        self.config_path: Path | None = None
 
     # -------------------------------------------------------------- mesh.json
 
@@ -100,6 +102,12 @@ class Supervisor:
 
     def start_infra(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
+        if self.opts.config is not None:
+            from gpufleet.shared.clusterconfig import load_config
+
+            load_config(self.opts.config)  # refuse a bad config before anything starts
+            self.config_path = self.dir / "cluster.yaml"
+            self.config_path.write_text(Path(self.opts.config).read_text())
         self.logs.mkdir(exist_ok=True)
         port = self.opts.nats_port or free_port()
         self.nats_proc = start_nats(self.dir / "nats", port, log_file=self.logs / "nats.log")
@@ -116,6 +124,8 @@ class Supervisor:
     def child_argv(self, services: tuple[str, ...]) -> list[str]:
         py = sys.executable
         common = ["--nats-url", self.nats_url, "--log-level", self.opts.log_level]
+        if self.config_path is not None:
+            common += ["--config", str(self.config_path)]
         if services == ("readmodel",):
             return [py, "-m", "gpufleet.shared.readmodel", "--nats", self.nats_url, "--dsn", self.pg_dsn]
         if len(services) == 1:
@@ -244,7 +254,8 @@ def up_detached(opts: MeshOptions, timeout_s: float = 90.0) -> dict[str, Any]:
     argv = [
         sys.executable, "-m", "gpufleet.mesh", "supervise", "--data-dir", str(opts.data_dir),
         "--sim-nodes", str(opts.sim_nodes), "--nats-port", str(opts.nats_port), "--pg-port", str(opts.pg_port),
-        "--log-level", opts.log_level, "--layout", opts.layout, *([] if opts.postgres else ["--no-postgres"]),
+        "--log-level", opts.log_level, "--layout", opts.layout,
+        *(["--config", str(Path(opts.config).resolve())] if opts.config else []), *([] if opts.postgres else ["--no-postgres"]),
     ]
     (opts.data_dir / "logs").mkdir(exist_ok=True)
     out = open(opts.data_dir / "logs" / "supervisor.log", "ab")  # noqa: SIM115
@@ -304,10 +315,12 @@ def main(argv: list[str] | None = None) -> None:
     sp.add_argument("--no-postgres", action="store_true")
     sp.add_argument("--log-level", default="INFO")
     sp.add_argument("--layout", default="grouped", choices=sorted(LAYOUTS))
+    sp.add_argument("--config", default=None)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     opts = MeshOptions(Path(args.data_dir), args.sim_nodes, args.nats_port, args.pg_port,
-                       not args.no_postgres, args.log_level, args.layout)
+                       not args.no_postgres, args.log_level, args.layout,
+                       Path(args.config) if args.config else None)
     Supervisor(opts).run()
 
 

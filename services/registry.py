@@ -13,7 +13,8 @@ SERVICE_NAMES = ("admission", "quota", "placer", "executor", "telemetry", "guard
 def make_core(name: str, args: argparse.Namespace) -> Core[Any]:
     if name == "admission":
         from gpufleet.services.admission.core import AdmissionCore
-        return AdmissionCore()
+        from gpufleet.shared.clusterconfig import load_config
+        return AdmissionCore(load_config(getattr(args, "config", None)))
     if name == "quota":
         from gpufleet.services.quota.core import QuotaCore
         return QuotaCore()

@@ -113,9 +113,10 @@ class Bus:
 
     async def ensure_streams(self) -> None:
         """Create or update FLEET and FLEET_TELEMETRY; safe to call from every service at start."""
-        for cfg in (fleet_stream_config(self.replicas), telemetry_stream_config(self.replicas)):
+        for name, cfg in ((STREAM, fleet_stream_config(self.replicas)),
+                          (TELEMETRY_STREAM, telemetry_stream_config(self.replicas))):
             try:
-                info = await self.js.stream_info(cfg.name)  # type: ignore[arg-type]
+                info = await self.js.stream_info(name)
                 if (info.config.num_replicas or 1) > (cfg.num_replicas or 1):
                     # never lower a cluster's replication from a service started with the default
                     cfg.num_replicas = info.config.num_replicas

@@ -15,7 +15,7 @@ Subjects (ids in them are validated tokens):
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal, Union, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -188,6 +188,16 @@ class JobPreempted(_JobPayload):
     reason: Reason
 
 
+class JobRequestRefused(_JobPayload):
+    """A command about the job was refused and changed nothing (a duplicate submit, a cancel of
+    another tenant's or an ended job); published under the requesting tenant."""
+
+    type: Literal["job.request_refused"] = "job.request_refused"
+    command: Literal["submit", "cancel"]
+    reasons: tuple[Reason, ...]
+    command_id: str | None = None
+
+
 class JobCancelRequested(_JobPayload):
     """Cancellation of a placed or running job was accepted; the executor stops it."""
 
@@ -340,7 +350,7 @@ Payload = Annotated[
         SubmitRequested, CancelRequestedCmd,
         JobSubmitted, JobAdmitted, JobRejected, JobQueued, JobQuotaReserved, JobUnschedulable, JobPlaced,
         JobStarted, JobHeartbeat, JobCheckpointSaved, JobPreemptionRequested, JobPreempted,
-        JobCancelRequested, JobExited, JobSucceeded, JobFailed, JobCancelled, JobResumeRequested,
+        JobRequestRefused, JobCancelRequested, JobExited, JobSucceeded, JobFailed, JobCancelled, JobResumeRequested,
         JobIdleDetected,
         NodeRegistered, NodeHeartbeat, NodeLost, NodeCordoned, NodeUncordoned, NodeGpuUnhealthy,
         NodeGpuZombieDetected,
@@ -349,9 +359,9 @@ Payload = Annotated[
     Field(discriminator="type"),
 ]
 
-PAYLOAD_TYPES: dict[str, type[_Payload]] = {
+PAYLOAD_TYPES: dict[str, type[Payload]] = {
     cls.model_fields["type"].default: cls
-    for cls in Payload.__origin__.__args__  # type: ignore[attr-defined]
+    for cls in get_args(get_args(Payload)[0])  # Annotated[Union[...], Field] -> the payload classes
 }
 EVENT_TYPES: tuple[str, ...] = tuple(PAYLOAD_TYPES)
 TERMINAL_JOB_TYPES = frozenset({"job.succeeded", "job.failed", "job.cancelled", "job.rejected"})
@@ -406,19 +416,20 @@ class Envelope(BaseModel):
         return self.model_dump_json(exclude_none=True).encode()
 
 
-def subject_for(tenant: str, payload: _Payload) -> str:
-    kind = payload.type  # type: ignore[attr-defined]
+def subject_for(tenant: str, payload: Payload) -> str:
+    kind = payload.type
     area, _, short = kind.partition(".")
     if area == "cmd":
         return f"{SUBJECT_ROOT}.cmd.{tenant}.{short}"
-    if area == "job":
-        return f"{SUBJECT_ROOT}.evt.{tenant}.job.{payload.job_id}.{short}"  # type: ignore[attr-defined]
-    if area == "node":
+    # (every job.* payload is a _JobPayload, every node.* one a _NodePayload)
+    if area == "job" and isinstance(payload, _JobPayload):
+        return f"{SUBJECT_ROOT}.evt.{tenant}.job.{payload.job_id}.{short}"
+    if area == "node" and isinstance(payload, _NodePayload):
         if kind == "node.heartbeat":
-            return f"{SUBJECT_ROOT}.tel.node.{payload.node_id}.heartbeat"  # type: ignore[attr-defined]
-        return f"{SUBJECT_ROOT}.evt.{SYS_TENANT}.node.{payload.node_id}.{short}"  # type: ignore[attr-defined]
-    if kind == "sys.dead_letter":
-        return f"{SUBJECT_ROOT}.evt.{SYS_TENANT}.deadletter.{payload.service}"  # type: ignore[attr-defined]
+            return f"{SUBJECT_ROOT}.tel.node.{payload.node_id}.heartbeat"
+        return f"{SUBJECT_ROOT}.evt.{SYS_TENANT}.node.{payload.node_id}.{short}"
+    if isinstance(payload, DeadLetter):
+        return f"{SUBJECT_ROOT}.evt.{SYS_TENANT}.deadletter.{payload.service}"
     raise ValueError(f"no subject for {kind}")
 
 

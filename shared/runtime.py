@@ -33,7 +33,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from .bus import Bus, Cas
 from .errors import CasConflict, RetryableError
-from .events import STREAM, SYS_TENANT, DeadLetter, Envelope, _Payload, parse_envelope, subject_for, utc
+from .events import STREAM, SYS_TENANT, DeadLetter, Envelope, Payload, parse_envelope, subject_for, utc
 from .ids import derive_id
 from .log import read_stream
 from .subjects import SubjectFilter, consumer_filter
@@ -56,7 +56,7 @@ class Ctx:
     cause: Envelope | None = None
     _n: int = 0
 
-    def emit(self, payload: _Payload, tenant: str | None = None, *, key: str | None = None,
+    def emit(self, payload: Payload, tenant: str | None = None, *, key: str | None = None,
              cause_id: str | None = None, correlation_id: str | None = None) -> Envelope:
         """An output event with an id derived from its cause (or from `cause_id` + `key`)."""
         parent = cause_id or (self.cause.event_id if self.cause else None)
@@ -72,23 +72,29 @@ class Ctx:
         job_id = getattr(payload, "job_id", None)
         return Envelope(
             event_id=event_id,
-            type=payload.type,  # type: ignore[attr-defined]
+            type=payload.type,
             occurred_at=self.now,
             tenant=tenant,
             causation_id=parent,
             correlation_id=correlation_id or job_id or (self.cause.correlation_id if self.cause else None),
             actor=self.actor,
-            payload=payload,  # type: ignore[arg-type]
+            payload=payload,
         )
 
 
 class Core(Protocol[S]):
     """A service's pure core. No I/O, no clock, no randomness: all of that comes in `ctx`."""
 
-    name: str
-    subjects: tuple[str, ...]  # what it folds and decides on
-    cas_subject: str | None  # wildcard subject its capacity decisions are serialised on
-    tick_s: float | None  # how often `tick` runs (None: never)
+    # Read-only, so a core may set them as plain class attributes of a narrower type
+    # (`subjects = ("a", "b")` is a tuple of two, `cas_subject = "x"` a str).
+    @property
+    def name(self) -> str: ...
+    @property
+    def subjects(self) -> tuple[str, ...]: ...  # what it folds and decides on
+    @property
+    def cas_subject(self) -> str | None: ...  # wildcard subject its capacity decisions are serialised on
+    @property
+    def tick_s(self) -> float | None: ...  # how often `tick` runs (None: never)
 
     def initial_state(self) -> S: ...
     def evolve(self, state: S, env: Envelope) -> S: ...

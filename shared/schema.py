@@ -432,7 +432,7 @@ def readme() -> str:
 # ---------------------------------------------------------------- files
 
 
-class _YamlDumper(yaml.SafeDumper):  # type: ignore[misc,unused-ignore]
+class _YamlDumper(yaml.SafeDumper):
     """Multi-line strings as literal blocks, no anchors: stable, readable output."""
 
     def ignore_aliases(self, data: Any) -> bool:

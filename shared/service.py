@@ -27,6 +27,8 @@ def base_parser(name: str) -> argparse.ArgumentParser:
     ap.add_argument("--data-dir", default=None, help="the mesh's data dir (default: GPUFLEET_DATA_DIR)")
     ap.add_argument("--instance", default=os.environ.get("GPUFLEET_INSTANCE", "0"),
                     help="replica name; each replica has its own durable consumer")
+    ap.add_argument("--config", default=os.environ.get("GPUFLEET_CONFIG"),
+                    help="cluster config YAML: tenants and policies (default: GPUFLEET_CONFIG; none: open)")
     ap.add_argument("--batch", type=int, default=int(os.environ.get("GPUFLEET_BATCH", "256")), help="messages per fetch")
     ap.add_argument("--log-level", default=os.environ.get("GPUFLEET_LOG_LEVEL", "INFO"))
     return ap

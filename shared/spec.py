@@ -42,7 +42,7 @@ from .errors import SpecError
 from .ids import check_token
 
 JobType = Literal["training", "finetune", "batch", "inference", "interactive"]
-JOB_TYPES: tuple[str, ...] = ("training", "finetune", "batch", "inference", "interactive")
+JOB_TYPES: tuple[JobType, ...] = ("training", "finetune", "batch", "inference", "interactive")
 
 _MEM_UNITS = {
     "": 1 / (1024 * 1024), "k": 1000 / 1048576, "M": 1e6 / 1048576, "G": 1e9 / 1048576, "T": 1e12 / 1048576,

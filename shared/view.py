@@ -9,7 +9,22 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .events import Envelope
+from .events import (
+    Envelope,
+    JobCancelled,
+    JobCancelRequested,
+    JobExited,
+    JobFailed,
+    JobPlaced,
+    JobPreempted,
+    JobQueued,
+    JobRejected,
+    JobResumeRequested,
+    JobSubmitted,
+    JobUnschedulable,
+    NodeRegistered,
+    _NodePayload,
+)
 
 # The documented job statuses, in life-cycle order.
 JOB_STATUSES: tuple[str, ...] = (
@@ -101,11 +116,11 @@ def apply(view: ClusterView, env: Envelope, seq: int) -> tuple[set[str], set[str
     p = env.payload
     at = env.occurred_at.isoformat()
     t = env.type
-    if t.startswith("node."):
-        node_id = p.node_id  # type: ignore[union-attr]
+    if isinstance(p, _NodePayload):  # every node.* fact
+        node_id = p.node_id
         node = view.nodes.get(node_id)
-        if t == "node.registered":
-            inv = p.inventory  # type: ignore[union-attr]
+        if isinstance(p, NodeRegistered):
+            inv = p.inventory
             models = sorted({g.model for g in inv.gpus})
             if node is None:
                 node = view.nodes[node_id] = NodeRow(node_id=node_id)
@@ -139,28 +154,28 @@ def apply(view: ClusterView, env: Envelope, seq: int) -> tuple[set[str], set[str
         job = view.jobs[job_id] = JobRow(job_id=job_id, tenant=env.tenant, submitted_at=at)
     if job.status in TERMINAL_STATUSES and t in _LATE_AFTER_END:
         return jobs_touched, nodes_touched  # a decision that raced the job's end changes nothing
-    if t == "job.submitted":
-        spec = p.spec  # type: ignore[union-attr]
+    if isinstance(p, JobSubmitted):
+        spec = p.spec
         job.queue, job.name, job.type = spec.queue, spec.name, spec.type
         job.priority, job.replicas, job.gpus = spec.priority, spec.replicas, spec.gpus_total
         job.status = "submitted"
     elif t == "job.admitted":
         job.status, job.reason = "admitted", ""
-    elif t == "job.rejected":
+    elif isinstance(p, JobRejected):
         job.status = "rejected"
-        job.reason = "; ".join(r.message for r in p.reasons)  # type: ignore[union-attr]
-    elif t == "job.queued":
+        job.reason = "; ".join(r.message for r in p.reasons)
+    elif isinstance(p, JobQueued):
         job.status = "queued"
-        job.reason = p.reason.message if p.reason else ""  # type: ignore[union-attr]
+        job.reason = p.reason.message if p.reason else ""
     elif t == "job.quota_reserved":
         job.status, job.reason = "reserved", "waiting for placement"
-    elif t == "job.unschedulable":
-        job.reason = "; ".join(r.message for r in p.reasons)  # type: ignore[union-attr]
-    elif t == "job.placed":
+    elif isinstance(p, JobUnschedulable):
+        job.reason = "; ".join(r.message for r in p.reasons)
+    elif isinstance(p, JobPlaced):
         job.status, job.reason = "placed", ""
         _release(view, job_id, seq, nodes_touched)
         held = view.allocations[job_id] = {
-            a.replica: (a.node_id, len(a.gpu_indices)) for a in p.allocations  # type: ignore[union-attr]
+            a.replica: (a.node_id, len(a.gpu_indices)) for a in p.allocations
         }
         job.node_ids = sorted({n for n, _ in held.values()})
         for node_id, gpus in held.values():
@@ -174,26 +189,26 @@ def apply(view: ClusterView, env: Envelope, seq: int) -> tuple[set[str], set[str
     elif t == "job.started":
         if job.status not in TERMINAL_STATUSES:
             job.status = "running"
-    elif t == "job.exited":
-        _release(view, job_id, seq, nodes_touched, replica=p.replica)  # type: ignore[union-attr]
+    elif isinstance(p, JobExited):
+        _release(view, job_id, seq, nodes_touched, replica=p.replica)
         if job.status not in TERMINAL_STATUSES:
-            job.reason = f"exited {p.exit_code} ({p.reason})"  # type: ignore[union-attr]
+            job.reason = f"exited {p.exit_code} ({p.reason})"
     elif t == "job.succeeded":
         job.status, job.reason = "succeeded", ""
         _release(view, job_id, seq, nodes_touched)
-    elif t == "job.failed":
-        job.status, job.reason = "failed", p.reason.message  # type: ignore[union-attr]
+    elif isinstance(p, JobFailed):
+        job.status, job.reason = "failed", p.reason.message
         _release(view, job_id, seq, nodes_touched)
-    elif t == "job.cancelled":
-        job.status, job.reason = "cancelled", p.reason  # type: ignore[union-attr]
+    elif isinstance(p, JobCancelled):
+        job.status, job.reason = "cancelled", p.reason
         _release(view, job_id, seq, nodes_touched)
-    elif t == "job.preempted":
-        job.status, job.reason = "preempted", p.reason.message  # type: ignore[union-attr]
+    elif isinstance(p, JobPreempted):
+        job.status, job.reason = "preempted", p.reason.message
         _release(view, job_id, seq, nodes_touched)
-    elif t == "job.cancel_requested":
-        job.reason = f"cancelling: {p.reason}"  # type: ignore[union-attr]
-    elif t == "job.resume_requested":
-        job.status, job.reason = "queued", p.reason.message  # type: ignore[union-attr]
+    elif isinstance(p, JobCancelRequested):
+        job.reason = f"cancelling: {p.reason}"
+    elif isinstance(p, JobResumeRequested):
+        job.status, job.reason = "queued", p.reason.message
     else:
         return jobs_touched, nodes_touched
     job.updated_at = at

@@ -88,11 +88,16 @@ def test_submit_for_another_tenant_is_rejected() -> None:
 
 
 @pytest.mark.parametrize("first", [make_job(), make_job().gpus(-1)], ids=["admitted", "rejected"])
-def test_duplicate_submit_does_nothing(first: JobBuilder) -> None:
+def test_duplicate_submit_is_refused_and_changes_nothing(first: JobBuilder) -> None:
     h = Harness(AdmissionCore())
-    h.when(submit(first, "j1"))
+    cmd = submit(first, "j1")
+    h.when(cmd)
 
-    assert h.when(submit(make_job().gpus(2), "j1")) == []
+    assert h.when(cmd) == []  # the same command redelivered: decided already
+    out = h.when(submit(make_job().gpus(2), "j1", seq=99))  # another command, same job id
+    assert types(out) == ["job.request_refused"]
+    (reason,) = out[0].payload.reasons  # type: ignore[union-attr]
+    assert (reason.code, reason.field) == ("duplicate_job_id", "job_id")
 
 
 def test_submit_written_in_part_is_finished_with_the_same_id() -> None:
@@ -111,10 +116,10 @@ def test_submit_written_in_part_is_finished_with_the_same_id() -> None:
 @pytest.mark.parametrize(("history", "cmd", "then"), [
     ("pending", cancel("j1"), ["job.cancel_requested"]),  # admission only asks: it may lag
     ("placed", cancel("j1"), ["job.cancel_requested"]),
-    ("pending", cancel("j1", tenant="globex"), []),
-    ("placed", cancel("j1", tenant="globex"), []),
-    ("unknown", cancel("j1"), []),
-    ("ended", cancel("j1"), []),
+    ("pending", cancel("j1", tenant="globex"), ["job.request_refused"]),
+    ("placed", cancel("j1", tenant="globex"), ["job.request_refused"]),
+    ("unknown", cancel("j1"), ["job.request_refused"]),
+    ("ended", cancel("j1"), ["job.request_refused"]),
 ], ids=["pending", "placed", "pending-other-tenant", "placed-other-tenant", "unknown", "ended"])
 def test_cancel(history: str, cmd: Envelope, then: list[str]) -> None:
     given: list[Envelope] = []
@@ -131,8 +136,11 @@ def test_cancel(history: str, cmd: Envelope, then: list[str]) -> None:
     assert types(out) == then
     if then == ["job.cancel_requested"]:
         assert out[0].payload.requested_by == cmd.actor  # type: ignore[union-attr]
-    if then:
+    if then == ["job.cancel_requested"]:
         assert h.when(cancel("j1")) == []  # a second cancel after the first: nothing more
+    if then == ["job.request_refused"]:
+        assert out[0].tenant == cmd.tenant  # told to the one who asked, under its own subject
+        assert out[0].payload.reasons[0].code in ("unknown_job", "already_ended")  # type: ignore[union-attr]
 
 
 # ================================================================ quota

@@ -35,6 +35,7 @@ from gpufleet.shared.events import (
     JobQueued,
     JobQuotaReserved,
     JobRejected,
+    JobRequestRefused,
     JobResumeRequested,
     JobStarted,
     JobSubmitted,
@@ -92,6 +93,9 @@ EXAMPLES: dict[str, Any] = {
     ),
     "job.preempted": JobPreempted(job_id=JOB, reason=Reason(code="priority", message="stopped for job-0002")),
     "job.cancel_requested": JobCancelRequested(job_id=JOB, reason="cancelled by user", requested_by="alice"),
+    "job.request_refused": JobRequestRefused(
+        job_id=JOB, command="cancel", command_id="01JD8Q3N5W6X7Y8Z9A0B1C2D3E",
+        reasons=(Reason(code="unknown_job", message="no job 01JD8Q3N5W6X7Y8Z9A0B1C2D3E", field="job_id"),)),
     "job.exited": JobExited(job_id=JOB, node_id=NODE, exit_code=137, reason="killed", runtime_s=12.5),
     "job.succeeded": JobSucceeded(job_id=JOB),
     "job.failed": JobFailed(job_id=JOB, reason=OOM, exit_code=1),

@@ -1,13 +1,21 @@
-"""Admission: validate submitted jobs and cancellations; every outcome is an event with reasons.
+"""Admission: validate submitted jobs against the spec, the cluster and the tenant's policy.
 
-folds: jobs (tenant, life-cycle phase)     decides: job.submitted + job.admitted | job.rejected,
-                                                     job.cancelled | job.cancel_requested
+folds: jobs (tenant, phase), each tenant's submit bucket and pending count, node capacity
+decides: job.submitted + job.admitted | job.rejected (reasons naming the field or the limit),
+         job.cancel_requested | job.request_refused
+
+Every reason has a code (`unknown_queue`, `rate_limited`, ...), the field it concerns and a
+sentence. A command about an existing job that cannot be honoured (a second submit with the
+same job id, a cancel of another tenant's job) is refused with `job.request_refused`, which
+changes nothing about the job.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
+from gpufleet.shared.clusterconfig import MAX_PAYLOAD_BYTES, ClusterConfig, TenantPolicy
 from gpufleet.shared.errors import SpecError
 from gpufleet.shared.events import (
     CancelRequestedCmd,
@@ -15,62 +23,149 @@ from gpufleet.shared.events import (
     JobAdmitted,
     JobCancelRequested,
     JobRejected,
+    JobRequestRefused,
     JobSubmitted,
+    NodeInventory,
     Reason,
     SubmitRequested,
 )
 from gpufleet.shared.runtime import BaseCore, Ctx
-from gpufleet.shared.spec import parse_spec
+from gpufleet.shared.spec import JobSpec, parse_spec
 
 PENDING, PLACED, CANCELLING, ENDED = "pending", "placed", "cancelling", "ended"
+MIB = 1024
+
+
+@dataclass
+class SubmitBucket:
+    """A token bucket, updated from the log's own times (job.submitted's occurred_at)."""
+
+    tokens: float
+    at_s: float
 
 
 @dataclass
 class AdmissionState:
     # job_id -> (tenant, phase)
     jobs: dict[str, tuple[str, str]] = field(default_factory=dict)
+    submit_cmd: dict[str, str] = field(default_factory=dict)  # job_id -> the command that submitted it
     # submitted, admitted not yet seen: a publish cut short between the two is finished on redelivery
     unadmitted: set[str] = field(default_factory=set)
+    buckets: dict[str, SubmitBucket] = field(default_factory=dict)
+    pending: dict[str, int] = field(default_factory=dict)  # tenant -> jobs submitted, not placed / ended
+    waiting: set[str] = field(default_factory=set)  # those jobs
+    nodes: dict[str, NodeInventory] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """The largest node of the cluster in each dimension (per replica fit)."""
+
+    models: frozenset[str]
+    cpu_milli: int
+    memory_mib: int
+    gpus_by_model: dict[str, int]
+    gpu_memory_mib_by_model: dict[str, int]
+
+
+def capacity(nodes: dict[str, NodeInventory]) -> Capacity:
+    gpus: dict[str, int] = {}
+    gpu_mem: dict[str, int] = {}
+    for inv in nodes.values():
+        per: dict[str, int] = {}
+        for g in inv.gpus:
+            per[g.model] = per.get(g.model, 0) + 1
+            gpu_mem[g.model] = max(gpu_mem.get(g.model, 0), g.memory_mib)
+        for model, n in per.items():
+            gpus[model] = max(gpus.get(model, 0), n)
+    return Capacity(
+        models=frozenset(gpus), cpu_milli=max((n.cpu_milli for n in nodes.values()), default=0),
+        memory_mib=max((n.memory_mib for n in nodes.values()), default=0), gpus_by_model=gpus,
+        gpu_memory_mib_by_model=gpu_mem,
+    )
+
+
+def _r(code: str, message: str, field: str | None = None) -> Reason:
+    return Reason(code=code, message=message, field=field)
 
 
 class AdmissionCore(BaseCore[AdmissionState]):
     name = "admission"
     subjects = (
         "fleet.cmd.*.*",
+        "fleet.evt.sys.node.*.registered",
         "fleet.evt.*.job.*.submitted", "fleet.evt.*.job.*.admitted", "fleet.evt.*.job.*.rejected",
         "fleet.evt.*.job.*.placed",
         "fleet.evt.*.job.*.succeeded", "fleet.evt.*.job.*.failed", "fleet.evt.*.job.*.cancelled",
         "fleet.evt.*.job.*.cancel_requested",
     )
 
+    def __init__(self, config: ClusterConfig | None = None) -> None:
+        self.config = config or ClusterConfig()
+        self._capacity: Capacity | None = None
+
     def initial_state(self) -> AdmissionState:
+        self._capacity = None
         return AdmissionState()
+
+    # ------------------------------------------------------------ evolve
+
+    @staticmethod
+    def _waiting(state: AdmissionState, job_id: str, tenant: str, waiting: bool) -> None:
+        """Count a tenant's jobs that wait (submitted, neither placed nor ended)."""
+        if waiting and job_id not in state.waiting:
+            state.waiting.add(job_id)
+            state.pending[tenant] = state.pending.get(tenant, 0) + 1
+        elif not waiting and job_id in state.waiting:
+            state.waiting.discard(job_id)
+            state.pending[tenant] = max(0, state.pending.get(tenant, 0) - 1)
 
     def evolve(self, state: AdmissionState, env: Envelope) -> AdmissionState:
         t = env.type
+        p = env.payload
+        if t == "node.registered":
+            state.nodes[p.node_id] = p.inventory  # type: ignore[union-attr]
+            self._capacity = None
+            return state
         job_id = env.job_id
         if job_id is None or t.startswith("cmd."):
             return state
+        known = state.jobs.get(job_id)
         if t == "job.submitted":
-            if job_id not in state.jobs:
+            if known is None:
                 state.jobs[job_id] = (env.tenant, PENDING)
+                self._waiting(state, job_id, env.tenant, True)
                 state.unadmitted.add(job_id)
+                if env.causation_id:
+                    state.submit_cmd[job_id] = env.causation_id
+                policy = self.config.policy(env.tenant) or self.config.defaults
+                at = env.occurred_at.timestamp()
+                b = state.buckets.get(env.tenant)
+                tokens = policy.submit_burst if b is None else min(
+                    policy.submit_burst, b.tokens + (at - b.at_s) * policy.submit_rate_per_s)
+                state.buckets[env.tenant] = SubmitBucket(tokens - 1, at)
         elif t == "job.admitted":
             state.unadmitted.discard(job_id)
         elif t == "job.rejected":
+            if known is None and env.causation_id:
+                state.submit_cmd[job_id] = env.causation_id
             state.jobs[job_id] = (env.tenant, ENDED)
+            self._waiting(state, job_id, env.tenant, False)
         elif t == "job.placed":
-            known = state.jobs.get(job_id)
-            if known and known[1] == PENDING:
-                state.jobs[job_id] = (known[0], PLACED)
+            if known and known[1] in (PENDING, CANCELLING):
+                state.jobs[job_id] = (known[0], PLACED if known[1] == PENDING else CANCELLING)
+                self._waiting(state, job_id, known[0], False)
         elif t == "job.cancel_requested":
-            known = state.jobs.get(job_id)
             if known and known[1] in (PENDING, PLACED):
                 state.jobs[job_id] = (known[0], CANCELLING)
         elif t in ("job.succeeded", "job.failed", "job.cancelled"):
-            state.jobs[job_id] = (env.tenant, ENDED)
+            if known is not None:
+                state.jobs[job_id] = (known[0], ENDED)
+                self._waiting(state, job_id, known[0], False)
             state.unadmitted.discard(job_id)
         return state
+
+    # ------------------------------------------------------------ decide
 
     def decide(self, state: AdmissionState, env: Envelope, ctx: Ctx) -> list[Envelope]:
         p = env.payload
@@ -80,33 +175,127 @@ class AdmissionCore(BaseCore[AdmissionState]):
             return self._cancel(state, env, p, ctx)
         return []
 
+    def _refuse(self, ctx: Ctx, env: Envelope, job_id: str, command: str, reason: Reason) -> list[Envelope]:
+        return [ctx.emit(JobRequestRefused(
+            job_id=job_id, command=command, reasons=(reason,), command_id=env.event_id,  # type: ignore[arg-type]
+        ), tenant=env.tenant)]
+
     def _submit(self, state: AdmissionState, env: Envelope, p: SubmitRequested, ctx: Ctx) -> list[Envelope]:
-        if p.job_id in state.jobs:
-            if p.job_id in state.unadmitted and state.jobs[p.job_id][1] == PENDING:
-                # job.submitted was written, job.admitted not (a publish cut short): finish the
-                # decision, with the id the first try gave it
-                return [ctx.emit(JobAdmitted(job_id=p.job_id), key="1")]
-            return []  # a retried or duplicated submit: the job exists, do nothing twice
-        try:
-            spec = parse_spec(p.spec)
-        except SpecError as exc:
-            reason = Reason(code="invalid_spec", field=exc.field, message=exc.reason)
-            return [ctx.emit(JobRejected(job_id=p.job_id, reasons=(reason,)))]
-        if spec.tenant != env.tenant:
-            reason = Reason(
-                code="tenant_mismatch", field="tenant",
-                message=f"spec.tenant {spec.tenant!r} is not the submitting tenant {env.tenant!r}",
-            )
-            return [ctx.emit(JobRejected(job_id=p.job_id, reasons=(reason,)))]
+        known = state.jobs.get(p.job_id)
+        if known is not None:
+            if state.submit_cmd.get(p.job_id) == env.event_id:
+                if p.job_id in state.unadmitted and known[1] == PENDING:
+                    # job.submitted was written, job.admitted not (a publish cut short): finish
+                    # the decision, with the id the first try gave it
+                    return [ctx.emit(JobAdmitted(job_id=p.job_id), key="1")]
+                return []  # the same command again (a redelivery): decided already
+            return self._refuse(ctx, env, p.job_id, "submit", _r(
+                "duplicate_job_id", f"job {p.job_id} exists already; a new job needs a new id", "job_id"))
+        reasons = self._check(state, env, p, ctx)
+        if reasons:
+            return [ctx.emit(JobRejected(job_id=p.job_id, reasons=tuple(reasons)))]
+        spec = parse_spec(p.spec)
         return [
             ctx.emit(JobSubmitted(job_id=p.job_id, spec=spec)),
             ctx.emit(JobAdmitted(job_id=p.job_id)),
         ]
 
+    def _check(self, state: AdmissionState, env: Envelope, p: SubmitRequested, ctx: Ctx) -> list[Reason]:
+        """Every reason the job cannot be admitted; empty if it can."""
+        size = len(json.dumps(p.spec, default=str))
+        if size > MAX_PAYLOAD_BYTES:
+            return [_r("payload_too_large", f"the spec is {size} bytes; the limit is {MAX_PAYLOAD_BYTES}", "spec")]
+        policy = self.config.policy(env.tenant)
+        if policy is None:
+            return [_r("unknown_tenant", f"tenant {env.tenant!r} is not in the cluster config", "tenant")]
+        try:
+            spec = parse_spec(p.spec)
+        except SpecError as exc:
+            return [_r("invalid_spec", exc.reason, exc.field)]
+        if spec.tenant != env.tenant:
+            return [_r("tenant_mismatch", f"spec.tenant {spec.tenant!r} is not the submitting tenant {env.tenant!r}",
+                       "tenant")]
+        reasons = self._policy_reasons(spec, policy) + self._cluster_reasons(state, spec, policy)
+        if reasons:
+            return reasons
+        return self._limit_reasons(state, env.tenant, policy, ctx)
+
+    def _policy_reasons(self, spec: JobSpec, policy: TenantPolicy) -> list[Reason]:
+        out = []
+        if policy.queues is not None and spec.queue not in policy.queues:
+            out.append(_r("unknown_queue", f"queue {spec.queue!r} is not one of {spec.tenant}'s queues "
+                          f"({', '.join(policy.queues)})", "queue"))
+        if spec.type not in policy.allowed_job_types:
+            out.append(_r("job_type_not_allowed", f"job type {spec.type!r} is not allowed for {spec.tenant} "
+                          f"({', '.join(policy.allowed_job_types)})", "type"))
+        if spec.gpus_total > policy.max_gpus_per_job:
+            out.append(_r("too_many_gpus", f"{spec.gpus_total} GPUs ({spec.replicas} x {spec.resources.gpu}) is over "
+                          f"{spec.tenant}'s limit of {policy.max_gpus_per_job} per job", "resources.gpu"))
+        if policy.allowed_gpu_models:
+            bad = [m for m in spec.resources.gpu_models if m not in policy.allowed_gpu_models]
+            if bad:
+                out.append(_r("gpu_model_not_allowed", f"GPU model {', '.join(bad)} is not allowed for {spec.tenant} "
+                              f"({', '.join(policy.allowed_gpu_models)})", "resources.gpuModels"))
+        if spec.image is not None and not policy.image_allowed(spec.image):
+            out.append(_r("image_not_allowed", f"image {spec.image!r} matches none of {spec.tenant}'s allowed images",
+                          "image"))
+        limit = policy.checkpoint_required_after_s
+        if (limit is not None and spec.type in ("training", "finetune") and spec.max_runtime_s > limit
+                and spec.checkpoint is None):
+            out.append(_r("checkpoint_required", f"a {spec.type} job that may run {spec.max_runtime_s / 3600:.1f}h "
+                          f"(over {limit / 3600:.1f}h) must set checkpoint", "checkpoint"))
+        return out
+
+    def _cluster_reasons(self, state: AdmissionState, spec: JobSpec, policy: TenantPolicy) -> list[Reason]:
+        """Requests no node of the cluster could ever hold (checked once nodes are known)."""
+        if not state.nodes:
+            return []
+        if self._capacity is None:
+            self._capacity = capacity(state.nodes)
+        cap = self._capacity
+        r = spec.resources
+        out = []
+        unknown = [m for m in r.gpu_models if m not in cap.models]
+        if unknown:
+            out.append(_r("gpu_model_unknown", f"no node has GPU model {', '.join(unknown)} (the cluster has "
+                          f"{', '.join(sorted(cap.models)) or 'no GPUs'})", "resources.gpuModels"))
+        if r.cpu_milli > cap.cpu_milli:
+            out.append(_r("exceeds_node", f"cpu {r.cpu_milli / 1000:g} per replica is more than the largest node "
+                          f"has ({cap.cpu_milli / 1000:g})", "resources.cpu"))
+        if r.memory_mib > cap.memory_mib:
+            out.append(_r("exceeds_node", f"memory {r.memory_mib // MIB}Gi per replica is more than the largest node "
+                          f"has ({cap.memory_mib // MIB}Gi)", "resources.memory"))
+        models = [m for m in (r.gpu_models or tuple(cap.models)) if m in cap.models]
+        if r.gpu and models and r.gpu > max(cap.gpus_by_model[m] for m in models):
+            out.append(_r("exceeds_node", f"gpu {r.gpu} per replica is more than any node has "
+                          f"({max(cap.gpus_by_model[m] for m in models)}); use replicas for more", "resources.gpu"))
+        if r.gpu_memory_mib and models and r.gpu_memory_mib > max(cap.gpu_memory_mib_by_model[m] for m in models):
+            out.append(_r("exceeds_node", f"gpuMemory {r.gpu_memory_mib // MIB}Gi is more than any GPU has", "resources.gpuMemory"))
+        return out
+
+    def _limit_reasons(self, state: AdmissionState, tenant: str, policy: TenantPolicy, ctx: Ctx) -> list[Reason]:
+        if state.pending.get(tenant, 0) >= policy.max_pending_jobs:
+            return [_r("too_many_pending", f"{tenant} has {state.pending[tenant]} jobs waiting; the limit is "
+                       f"{policy.max_pending_jobs} (maxPendingJobs)")]
+        b = state.buckets.get(tenant)
+        if b is not None:
+            tokens = min(policy.submit_burst, b.tokens + (ctx.now.timestamp() - b.at_s) * policy.submit_rate_per_s)
+            if tokens < 1:
+                return [_r("rate_limited", f"{tenant} submits faster than {policy.submit_rate_per_s:g}/s "
+                           f"(burst {policy.submit_burst}; submitRatePerS)")]
+        return []
+
     def _cancel(self, state: AdmissionState, env: Envelope, p: CancelRequestedCmd, ctx: Ctx) -> list[Envelope]:
         known = state.jobs.get(p.job_id)
-        if known is None or known[0] != env.tenant or known[1] in (ENDED, CANCELLING):
-            return []
+        if known is None:
+            return self._refuse(ctx, env, p.job_id, "cancel", _r("unknown_job", f"no job {p.job_id}", "job_id"))
+        if known[0] != env.tenant:
+            # the same words as for an unknown job: another tenant's jobs are not to be probed
+            return self._refuse(ctx, env, p.job_id, "cancel", _r("unknown_job", f"no job {p.job_id}", "job_id"))
+        if known[1] == CANCELLING:
+            return []  # asked already
+        if known[1] == ENDED:
+            return self._refuse(ctx, env, p.job_id, "cancel", _r("already_ended", f"job {p.job_id} has ended"))
         # Admission may lag behind the job: it only asks. The placer, which alone places jobs,
         # cancels one it has not placed; the executor stops one that runs; the guardian ends it.
         return [ctx.emit(JobCancelRequested(job_id=p.job_id, reason=p.reason, requested_by=env.actor))]

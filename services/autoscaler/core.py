@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from gpufleet.shared.events import Envelope
+from gpufleet.shared.events import Envelope, JobUnschedulable, NodeRegistered
 from gpufleet.shared.runtime import BaseCore
 
 
@@ -27,10 +27,11 @@ class AutoscalerCore(BaseCore[AutoscalerState]):
         return AutoscalerState()
 
     def evolve(self, state: AutoscalerState, env: Envelope) -> AutoscalerState:
-        if env.type == "node.registered":
-            state.nodes.add(env.payload.node_id)  # type: ignore[union-attr]
-        elif env.type == "job.unschedulable":
-            state.unschedulable[env.job_id or ""] = env.payload.nodes_total  # type: ignore[union-attr]
+        p = env.payload
+        if isinstance(p, NodeRegistered):
+            state.nodes.add(p.node_id)
+        elif isinstance(p, JobUnschedulable):
+            state.unschedulable[p.job_id] = p.nodes_total
         elif env.type in ("job.placed", "job.cancelled"):
             state.unschedulable.pop(env.job_id or "", None)
         return state

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from gpufleet.shared.events import Envelope
+from gpufleet.shared.events import Envelope, JobExited, JobPlaced, JobStarted
 from gpufleet.shared.runtime import BaseCore
 
 
@@ -30,14 +30,14 @@ class BillingCore(BaseCore[BillingState]):
     def evolve(self, state: BillingState, env: Envelope) -> BillingState:
         p = env.payload
         job_id = env.job_id or ""
-        if env.type == "job.placed":
-            for a in p.allocations:  # type: ignore[union-attr]
+        if isinstance(p, JobPlaced):
+            for a in p.allocations:
                 state.gpus_by_job[(job_id, a.replica)] = len(a.gpu_indices)
-        elif env.type == "job.started":
-            key = (job_id, p.replica)  # type: ignore[union-attr]
+        elif isinstance(p, JobStarted):
+            key = (job_id, p.replica)
             state.open.setdefault(key, (env.occurred_at, state.gpus_by_job.get(key, 0)))
-        elif env.type == "job.exited":
-            key = (job_id, p.replica)  # type: ignore[union-attr]
+        elif isinstance(p, JobExited):
+            key = (job_id, p.replica)
             started = state.open.pop(key, None)
             state.gpus_by_job.pop(key, None)
             if started is not None:

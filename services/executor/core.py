@@ -12,11 +12,22 @@ import heapq
 from dataclasses import dataclass, field
 
 from gpufleet.shared.cluster import inventory_digest
-from gpufleet.shared.events import SYS_TENANT, Envelope, JobExited, JobStarted, NodeInventory, NodeRegistered
+from gpufleet.shared.events import (
+    SYS_TENANT,
+    Envelope,
+    ExitReason,
+    JobExited,
+    JobPlaced,
+    JobStarted,
+    JobSubmitted,
+    NodeInventory,
+    NodeRegistered,
+)
 from gpufleet.shared.runtime import BaseCore, Ctx
 
 EXIT_TIMEOUT = 124
 EXIT_KILLED = 137
+_KILL_REASONS: dict[str, ExitReason] = {"job.preempted": "preempted", "job.failed": "killed"}
 
 
 @dataclass(frozen=True)
@@ -70,22 +81,22 @@ class ExecutorCore(BaseCore[ExecutorState]):
 
     def evolve(self, state: ExecutorState, env: Envelope) -> ExecutorState:
         t, p = env.type, env.payload
-        if t == "node.registered":
-            if p.node_id in self.nodes:  # type: ignore[union-attr]
-                state.registered[p.node_id] = inventory_digest(p.inventory)  # type: ignore[union-attr]
+        if isinstance(p, NodeRegistered):
+            if p.node_id in self.nodes:
+                state.registered[p.node_id] = inventory_digest(p.inventory)
             return state
         job_id = env.job_id
         if job_id is None:
             return state
-        if t == "job.submitted":
-            spec = p.spec  # type: ignore[union-attr]
+        if isinstance(p, JobSubmitted):
+            spec = p.spec
             state.plans[job_id] = RunPlan(spec.sim.duration_s, spec.sim.exit_code, spec.max_runtime_s)
-        elif t == "job.started":
-            if p.node_id in self.nodes and job_id not in state.ended:  # type: ignore[union-attr]
+        elif isinstance(p, JobStarted):
+            if p.node_id in self.nodes and job_id not in state.ended:
                 plan = state.plans.get(job_id, RunPlan(0.0, 0, 86400.0))
-                state.started.setdefault(job_id, set()).add((p.replica, p.attempt))  # type: ignore[union-attr]
+                state.started.setdefault(job_id, set()).add((p.replica, p.attempt))
                 run = Running(
-                    job_id, env.tenant, p.replica, p.node_id,  # type: ignore[union-attr]
+                    job_id, env.tenant, p.replica, p.node_id,
                     env.occurred_at.timestamp(), env.event_id, plan,
                 )
                 if (job_id, run.replica) not in state.running:
@@ -93,13 +104,13 @@ class ExecutorCore(BaseCore[ExecutorState]):
                     state.replicas_of.setdefault(job_id, []).append(run.replica)
                     ends = run.started_at_s + min(plan.duration_s, plan.max_runtime_s)
                     heapq.heappush(state.deadlines, (ends, job_id, run.replica))
-        elif t == "job.exited":
-            if state.running.pop((job_id, p.replica), None) is not None:  # type: ignore[union-attr]
+        elif isinstance(p, JobExited):
+            if state.running.pop((job_id, p.replica), None) is not None:
                 while state.deadlines and (state.deadlines[0][1], state.deadlines[0][2]) not in state.running:
                     heapq.heappop(state.deadlines)  # entries of ended replicas, now at the top
                 replicas = state.replicas_of.get(job_id, [])
-                if p.replica in replicas:  # type: ignore[union-attr]
-                    replicas.remove(p.replica)  # type: ignore[union-attr]
+                if p.replica in replicas:
+                    replicas.remove(p.replica)
                 if not replicas:
                     state.replicas_of.pop(job_id, None)
         elif t == "job.cancel_requested":
@@ -125,13 +136,13 @@ class ExecutorCore(BaseCore[ExecutorState]):
         job_id = env.job_id
         if job_id is None:
             return []
-        if t == "job.placed":
+        if isinstance(p, JobPlaced):
             if job_id in state.ended:
                 return []
             out = []
-            for a in p.allocations:  # type: ignore[union-attr]
+            for a in p.allocations:
                 if (a.node_id in self.nodes and (job_id, a.replica) not in state.running
-                        and (a.replica, p.attempt) not in state.started.get(job_id, ())):  # type: ignore[union-attr]
+                        and (a.replica, p.attempt) not in state.started.get(job_id, ())):
                     if job_id in state.cancelling:
                         # the cancel overtook this placement: never start it, free what it holds
                         out.append(ctx.emit(JobExited(
@@ -141,12 +152,12 @@ class ExecutorCore(BaseCore[ExecutorState]):
                         continue
                     out.append(ctx.emit(JobStarted(
                         job_id=job_id, node_id=a.node_id, replica=a.replica, driver="sim",
-                        attempt=p.attempt,  # type: ignore[union-attr]
+                        attempt=p.attempt,
                     ), key=f"start:{a.replica}"))
             return out
         if t in ("job.cancel_requested", "job.cancelled", "job.preempted", "job.failed"):
             # a cancelled / preempted job, or the rest of a gang one of whose replicas failed
-            reason = {"job.preempted": "preempted", "job.failed": "killed"}.get(t, "cancelled")
+            reason = _KILL_REASONS.get(t, "cancelled")
             return [
                 self._exit(r, ctx, EXIT_KILLED, reason, "kill")
                 for r in self._replicas(state, job_id)
@@ -184,10 +195,10 @@ class ExecutorCore(BaseCore[ExecutorState]):
         return [state.running[(job_id, i)] for i in state.replicas_of.get(job_id, ())]
 
     @staticmethod
-    def _exit(r: Running, ctx: Ctx, code: int, reason: str, key: str) -> Envelope:
+    def _exit(r: Running, ctx: Ctx, code: int, reason: ExitReason, key: str) -> Envelope:
         runtime = max(0.0, ctx.now.timestamp() - r.started_at_s)
         return ctx.emit(
             JobExited(job_id=r.job_id, node_id=r.node_id, replica=r.replica, exit_code=code,
-                      reason=reason, runtime_s=round(runtime, 3)),  # type: ignore[arg-type]
+                      reason=reason, runtime_s=round(runtime, 3)),
             tenant=r.tenant, cause_id=r.started_event_id, key=key,
         )

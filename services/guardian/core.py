@@ -8,7 +8,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from gpufleet.shared.events import Envelope, JobCancelled, JobExited, JobFailed, JobSucceeded, Reason
+from gpufleet.shared.events import (
+    Envelope,
+    JobCancelled,
+    JobExited,
+    JobFailed,
+    JobSubmitted,
+    JobSucceeded,
+    Reason,
+)
 from gpufleet.shared.runtime import BaseCore, Ctx
 
 
@@ -31,14 +39,14 @@ class GuardianCore(BaseCore[GuardianState]):
         return GuardianState()
 
     def evolve(self, state: GuardianState, env: Envelope) -> GuardianState:
-        t, p, job_id = env.type, env.payload, env.job_id
+        p, job_id = env.payload, env.job_id
         if job_id is None:
             return state
-        if t == "job.submitted":
-            state.replicas[job_id] = p.spec.replicas  # type: ignore[union-attr]
-        elif t == "job.exited":
+        if isinstance(p, JobSubmitted):
+            state.replicas[job_id] = p.spec.replicas
+        elif isinstance(p, JobExited):
             if job_id not in state.ended:
-                state.exits.setdefault(job_id, {})[p.replica] = p  # type: ignore[union-attr,index]
+                state.exits.setdefault(job_id, {})[p.replica] = p
         else:
             state.ended.add(job_id)
             state.exits.pop(job_id, None)

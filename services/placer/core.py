@@ -16,9 +16,17 @@ from dataclasses import dataclass, field
 from gpufleet.shared.events import (
     Envelope,
     JobCancelled,
+    JobCancelRequested,
+    JobExited,
     JobPlaced,
+    JobQuotaReserved,
+    JobSubmitted,
     JobUnschedulable,
+    NodeCordoned,
     NodeInventory,
+    NodeLost,
+    NodeRegistered,
+    NodeUncordoned,
     Reason,
     ReplicaAllocation,
 )
@@ -125,17 +133,17 @@ class PlacerCore(BaseCore[PlacerState]):
     def evolve(self, state: PlacerState, env: Envelope) -> PlacerState:
         t = env.type
         p = env.payload
-        if t == "node.registered":
-            _register(state, p.node_id, p.inventory)  # type: ignore[union-attr]
+        if isinstance(p, NodeRegistered):
+            _register(state, p.node_id, p.inventory)
             return state
-        if t in ("node.lost", "node.cordoned"):
-            node = state.nodes.get(p.node_id)  # type: ignore[union-attr]
+        if isinstance(p, NodeLost | NodeCordoned):
+            node = state.nodes.get(p.node_id)
             if node is not None:
                 _unindex(state, node)
                 node.healthy = False
             return state
-        if t == "node.uncordoned":
-            node = state.nodes.get(p.node_id)  # type: ignore[union-attr]
+        if isinstance(p, NodeUncordoned):
+            node = state.nodes.get(p.node_id)
             if node is not None and not node.healthy:
                 node.healthy = True
                 _reindex(state, node)
@@ -143,20 +151,20 @@ class PlacerCore(BaseCore[PlacerState]):
         job_id = env.job_id
         if job_id is None:
             return state
-        if t == "job.submitted":
-            state.specs[job_id] = p.spec  # type: ignore[union-attr]
+        if isinstance(p, JobSubmitted):
+            state.specs[job_id] = p.spec
         elif t == "job.quota_reserved":
             if job_id not in state.ended and job_id not in state.allocations:
                 state.pending[job_id] = None
-        elif t == "job.unschedulable":
+        elif isinstance(p, JobUnschedulable):
             if job_id in state.pending:
-                state.unschedulable_said[job_id] = "; ".join(r.message for r in p.reasons)  # type: ignore[union-attr]
-        elif t == "job.placed":
+                state.unschedulable_said[job_id] = "; ".join(r.message for r in p.reasons)
+        elif isinstance(p, JobPlaced):
             if job_id in state.ended or job_id in state.allocations:
                 return state
             state.pending.pop(job_id, None)
             state.unschedulable_said.pop(job_id, None)
-            allocs = p.allocations  # type: ignore[union-attr]
+            allocs = p.allocations
             state.allocations[job_id] = allocs
             for a in allocs:
                 _take(state, a)
@@ -168,7 +176,7 @@ class PlacerCore(BaseCore[PlacerState]):
                 state.unschedulable_said.pop(job_id, None)
             held = state.allocations.pop(job_id, ())
             # one replica's exit frees that replica's resources only: the rest of a gang still runs
-            keep = tuple(a for a in held if a.replica != p.replica) if t == "job.exited" else ()  # type: ignore[union-attr]
+            keep = tuple(a for a in held if a.replica != p.replica) if isinstance(p, JobExited) else ()
             for a in held:
                 if a not in keep:
                     _give_back(state, a)
@@ -179,17 +187,17 @@ class PlacerCore(BaseCore[PlacerState]):
     # ------------------------------------------------------------ decide
 
     def decide(self, state: PlacerState, env: Envelope, ctx: Ctx) -> list[Envelope]:
-        t = env.type
-        if t == "job.cancel_requested":
-            job_id = env.job_id
+        t, p = env.type, env.payload
+        if isinstance(p, JobCancelRequested):
+            job_id = p.job_id
             if job_id in state.specs and job_id not in state.allocations and job_id not in state.ended:
                 # not placed (and, placements being ours alone, it never will be): cancelled here
-                return [ctx.emit(JobCancelled(job_id=job_id, reason=env.payload.reason), key="cancelled")]  # type: ignore[union-attr,arg-type]
+                return [ctx.emit(JobCancelled(job_id=job_id, reason=p.reason), key="cancelled")]
             return []  # placed: the executor stops it, the guardian ends it
-        if t == "job.quota_reserved":
-            job_id = env.job_id
+        if isinstance(p, JobQuotaReserved):
+            job_id = p.job_id
             if job_id in state.pending:
-                return self._try(state, job_id, ctx, {}, say_unschedulable=True)  # type: ignore[arg-type]
+                return self._try(state, job_id, ctx, {}, say_unschedulable=True)
             return []
         if t in ("job.exited", "job.succeeded", "job.failed", "job.cancelled", "job.preempted",
                  "node.registered", "node.uncordoned"):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from gpufleet.shared.events import Envelope
+from gpufleet.shared.events import Envelope, JobExited, JobPlaced, NodeRegistered
 from gpufleet.shared.runtime import BaseCore
 
 
@@ -27,11 +27,11 @@ class TelemetryCore(BaseCore[TelemetryState]):
 
     def evolve(self, state: TelemetryState, env: Envelope) -> TelemetryState:
         p = env.payload
-        if env.type == "node.registered":
-            state.gpus_by_node[p.node_id] = len(p.inventory.gpus)  # type: ignore[union-attr]
-        elif env.type == "job.placed":
-            for a in p.allocations:  # type: ignore[union-attr]
-                state.jobs_on_node.setdefault(a.node_id, {})[env.job_id] = a.gpu_indices  # type: ignore[index]
-        elif env.type == "job.exited":
-            state.jobs_on_node.get(p.node_id, {}).pop(env.job_id, None)  # type: ignore[union-attr,arg-type]
+        if isinstance(p, NodeRegistered):
+            state.gpus_by_node[p.node_id] = len(p.inventory.gpus)
+        elif isinstance(p, JobPlaced):
+            for a in p.allocations:
+                state.jobs_on_node.setdefault(a.node_id, {})[p.job_id] = a.gpu_indices
+        elif isinstance(p, JobExited):
+            state.jobs_on_node.get(p.node_id, {}).pop(p.job_id, None)
         return state

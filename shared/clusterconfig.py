@@ -1,0 +1,95 @@
+"""The cluster config: tenants and their policies (one YAML file).
+
+    tenants:
+      acme:
+        queues: [default, research]        # the queues this tenant may submit to (absent: any)
+        maxGpusPerJob: 64                  # all replicas together
+        allowedGpuModels: [H100, A100]     # empty or absent: any model in the cluster
+        allowedJobTypes: [training, batch] # absent: all five
+        allowedImages: ["registry.local/acme/*"]   # fnmatch patterns; absent: any image
+        checkpointRequiredAfter: 4h        # training / finetune jobs longer than this need `checkpoint`
+        submitRatePerS: 50                 # token bucket: sustained rate ...
+        submitBurst: 100                   # ... and burst
+        maxPendingJobs: 1000               # submitted, not yet placed
+    openTenants: false                     # true: a tenant not listed gets `defaults`
+    defaults: {...}                        # the policy of unlisted tenants when openTenants
+
+Without a config file the mesh is open: every tenant gets the default policy (any queue).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from pathlib import Path
+from typing import Annotated, Any
+
+import yaml
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+
+from .errors import SpecError
+from .ids import check_token
+from .spec import JOB_TYPES, DurationS, JobType, spec_error_from
+
+MAX_PAYLOAD_BYTES = 64 * 1024  # a submit larger than this is refused before it is parsed
+
+
+def _tokens(field: str) -> BeforeValidator:
+    return BeforeValidator(lambda v: tuple(check_token(x, field) for x in v) if isinstance(v, list | tuple) else v)
+
+
+class TenantPolicy(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
+
+    queues: Annotated[tuple[str, ...] | None, _tokens("queues")] = None  # None: any queue
+    max_gpus_per_job: int = Field(default=1024, alias="maxGpusPerJob", ge=0)
+    allowed_gpu_models: tuple[str, ...] = Field(default=(), alias="allowedGpuModels")
+    allowed_job_types: tuple[JobType, ...] = Field(default=JOB_TYPES, alias="allowedJobTypes")
+    allowed_images: tuple[str, ...] | None = Field(default=None, alias="allowedImages")
+    checkpoint_required_after_s: DurationS | None = Field(default=None, alias="checkpointRequiredAfter")
+    submit_rate_per_s: float = Field(default=200.0, alias="submitRatePerS", gt=0)
+    submit_burst: int = Field(default=2000, alias="submitBurst", ge=1)
+    max_pending_jobs: int = Field(default=100_000, alias="maxPendingJobs", ge=1)
+
+    def image_allowed(self, image: str) -> bool:
+        return self.allowed_images is None or any(fnmatch.fnmatchcase(image, p) for p in self.allowed_images)
+
+
+class ClusterConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
+
+    tenants: dict[str, TenantPolicy] = Field(default_factory=dict)
+    open_tenants: bool = Field(default=True, alias="openTenants")
+    defaults: TenantPolicy = TenantPolicy()
+
+    def policy(self, tenant: str) -> TenantPolicy | None:
+        """The tenant's policy; None for a tenant the cluster does not know."""
+        if tenant in self.tenants:
+            return self.tenants[tenant]
+        return self.defaults if self.open_tenants else None
+
+
+def parse_config(data: Any) -> ClusterConfig:
+    if data is None:
+        return ClusterConfig()
+    if not isinstance(data, dict):
+        raise SpecError("config", f"must be a mapping, got {type(data).__name__}")
+    try:
+        cfg = ClusterConfig.model_validate(data)
+    except ValidationError as exc:
+        raise spec_error_from(exc) from None
+    for name in cfg.tenants:
+        check_token(name, "tenants")
+    if cfg.tenants and "openTenants" not in data and "open_tenants" not in data:
+        # listing tenants means closing the door to the others, unless said otherwise
+        cfg = cfg.model_copy(update={"open_tenants": False})
+    return cfg
+
+
+def load_config(path: str | Path | None) -> ClusterConfig:
+    if path is None:
+        return ClusterConfig()
+    text = Path(path).read_text()
+    try:
+        return parse_config(yaml.safe_load(text))
+    except yaml.YAMLError as exc:
+        raise SpecError("config", f"not valid YAML: {exc}") from None
