@@ -17,7 +17,8 @@ def make_core(name: str, args: argparse.Namespace) -> Core[Any]:
         return AdmissionCore(load_config(getattr(args, "config", None)))
     if name == "quota":
         from gpufleet.services.quota.core import QuotaCore
-        return QuotaCore()
+        from gpufleet.shared.clusterconfig import load_config
+        return QuotaCore(load_config(getattr(args, "config", None)))
     if name == "placer":
         from gpufleet.services.placer.core import PlacerCore
         return PlacerCore()

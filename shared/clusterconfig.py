@@ -12,6 +12,8 @@
         submitBurst: 100                   # ... and burst
         maxPendingJobs: 1000               # submitted, not yet placed
     openTenants: false                     # true: a tenant not listed gets `defaults`
+    queues:                                # quota per queue; a queue not listed is unlimited
+      research: {cohort: lab, nominal: {gpu/H100: 32, cpu: 512}, borrowingLimit: {gpu/H100: 16}}
     defaults: {...}                        # the policy of unlisted tenants when openTenants
 
 Without a config file the mesh is open: every tenant gets the default policy (any queue).
@@ -54,10 +56,50 @@ class TenantPolicy(BaseModel):
         return self.allowed_images is None or any(fnmatch.fnmatchcase(image, p) for p in self.allowed_images)
 
 
+def _quantities(v: Any) -> Any:
+    """{cpu: 64, memory: 4Ti, gpu/H100: 16} -> cpu in milli, memory in MiB, GPUs as counts."""
+    if not isinstance(v, dict):
+        return v
+    from .spec import parse_cpu_milli, parse_memory_mib
+
+    out: dict[str, int] = {}
+    for key, value in v.items():
+        if key == "cpu":
+            out[key] = parse_cpu_milli(value)
+        elif key == "memory":
+            out[key] = parse_memory_mib(value)
+        elif key == "gpu" or isinstance(key, str) and key.startswith("gpu/") and len(key) > 4:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{key} must be a whole number of GPUs >= 0")
+            out[key] = value
+        else:
+            raise ValueError(f"unknown resource {key!r} (cpu, memory, gpu, gpu/<model>)")
+    return out
+
+
+Resources = Annotated[dict[str, int], BeforeValidator(_quantities)]
+
+
+class QueueConfig(BaseModel):
+    """A queue's quota, per resource (cpu, memory, gpu — any model — and gpu/<model>); an absent
+    resource is unlimited."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
+
+    cohort: str | None = None
+    nominal: Resources = Field(default_factory=dict)
+    borrowing_limit: Resources = Field(default_factory=dict, alias="borrowingLimit")  # absent: no limit
+    lending_limit: Resources = Field(default_factory=dict, alias="lendingLimit")  # absent: lends it all
+
+
 class ClusterConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
 
     tenants: dict[str, TenantPolicy] = Field(default_factory=dict)
+    queues: dict[str, QueueConfig] = Field(default_factory=dict)
+    # a job that waited this long stops jobs of its priority or lower, queued after it in its
+    # cohort, from taking what it needs (no starvation of big gangs by streams of small jobs)
+    starvation_after_s: DurationS = Field(default=600.0, alias="starvationAfter")
     open_tenants: bool = Field(default=True, alias="openTenants")
     defaults: TenantPolicy = TenantPolicy()
 

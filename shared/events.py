@@ -115,6 +115,7 @@ class JobQuotaReserved(_JobPayload):
     cpu_milli: int
     memory_mib: int
     gpus: int
+    flavor: str | None = None  # the GPU model the quota was taken from; the placer keeps to it
 
 
 class JobUnschedulable(_JobPayload):

@@ -155,7 +155,7 @@ def test_admitted_job_gets_quota_for_all_replicas() -> None:
     assert types(out) == ["job.quota_reserved"]
     p = out[0].payload
     assert (p.queue, p.gpus, p.cpu_milli, p.memory_mib) == ("a", 24, 4500, 3 * 64 * 1024)  # type: ignore[union-attr]
-    assert h.state.usage_gpus == {"a": 24}
+    assert h.state.usage == {"a": {"cpu": 4500, "memory": 3 * 64 * 1024, "gpu": 24}}
 
 
 def test_quota_is_reserved_once_and_given_back_at_the_end() -> None:
@@ -164,7 +164,7 @@ def test_quota_is_reserved_once_and_given_back_at_the_end() -> None:
 
     assert h.when(admitted("j1")) == []  # redelivered
     h.when(cancelled("j1"))
-    assert h.state.usage_gpus == {"default": 0}
+    assert h.state.usage == {"default": {"cpu": 0, "memory": 0, "gpu": 0}}
     assert h.when(admitted("j1")) == []  # late, after the end
 
 

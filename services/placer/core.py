@@ -153,9 +153,15 @@ class PlacerCore(BaseCore[PlacerState]):
             return state
         if isinstance(p, JobSubmitted):
             state.specs[job_id] = p.spec
-        elif t == "job.quota_reserved":
+        elif isinstance(p, JobQuotaReserved):
             if job_id not in state.ended and job_id not in state.allocations:
                 state.pending[job_id] = None
+                flavor = p.flavor
+                spec = state.specs.get(job_id)
+                if flavor and spec is not None and spec.resources.gpu_models != (flavor,):
+                    # quota was taken from this GPU model: place on it, or quota and placement disagree
+                    state.specs[job_id] = spec.model_copy(
+                        update={"resources": spec.resources.model_copy(update={"gpu_models": (flavor,)})})
         elif isinstance(p, JobUnschedulable):
             if job_id in state.pending:
                 state.unschedulable_said[job_id] = "; ".join(r.message for r in p.reasons)
