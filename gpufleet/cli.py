@@ -17,7 +17,7 @@ import yaml
 from gpufleet.shared.config import data_dir as resolve_data_dir
 from gpufleet.shared.config import read_mesh
 from gpufleet.shared.errors import GpufleetError, SpecError
-from gpufleet.shared.events import TERMINAL_JOB_TYPES, Envelope
+from gpufleet.shared.events import TERMINAL_JOB_TYPES, Envelope, JobQueued
 from gpufleet.shared.spec import load_spec_yaml
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="gpufleet: a control plane for GPU clusters, on one event log.")
@@ -309,7 +309,82 @@ def explain(job_id: str, data_dir: DataDir = None, as_json: JsonOut = False) -> 
         _echo_event(s, e, False)
     last = hist[-1][1]
     if last.type not in TERMINAL_JOB_TYPES:
-        typer.echo(f"pending: last event {last.type} (seq {hist[-1][0]})")
+        why = [(s, e) for s, e in hist if e.type in ("job.queued", "job.unschedulable")]
+        if why and why[-1][0] > max((s for s, e in hist if e.type in ("job.quota_reserved", "job.placed")), default=0):
+            seq, env = why[-1]
+            reasons = [env.payload.reason] if isinstance(env.payload, JobQueued) and env.payload.reason else \
+                list(getattr(env.payload, "reasons", ()))
+            for r in reasons:
+                typer.echo(f"pending ({'quota' if env.type == 'job.queued' else 'placement'}, seq {seq}): "
+                           f"{r.message} [{r.code}]")
+        else:
+            typer.echo(f"pending: last event {last.type} (seq {hist[-1][0]})")
+
+
+def _mesh_config(data_dir: str | None) -> Any:
+    from gpufleet.shared.clusterconfig import load_config
+
+    path = resolve_data_dir(data_dir) / "cluster.yaml"
+    return load_config(path if path.exists() else os.environ.get("GPUFLEET_CONFIG"))
+
+
+async def _quota_state(fleet: Any, config: Any) -> tuple[Any, Any]:
+    from gpufleet.services.quota.core import QuotaCore
+    from gpufleet.shared.events import parse_envelope
+    from gpufleet.shared.log import read_stream
+    from gpufleet.shared.subjects import SubjectFilter
+
+    core = QuotaCore(config)
+    state = core.initial_state()
+    wanted = SubjectFilter(core.subjects)
+    async for batch in read_stream(fleet.bus, ("fleet.evt.>",)):
+        for msg in batch:
+            if wanted(msg.subject):
+                try:
+                    state = core.evolve(state, parse_envelope(msg.data))
+                except Exception:  # noqa: BLE001 - dead letters are the services' business
+                    continue
+    return core, state
+
+
+@app.command()
+def queues(data_dir: DataDir = None, as_json: JsonOut = False) -> None:
+    """Usage, nominal quota, borrowed and pending jobs per queue and cohort (folded from the log)."""
+    config = _mesh_config(data_dir)
+    core, state = _run(_with_fleet(data_dir, lambda f: _quota_state(f, config)))
+    names = sorted(set(config.queues) | set(state.usage) | {p.queue for p in state.pending.values()})
+    rows = []
+    for name in names:
+        q = config.queues.get(name)
+        use = {r: v for r, v in state.usage.get(name, {}).items() if v}
+        nominal = dict(q.nominal) if q else {}
+        rows.append({
+            "queue": name, "cohort": q.cohort if q else None, "limited": q is not None,
+            "usage": use, "nominal": nominal,
+            "borrowed": {r: use.get(r, 0) - n for r, n in nominal.items() if use.get(r, 0) > n},
+            "lendable": {r: max(0, min(q.lending_limit.get(r, n), n - use.get(r, 0))) for r, n in nominal.items()} if q else {},
+            "pending": sum(1 for p in state.pending.values() if p.queue == name),
+            "reserved_jobs": sum(1 for held in state.reserved.values() if held[0] == name),
+        })
+    cohorts: dict[str, dict[str, Any]] = {}
+    for row in rows:
+        if row["cohort"]:
+            c = cohorts.setdefault(row["cohort"], {"cohort": row["cohort"], "queues": [], "nominal": {}, "usage": {}})
+            c["queues"].append(row["queue"])
+            for key in ("nominal", "usage"):
+                for r, v in row[key].items():
+                    c[key][r] = c[key].get(r, 0) + v
+    if as_json:
+        _print_json({"queues": rows, "cohorts": list(cohorts.values())})
+        return
+
+    def fmt(d: dict[str, int]) -> str:
+        return " ".join(f"{r}={v}" for r, v in sorted(d.items()) if r.startswith("gpu")) or "-"
+
+    typer.echo(f"{'QUEUE':<14}{'COHORT':<10}{'PENDING':>8}{'JOBS':>6}  GPU USED / NOMINAL")
+    for row in rows:
+        typer.echo(f"{row['queue']:<14}{row['cohort'] or '-':<10}{row['pending']:>8}{row['reserved_jobs']:>6}  "
+                   f"{fmt(row['usage'])} / {fmt(row['nominal']) if row['limited'] else 'unlimited'}")
 
 
 # ------------------------------------------------------------------ schema, bench

@@ -162,3 +162,39 @@ def test_cancel_and_watch(mesh: Path, tmp_path: Path) -> None:
     assert types[:2] == ["job.submitted", "job.admitted"]
     assert "job.cancel_requested" in types and types[-1] == "job.cancelled"
     assert any(e["type"] == "job.exited" and e["payload"]["reason"] == "cancelled" for e in events)
+
+
+def test_queues_and_explain_name_the_quota_a_job_waits_for(tmp_path: Path) -> None:
+    config = tmp_path / "cluster.yaml"
+    config.write_text(
+        "tenants:\n  acme: {queues: [small]}\n"
+        "queues:\n  small: {nominal: {gpu: 8}}\n"
+    )
+    data_dir = tmp_path / "q"
+    cli(data_dir, "up", "--detach", "--sim-nodes", "4", "--no-postgres", "--config", str(config))
+    try:
+        spec = tmp_path / "eight.yaml"
+        spec.write_text("name: eight\ntenant: acme\nqueue: small\nresources: {gpu: 8, cpu: 1, memory: 1Gi}\n"
+                        "sim: {duration: 10m}\n")
+        first = json.loads(cli(data_dir, "submit", str(spec), "--json").stdout)["job_id"]
+        second = json.loads(cli(data_dir, "submit", str(spec), "--json").stdout)["job_id"]
+        deadline = time.monotonic() + 30
+        while True:
+            doc = json.loads(cli(data_dir, "queues", "--json").stdout)
+            [q] = [r for r in doc["queues"] if r["queue"] == "small"]
+            if q["usage"].get("gpu") == 8 and q["pending"] == 1:
+                break
+            assert time.monotonic() < deadline, doc
+            time.sleep(0.3)
+        assert q["nominal"] == {"gpu": 8} and q["reserved_jobs"] == 1
+        out = cli(data_dir, "explain", second).stdout
+        assert "pending (quota" in out and "queue small: gpu 8 used + 8 requested > nominal 8" in out
+        assert "[cohort_limit]" in out or "[queue_limit]" in out
+        cli(data_dir, "cancel", first)
+        deadline = time.monotonic() + 30
+        while "job.placed" not in cli(data_dir, "explain", second).stdout:
+            assert time.monotonic() < deadline, "the waiting job never got the quota back"
+            time.sleep(0.3)
+    finally:
+        subprocess.run([sys.executable, "-m", "gpufleet.cli", "down", "--data-dir", str(data_dir)],
+                       capture_output=True, timeout=120)
