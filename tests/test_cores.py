@@ -548,3 +548,17 @@ def test_executor_never_starts_a_placement_its_cancel_overtook() -> None:
     out = h.when(placed("j1", ("n1", [0])))
     assert types(out) == ["job.exited"]
     assert out[0].payload.reason == "cancelled"  # type: ignore[union-attr]
+
+
+def test_a_gang_no_cluster_could_hold_fails_and_gives_its_quota_back() -> None:
+    # 3 nodes of 8 GPUs: a 4 x 8 gang can never fit, even on the empty cluster
+    gang = make_job().gpus(8).replicas(4)
+    h = Harness(PlacerCore()).given(node("n1"), node("n2"), node("n3"), submitted(gang, "g"))
+    out = h.when(quota_reserved(gang, "g"))
+    assert types(out) == ["job.failed"]
+    assert out[0].payload.reason.code == "never_fits"  # type: ignore[union-attr]
+    # while a gang that fits an empty cluster but not the busy one just waits
+    small = make_job().gpus(8).replicas(3)
+    h2 = Harness(PlacerCore()).given(node("n1"), node("n2"), node("n3"), submitted(make_job().gpus(1), "x"),
+                                     placed("x", ("n1", [0])), submitted(small, "s"))
+    assert types(h2.when(quota_reserved(small, "s"))) == ["job.unschedulable"]

@@ -18,6 +18,7 @@ from gpufleet.shared.events import (
     JobCancelled,
     JobCancelRequested,
     JobExited,
+    JobFailed,
     JobPlaced,
     JobQuotaReserved,
     JobSubmitted,
@@ -47,6 +48,8 @@ class NodeSlot:
     cpu_milli_free: int
     memory_mib_free: int
     healthy: bool = True
+    cpu_milli_total: int = 0
+    memory_mib_total: int = 0
 
 
 @dataclass
@@ -103,6 +106,7 @@ def _register(state: PlacerState, node_id: str, inv: NodeInventory) -> None:
     node = NodeSlot(
         node_id=node_id, model=(sorted(models)[0] if models else CPU_ONLY), gpus_total=len(inv.gpus),
         free_gpus=[g.index for g in inv.gpus], cpu_milli_free=inv.cpu_milli, memory_mib_free=inv.memory_mib,
+        cpu_milli_total=inv.cpu_milli, memory_mib_total=inv.memory_mib,
     )
     state.nodes[node_id] = node
     for allocs in state.allocations.values():  # re-registration keeps what is already held
@@ -225,6 +229,13 @@ class PlacerCore(BaseCore[PlacerState]):
             return [ctx.emit(JobPlaced(job_id=job_id, allocations=allocs), tenant=spec.tenant, key=f"placed:{job_id}")]
         if not say_unschedulable:
             return []  # a retry that still does not fit: the reason was said when it first failed
+        if state.nodes and not self.ever_fits(state, spec, models):
+            # Quota and placement must agree: a job no healthy node set could ever hold must not
+            # keep its quota (and block others) while it waits; it fails, and says why.
+            return [ctx.emit(JobFailed(job_id=job_id, reason=Reason(code="never_fits", message=(
+                f"{spec.replicas} x {spec.resources.gpu} GPU ({', '.join(models) or 'CPU'}) cannot fit even on the "
+                f"empty cluster of {sum(n.healthy for n in state.nodes.values())} healthy nodes"))),
+                tenant=spec.tenant, key=f"never:{job_id}")]
         reasons = self._reasons(state, spec, models)
         filtered = self._filtered(state, spec, models)
         message = "; ".join(r.message for r in reasons)
@@ -233,6 +244,22 @@ class PlacerCore(BaseCore[PlacerState]):
         return [ctx.emit(JobUnschedulable(
             job_id=job_id, reasons=tuple(reasons), filtered=filtered, nodes_total=len(state.nodes),
         ), tenant=spec.tenant, key=f"unsched:{job_id}:{len(state.nodes)}:{message}")]
+
+    @staticmethod
+    def ever_fits(state: PlacerState, spec: JobSpec, models: list[str]) -> bool:
+        """Whether all replicas would fit if every healthy node were empty."""
+        r = spec.resources
+        room = 0
+        for node in state.nodes.values():
+            if not node.healthy or (r.gpu and node.model not in models):
+                continue
+            per = [node.gpus_total // r.gpu if r.gpu else spec.replicas,
+                   node.cpu_milli_total // r.cpu_milli if r.cpu_milli else spec.replicas,
+                   node.memory_mib_total // r.memory_mib if r.memory_mib else spec.replicas]
+            room += max(0, min(per))
+            if room >= spec.replicas:
+                return True
+        return False
 
     def plan(self, state: PlacerState, spec: JobSpec, scratch: dict[str, tuple[list[int], int, int]] | None = None,
              ) -> tuple[tuple[ReplicaAllocation, ...] | None, list[str]]:
