@@ -97,7 +97,7 @@ class AdmissionCore(BaseCore[AdmissionState]):
         "fleet.evt.*.job.*.submitted", "fleet.evt.*.job.*.admitted", "fleet.evt.*.job.*.rejected",
         "fleet.evt.*.job.*.placed",
         "fleet.evt.*.job.*.succeeded", "fleet.evt.*.job.*.failed", "fleet.evt.*.job.*.cancelled",
-        "fleet.evt.*.job.*.cancel_requested",
+        "fleet.evt.*.job.*.cancel_requested", "fleet.evt.*.job.*.preempted",
     )
 
     def __init__(self, config: ClusterConfig | None = None) -> None:
@@ -158,7 +158,7 @@ class AdmissionCore(BaseCore[AdmissionState]):
         elif t == "job.cancel_requested":
             if known and known[1] in (PENDING, PLACED):
                 state.jobs[job_id] = (known[0], CANCELLING)
-        elif t in ("job.succeeded", "job.failed", "job.cancelled"):
+        elif t in ("job.succeeded", "job.failed", "job.cancelled", "job.preempted"):
             if known is not None:
                 state.jobs[job_id] = (known[0], ENDED)
                 self._waiting(state, job_id, known[0], False)

@@ -27,7 +27,8 @@ from gpufleet.shared.runtime import BaseCore, Ctx
 
 EXIT_TIMEOUT = 124
 EXIT_KILLED = 137
-_KILL_REASONS: dict[str, ExitReason] = {"job.preempted": "preempted", "job.failed": "killed"}
+_KILL_REASONS: dict[str, ExitReason] = {
+    "job.preempted": "preempted", "job.preemption_requested": "preempted", "job.failed": "killed"}
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,7 @@ class ExecutorCore(BaseCore[ExecutorState]):
         "fleet.evt.sys.node.*.registered",
         "fleet.evt.*.job.*.submitted", "fleet.evt.*.job.*.placed", "fleet.evt.*.job.*.started",
         "fleet.evt.*.job.*.exited", "fleet.evt.*.job.*.cancel_requested",
+        "fleet.evt.*.job.*.preemption_requested",
         "fleet.evt.*.job.*.succeeded", "fleet.evt.*.job.*.failed", "fleet.evt.*.job.*.cancelled",
         "fleet.evt.*.job.*.preempted",
     )
@@ -155,7 +157,9 @@ class ExecutorCore(BaseCore[ExecutorState]):
                         attempt=p.attempt,
                     ), key=f"start:{a.replica}"))
             return out
-        if t in ("job.cancel_requested", "job.cancelled", "job.preempted", "job.failed"):
+        # (the grace period of a preemption is the guardian's to use for a checkpoint; the sim
+        # driver has nothing to save and stops at once)
+        if t in ("job.cancel_requested", "job.cancelled", "job.preempted", "job.failed", "job.preemption_requested"):
             # a cancelled / preempted job, or the rest of a gang one of whose replicas failed
             reason = _KILL_REASONS.get(t, "cancelled")
             return [

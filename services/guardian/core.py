@@ -13,6 +13,7 @@ from gpufleet.shared.events import (
     JobCancelled,
     JobExited,
     JobFailed,
+    JobPreempted,
     JobSubmitted,
     JobSucceeded,
     Reason,
@@ -32,7 +33,7 @@ class GuardianCore(BaseCore[GuardianState]):
     subjects = (
         "fleet.evt.*.job.*.submitted", "fleet.evt.*.job.*.exited",
         "fleet.evt.*.job.*.succeeded", "fleet.evt.*.job.*.failed", "fleet.evt.*.job.*.cancelled",
-        "fleet.evt.*.job.*.rejected",
+        "fleet.evt.*.job.*.rejected", "fleet.evt.*.job.*.preempted",
     )
 
     def initial_state(self) -> GuardianState:
@@ -60,6 +61,10 @@ class GuardianCore(BaseCore[GuardianState]):
         assert isinstance(p, JobExited)
         if p.reason == "cancelled":
             return [ctx.emit(JobCancelled(job_id=p.job_id, reason="cancelled by user"), key="end")]
+        if p.reason == "preempted":
+            return [ctx.emit(JobPreempted(job_id=p.job_id, reason=Reason(
+                code="preempted", message=f"replica {p.replica} on {p.node_id} stopped to give its quota back")),
+                key="end")]
         if p.exit_code != 0:
             code = "timeout" if p.reason == "timeout" else "exit_code"
             message = (f"ran past its max runtime ({p.runtime_s:.0f}s)" if p.reason == "timeout"

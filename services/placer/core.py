@@ -20,6 +20,8 @@ from gpufleet.shared.events import (
     JobExited,
     JobFailed,
     JobPlaced,
+    JobPreempted,
+    JobPreemptionRequested,
     JobQuotaReserved,
     JobSubmitted,
     JobUnschedulable,
@@ -125,6 +127,7 @@ class PlacerCore(BaseCore[PlacerState]):
         "fleet.evt.sys.node.*.*",
         "fleet.evt.*.job.*.submitted", "fleet.evt.*.job.*.quota_reserved", "fleet.evt.*.job.*.placed",
         "fleet.evt.*.job.*.unschedulable", "fleet.evt.*.job.*.exited", "fleet.evt.*.job.*.cancel_requested",
+        "fleet.evt.*.job.*.preemption_requested",
         "fleet.evt.*.job.*.succeeded", "fleet.evt.*.job.*.failed", "fleet.evt.*.job.*.cancelled",
         "fleet.evt.*.job.*.preempted",
     )
@@ -204,6 +207,11 @@ class PlacerCore(BaseCore[PlacerState]):
                 # not placed (and, placements being ours alone, it never will be): cancelled here
                 return [ctx.emit(JobCancelled(job_id=job_id, reason=p.reason), key="cancelled")]
             return []  # placed: the executor stops it, the guardian ends it
+        if isinstance(p, JobPreemptionRequested):
+            job_id = p.job_id
+            if job_id in state.specs and job_id not in state.allocations and job_id not in state.ended:
+                return [ctx.emit(JobPreempted(job_id=job_id, reason=p.reason), key="preempted")]
+            return []
         if isinstance(p, JobQuotaReserved):
             job_id = p.job_id
             if job_id in state.pending:

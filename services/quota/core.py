@@ -16,7 +16,13 @@ One cycle, run when a job is admitted, when quota is released and every few seco
   4. except that a job which has waited longer than `starvationAfter` holds back the jobs of
      its priority or lower in its cohort that would take a resource it lacks: a stream of
      small jobs cannot starve a big gang for ever.
-(Preemption and reclaim come next; see the issue.)
+  5. a job that still does not fit may preempt: jobs of lower priority in its own queue, or —
+     when its queue is within its nominal quota — jobs of queues that borrow in its cohort
+     (reclaim). The victims are the fewest that make room, lowest priority first, then the
+     most recently admitted; each gets `job.preemption_requested` with the reason, so the
+     guardian can checkpoint it first. A preempted job does not come back by itself (resume is
+     the guardian's), and a job never preempts while its earlier victims are still ending, so
+     preemption cannot loop.
 """
 
 from __future__ import annotations
@@ -24,11 +30,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from gpufleet.shared.clusterconfig import ClusterConfig, QueueConfig
-from gpufleet.shared.events import Envelope, JobQueued, JobQuotaReserved, JobSubmitted, Reason
+from gpufleet.shared.events import (
+    Envelope,
+    JobPreemptionRequested,
+    JobQueued,
+    JobQuotaReserved,
+    JobSubmitted,
+    Reason,
+)
 from gpufleet.shared.runtime import BaseCore, Ctx
 from gpufleet.shared.spec import JobSpec
 
-CYCLE_JOBS_MAX = 512  # pending jobs looked at per cycle: bound the work of one decision
+CYCLE_JOBS_MAX = 512
+PREEMPT_GRACE_S = 30.0  # pending jobs looked at per cycle: bound the work of one decision
 ENDED_TYPES = ("job.succeeded", "job.failed", "job.cancelled", "job.preempted", "job.rejected")
 
 
@@ -51,6 +65,9 @@ class QuotaState:
     ended: set[str] = field(default_factory=set)
     said: dict[str, str] = field(default_factory=dict)  # job -> the last reason told
     admitted_n: int = 0
+    reserved_n: int = 0
+    reserved_order: dict[str, int] = field(default_factory=dict)  # later = more recently admitted to run
+    preempting: dict[str, str] = field(default_factory=dict)  # victim -> the job it makes room for
 
 
 def demand(spec: JobSpec, flavor: str | None) -> dict[str, int]:
@@ -65,7 +82,7 @@ class QuotaCore(BaseCore[QuotaState]):
     name = "quota"
     subjects = (
         "fleet.evt.*.job.*.submitted", "fleet.evt.*.job.*.admitted", "fleet.evt.*.job.*.quota_reserved",
-        "fleet.evt.*.job.*.queued",
+        "fleet.evt.*.job.*.queued", "fleet.evt.*.job.*.preemption_requested",
         "fleet.evt.*.job.*.succeeded", "fleet.evt.*.job.*.failed", "fleet.evt.*.job.*.cancelled",
         "fleet.evt.*.job.*.preempted",
     )
@@ -102,13 +119,20 @@ class QuotaCore(BaseCore[QuotaState]):
                 if p.flavor and p.gpus:
                     d[f"gpu/{p.flavor}"] = p.gpus
                 state.reserved[job_id] = (p.queue, d)
+                state.reserved_n += 1
+                state.reserved_order[job_id] = state.reserved_n
                 use = state.usage.setdefault(p.queue, {})
                 for r, v in d.items():
                     use[r] = use.get(r, 0) + v
                 state.pending.pop(job_id, None)
                 state.said.pop(job_id, None)
+        elif isinstance(p, JobPreemptionRequested):
+            if job_id in state.reserved:
+                state.preempting.setdefault(job_id, p.by_job_id or "")
         elif t in ENDED_TYPES:
             state.ended.add(job_id)
+            state.preempting.pop(job_id, None)
+            state.reserved_order.pop(job_id, None)
             state.pending.pop(job_id, None)
             state.specs.pop(job_id, None)
             state.said.pop(job_id, None)
@@ -148,6 +172,7 @@ class QuotaCore(BaseCore[QuotaState]):
         # what this cycle reserved so far, so later jobs in it see it (outputs evolve after)
         extra: dict[str, dict[str, int]] = {}
         blocked: dict[str, tuple[int, set[str], str]] = {}  # cohort -> (priority, resources, job)
+        taken: set[str] = set()  # victims chosen in this cycle
         for job in order:
             spec = state.specs.get(job.job_id)
             if spec is None:
@@ -171,12 +196,103 @@ class QuotaCore(BaseCore[QuotaState]):
                     gpus=spec.gpus_total, flavor=flavor or None,
                 ), tenant=job.tenant, cause_id=job.job_id, key="reserved"))
                 continue
+            if reason is not None and reason.code in ("queue_limit", "cohort_limit"):
+                if job.job_id in state.preempting.values():
+                    n = sum(1 for by in state.preempting.values() if by == job.job_id)
+                    reason = Reason(code="preempting", message=(
+                        f"waiting for {n} preempted job(s) to give back quota in queue {job.queue}"))
+                else:
+                    victims = self.victims(state, extra, job, spec, taken)
+                    if victims:
+                        taken.update(v for v, _ in victims)
+                        for victim, why in victims:
+                            out.append(ctx.emit(JobPreemptionRequested(
+                                job_id=victim, by_job_id=job.job_id, reason=why, grace_s=PREEMPT_GRACE_S,
+                            ), tenant=self._tenant(state, victim), cause_id=job.job_id, key=f"preempt:{victim}"))
+                        reason = Reason(code="preempting", message=(
+                            f"waiting for {len(victims)} preempted job(s) to give back quota in queue {job.queue}"))
             if now - job.since_s >= self.config.starvation_after_s and cohort not in blocked:
                 blocked[cohort] = (job.priority, lacking, job.job_id)
             if reason is not None and state.said.get(job.job_id) != reason.message:
                 out.append(ctx.emit(JobQueued(job_id=job.job_id, queue=job.queue, reason=reason),
                                     tenant=job.tenant, cause_id=job.job_id, key=f"queued:{reason.message}"))
         return out
+
+    @staticmethod
+    def _tenant(state: QuotaState, job_id: str) -> str:
+        spec = state.specs.get(job_id)
+        return spec.tenant if spec else "sys"
+
+    def victims(self, state: QuotaState, extra: dict[str, dict[str, int]], job: Pending, spec: JobSpec,
+                taken: set[str]) -> list[tuple[str, Reason]]:
+        """The fewest running jobs whose quota lets `job` in: lower priority in its own queue, or
+        any priority in a queue that borrows from this one's cohort while this queue is under its
+        nominal (reclaim). Lowest priority first, then the most recently admitted. [] if none do."""
+        q = self.queue_config(job.queue)
+        if q is None:
+            return []
+        within_nominal = all(
+            self._used(state, extra, job.queue, r) + v <= q.nominal[r]
+            for r, v in demand(spec, self._flavor_hint(q, spec)).items() if r in q.nominal
+        )
+        candidates: list[tuple[int, int, str, Reason]] = []
+        for victim, (queue, held) in state.reserved.items():
+            if victim in taken or victim in state.preempting:
+                continue
+            vspec = state.specs.get(victim)
+            if vspec is None:
+                continue
+            if queue == job.queue and vspec.priority < job.priority:
+                why = Reason(code="priority", message=(
+                    f"preempted for job {job.job_id} (priority {job.priority} > {vspec.priority}) in queue {queue}"))
+            elif (within_nominal and queue != job.queue and q.cohort
+                  and self._cohort(queue) == q.cohort and self._borrowing(state, queue, held)):
+                why = Reason(code="reclaim", message=(
+                    f"queue {job.queue} reclaims its nominal quota from {queue}, which borrows it"))
+            else:
+                continue
+            candidates.append((vspec.priority, -state.reserved_order.get(victim, 0), victim, why))
+        candidates.sort()
+        chosen: list[tuple[str, Reason]] = []
+        freed: dict[str, dict[str, int]] = {k: dict(v) for k, v in extra.items()}
+        for _prio, _order, victim, why in candidates:
+            queue, held = state.reserved[victim]
+            sub = freed.setdefault(queue, {})
+            for r, v in held.items():
+                sub[r] = sub.get(r, 0) - v
+            chosen.append((victim, why))
+            if self.fit(state, freed, job.queue, spec)[0] is not None:
+                return self._fewest(state, extra, job, spec, chosen)
+        return []
+
+    def _fewest(self, state: QuotaState, extra: dict[str, dict[str, int]], job: Pending, spec: JobSpec,
+                chosen: list[tuple[str, Reason]]) -> list[tuple[str, Reason]]:
+        """Drop any victim the job does not need after all (the first ones chosen may be redundant)."""
+        keep = list(chosen)
+        for victim in [v for v, _ in chosen[:-1]]:
+            trial = [c for c in keep if c[0] != victim]
+            freed: dict[str, dict[str, int]] = {k: dict(v) for k, v in extra.items()}
+            for v, _ in trial:
+                queue, held = state.reserved[v]
+                sub = freed.setdefault(queue, {})
+                for r, amount in held.items():
+                    sub[r] = sub.get(r, 0) - amount
+            if self.fit(state, freed, job.queue, spec)[0] is not None:
+                keep = trial
+        return keep
+
+    def _borrowing(self, state: QuotaState, queue: str, held: dict[str, int]) -> bool:
+        q = self.queue_config(queue)
+        if q is None:
+            return False
+        use = state.usage.get(queue, {})
+        return any(r in q.nominal and use.get(r, 0) > q.nominal[r] for r in held)
+
+    @staticmethod
+    def _flavor_hint(q: QueueConfig, spec: JobSpec) -> str | None:
+        models = [r.removeprefix("gpu/") for r in q.nominal if r.startswith("gpu/")]
+        wanted = [m for m in models if not spec.resources.gpu_models or m in spec.resources.gpu_models]
+        return wanted[0] if spec.resources.gpu and wanted else None
 
     def _cohort(self, queue: str) -> str:
         q = self.queue_config(queue)
@@ -224,15 +340,35 @@ class QuotaCore(BaseCore[QuotaState]):
                 return Reason(code="queue_limit", message=(
                     f"queue {queue}: {r} {used} used + {amount} requested > nominal {nominal} + borrowing "
                     f"limit {borrow_limit}")), {r}
-            if new <= nominal:
+            if not q.cohort:
+                if new > nominal:
+                    return Reason(code="queue_limit", message=(
+                        f"queue {queue}: {r} {used} used + {amount} requested > nominal {nominal}")), {r}
                 continue
-            available = self._cohort_available(state, extra, queue, q, r)
-            if new - nominal > available:
-                cohort = q.cohort or "(none)"
+            if new > nominal:
+                available = self._cohort_available(state, extra, queue, q, r)
+                if new - nominal > available:
+                    return Reason(code="cohort_limit", message=(
+                        f"queue {queue}: {r} {used} used + {amount} requested > nominal {nominal}, and cohort "
+                        f"{q.cohort} has {available} to lend")), {r}
+            capacity, in_use = self._cohort_totals(state, extra, q.cohort, r)
+            if in_use + amount > capacity:
+                # within its own nominal, but the cohort is full: others borrow this queue's share
                 return Reason(code="cohort_limit", message=(
-                    f"queue {queue}: {r} {used} used + {amount} requested > nominal {nominal}, and cohort "
-                    f"{cohort} has {available} to lend")), {r}
+                    f"queue {queue}: {r} {used} used + {amount} requested is within nominal {nominal}, but cohort "
+                    f"{q.cohort} is full ({in_use} of {capacity} in use; queues borrow this one's share)")), {r}
         return None
+
+    def _cohort_totals(self, state: QuotaState, extra: dict[str, dict[str, int]], cohort: str,
+                       r: str) -> tuple[int, int]:
+        """The cohort's capacity of `r` (its queues' nominal) and what its queues use of it."""
+        capacity = in_use = 0
+        for name in self.cohorts.get(cohort, []):
+            n = self.config.queues[name].nominal.get(r)
+            if n is not None:
+                capacity += n
+                in_use += self._used(state, extra, name, r)
+        return capacity, in_use
 
     def _cohort_available(self, state: QuotaState, extra: dict[str, dict[str, int]], queue: str,
                           q: QueueConfig, r: str) -> int:
