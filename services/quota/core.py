@@ -41,8 +41,8 @@ from gpufleet.shared.events import (
 from gpufleet.shared.runtime import BaseCore, Ctx
 from gpufleet.shared.spec import JobSpec
 
-CYCLE_JOBS_MAX = 512
-PREEMPT_GRACE_S = 30.0  # pending jobs looked at per cycle: bound the work of one decision
+CYCLE_JOBS_MAX = 512  # pending jobs looked at per cycle: bound the work of one decision
+PREEMPT_GRACE_S = 30.0
 ENDED_TYPES = ("job.succeeded", "job.failed", "job.cancelled", "job.preempted", "job.rejected")
 
 
@@ -166,8 +166,11 @@ class QuotaCore(BaseCore[QuotaState]):
 
     def cycle(self, state: QuotaState, ctx: Ctx) -> list[Envelope]:
         now = ctx.now.timestamp()
-        order = sorted(state.pending.values(),
-                       key=lambda j: (-j.priority, self.share(state, j.queue), j.order))[:CYCLE_JOBS_MAX]
+        starve_s = self.config.starvation_after_s
+        # a starving job goes first within its priority: were a queue with a lower DRF share looked
+        # at before it, that queue's jobs would take what frees before it could be held for it
+        order = sorted(state.pending.values(), key=lambda j: (
+            -j.priority, now - j.since_s < starve_s, self.share(state, j.queue), j.order))[:CYCLE_JOBS_MAX]
         out: list[Envelope] = []
         # what this cycle reserved so far, so later jobs in it see it (outputs evolve after)
         extra: dict[str, dict[str, int]] = {}
@@ -181,7 +184,7 @@ class QuotaCore(BaseCore[QuotaState]):
             flavor, reason, lacking = self.fit(state, extra, job.queue, spec)
             hold = blocked.get(cohort)
             if flavor is not None and hold is not None and job.priority <= hold[0] and (
-                    set(demand(spec, flavor or None)) & hold[1]):
+                    {r for r, v in demand(spec, flavor or None).items() if v > 0} & hold[1]):
                 reason = Reason(code="behind_starving_job", message=(
                     f"waiting behind job {hold[2]}, which has waited over "
                     f"{self.config.starvation_after_s:.0f}s for the same resources"))
@@ -211,7 +214,8 @@ class QuotaCore(BaseCore[QuotaState]):
                             ), tenant=self._tenant(state, victim), cause_id=job.job_id, key=f"preempt:{victim}"))
                         reason = Reason(code="preempting", message=(
                             f"waiting for {len(victims)} preempted job(s) to give back quota in queue {job.queue}"))
-            if now - job.since_s >= self.config.starvation_after_s and cohort not in blocked:
+            if now - job.since_s >= starve_s and cohort not in blocked and (
+                    self.fit(QuotaState(), {}, job.queue, spec)[0] is not None):
                 blocked[cohort] = (job.priority, lacking, job.job_id)
             if reason is not None and state.said.get(job.job_id) != reason.message:
                 out.append(ctx.emit(JobQueued(job_id=job.job_id, queue=job.queue, reason=reason),
@@ -315,14 +319,16 @@ class QuotaCore(BaseCore[QuotaState]):
                 return None, Reason(code="no_flavor", field="resources.gpuModels", message=(
                     f"queue {queue} has no quota for GPU model {', '.join(wanted)} "
                     f"(it has {', '.join(limited_models)})")), {f"gpu/{m}" for m in wanted}
-        first: tuple[Reason, set[str]] | None = None
+        first: Reason | None = None
+        lacking: set[str] = set()
         for flavor in flavors:
             problem = self._fits(state, extra, queue, q, demand(spec, flavor or None))
             if problem is None:
                 return flavor, None, set()
-            first = first or problem
+            first = first or problem[0]
+            lacking |= problem[1]
         assert first is not None
-        return None, first[0], first[1]
+        return None, first, lacking
 
     def _used(self, state: QuotaState, extra: dict[str, dict[str, int]], queue: str, r: str) -> int:
         return state.usage.get(queue, {}).get(r, 0) + extra.get(queue, {}).get(r, 0)
@@ -331,7 +337,7 @@ class QuotaCore(BaseCore[QuotaState]):
               d: dict[str, int]) -> tuple[Reason, set[str]] | None:
         for r, amount in d.items():
             nominal = q.nominal.get(r)
-            if nominal is None:
+            if nominal is None or amount == 0:  # (0: a queue over a shrunk quota still runs CPU-only jobs)
                 continue
             used = self._used(state, extra, queue, r)
             new = used + amount
@@ -357,6 +363,18 @@ class QuotaCore(BaseCore[QuotaState]):
                 return Reason(code="cohort_limit", message=(
                     f"queue {queue}: {r} {used} used + {amount} requested is within nominal {nominal}, but cohort "
                     f"{q.cohort} is full ({in_use} of {capacity} in use; queues borrow this one's share)")), {r}
+            for lender in self.cohorts.get(q.cohort, []):
+                lq = self.config.queues[lender]
+                if lender == queue or r not in lq.nominal or r not in lq.lending_limit:
+                    continue
+                # the others may use their own nominal and what the lender lends, never the rest
+                kept = lq.nominal[r] - min(lq.nominal[r], lq.lending_limit[r])
+                others = in_use - self._used(state, extra, lender, r)
+                if others + amount > capacity - kept:
+                    return Reason(code="cohort_limit", message=(
+                        f"queue {queue}: {r} {used} used + {amount} requested, but queue {lender} keeps {kept} "
+                        f"of its nominal for itself (lending limit {lq.lending_limit[r]}) and the other queues "
+                        f"of cohort {q.cohort} use {others} of {capacity - kept}")), {r}
         return None
 
     def _cohort_totals(self, state: QuotaState, extra: dict[str, dict[str, int]], cohort: str,
