@@ -425,15 +425,19 @@ def test_a_big_job_that_waited_past_starvation_after_gets_the_quota_that_frees()
     assert reserved_ids(arrive(h, make_job().queue("b"), "cpu_only", 63)) == ["cpu_only"]
     assert usage(h, "a") + usage(h, "b") == 14
 
-    assert reserved_ids(h.when(succeeded("small1"), at(70))) == []  # 6 free: big needs 12, small2 is held
-    assert h.tick(at(75)) == []  # nothing changed, nothing to tell
-    assert reserved_ids(h.when(succeeded("hb"), at(80))) == []  # 10 free
-    out = h.when(succeeded("urgent"), at(85))  # 12 free
+    # a job within its own queue's nominal is never held: b's quota is b's (the nominal
+    # guarantee wins; were it held, big would borrow it only to have it reclaimed)
+    assert reserved_ids(h.when(succeeded("small1"), at(70))) == ["small2"]
+    h.tick(at(75))
+    out = arrive(h, gpu_job(4, "b"), "small3", 76)  # b at 8 of 8: small3 would borrow, so it is held
+    assert reasons(out)["small3"].code == "behind_starving_job"
+    assert reserved_ids(h.when(succeeded("hb"), at(80))) == ["small3"]  # within b's nominal again
+    assert reserved_ids(h.when(succeeded("urgent"), at(85))) == []  # b uses 6: lends 2, big needs 8
+    assert reserved_ids(h.when(succeeded("small3"), at(86))) == []  # b lends 6; big needs 8 beyond a's 4 free
+    out = h.when(succeeded("ha"), at(87))  # a empty: big takes a's 8 and borrows 4 of b's 6
 
     assert reserved_ids(out) == ["big"]
     assert reservation(out, "big").gpus == 12
-    assert "small2" in h.state.pending
-    assert reserved_ids(h.when(succeeded("big"), at(90))) == ["small2"]  # held jobs go after it
 
 
 def test_a_starving_job_goes_before_jobs_of_its_priority_in_queues_with_a_lower_share() -> None:
@@ -442,10 +446,24 @@ def test_a_starving_job_goes_before_jobs_of_its_priority_in_queues_with_a_lower_
     arrive(h, gpu_job(8, "a", replicas=2), "big", 1)  # a's share is 1, b's will be 0
     h.when(succeeded("hb"), at(70))  # 8 free: big waits for 16
 
-    out = arrive(h, gpu_job(8, "b"), "small", 71)
+    out = arrive(h, gpu_job(8, "c"), "small", 71)  # c is at its nominal: small would borrow
 
     assert reasons(out)["small"].code == "behind_starving_job"
-    assert reserved_ids(h.when(succeeded("hc"), at(80))) == ["big"]
+    # hc ends: big (starving, first) gets its 16, borrowing b's and c's shares
+    out = h.when(succeeded("hc"), at(80))
+    assert reserved_ids(out) == ["big"]
+
+
+@pytest.mark.xfail(reason="known gap: a queue's own job reclaims the share a starving gang just borrowed "
+                          "(nominal guarantee vs starvation guard); see issue 3's note", strict=True)
+def test_a_starving_gang_that_borrowed_is_not_reclaimed_at_once() -> None:
+    h = quota({q: {"cohort": LAB, "nominal": {"gpu": 8}} for q in "abc"}, **STARVE)
+    holding(h, ("ha", gpu_job(8, "a")), ("hc", gpu_job(8, "c")), ("hb", gpu_job(8, "b")))
+    arrive(h, gpu_job(8, "a", replicas=2), "big", 1)
+    h.when(succeeded("hb"), at(70))
+    arrive(h, gpu_job(8, "c"), "small", 71)
+    out = h.when(succeeded("hc"), at(80)) + h.tick(at(85))
+    assert not [e for e in out if e.type == "job.preemption_requested"]
 
 
 @pytest.mark.parametrize(("big", "small"), [

@@ -64,6 +64,7 @@ class QuotaState:
     usage: dict[str, dict[str, int]] = field(default_factory=dict)  # queue -> resource -> amount
     ended: set[str] = field(default_factory=set)
     said: dict[str, str] = field(default_factory=dict)  # job -> the last reason told
+    told: dict[str, int] = field(default_factory=dict)  # job -> how many reasons told
     admitted_n: int = 0
     reserved_n: int = 0
     reserved_order: dict[str, int] = field(default_factory=dict)  # later = more recently admitted to run
@@ -113,6 +114,7 @@ class QuotaCore(BaseCore[QuotaState]):
                     job_id, env.tenant, spec.queue, spec.priority, state.admitted_n, env.occurred_at.timestamp()))
         elif isinstance(p, JobQueued):
             state.said[job_id] = p.reason.message if p.reason else ""
+            state.told[job_id] = state.told.get(job_id, 0) + 1
         elif isinstance(p, JobQuotaReserved):
             if job_id not in state.reserved and job_id not in state.ended:
                 d = {"cpu": p.cpu_milli, "memory": p.memory_mib, "gpu": p.gpus}
@@ -174,7 +176,7 @@ class QuotaCore(BaseCore[QuotaState]):
         out: list[Envelope] = []
         # what this cycle reserved so far, so later jobs in it see it (outputs evolve after)
         extra: dict[str, dict[str, int]] = {}
-        blocked: dict[str, tuple[int, set[str], str]] = {}  # cohort -> (priority, resources, job)
+        blocked: dict[str, tuple[int, set[str], str, str]] = {}  # cohort -> (priority, resources, job, queue)
         taken: set[str] = set()  # victims chosen in this cycle
         for job in order:
             spec = state.specs.get(job.job_id)
@@ -183,8 +185,13 @@ class QuotaCore(BaseCore[QuotaState]):
             cohort = self._cohort(job.queue)
             flavor, reason, lacking = self.fit(state, extra, job.queue, spec)
             hold = blocked.get(cohort)
+            # Held back: jobs of the starving job's queue, and jobs that would borrow, that need
+            # what it lacks. A job within its own queue's nominal is never held: that quota is
+            # its queue's, and holding it would only let the starving job borrow it, to be
+            # reclaimed from it at once (the nominal guarantee wins over the starvation guard).
             if flavor is not None and hold is not None and job.priority <= hold[0] and (
-                    {r for r, v in demand(spec, flavor or None).items() if v > 0} & hold[1]):
+                    {r for r, v in demand(spec, flavor or None).items() if v > 0} & hold[1]) and (
+                    job.queue == hold[3] or self._would_borrow(state, extra, job.queue, demand(spec, flavor or None))):
                 reason = Reason(code="behind_starving_job", message=(
                     f"waiting behind job {hold[2]}, which has waited over "
                     f"{self.config.starvation_after_s:.0f}s for the same resources"))
@@ -216,10 +223,13 @@ class QuotaCore(BaseCore[QuotaState]):
                             f"waiting for {len(victims)} preempted job(s) to give back quota in queue {job.queue}"))
             if now - job.since_s >= starve_s and cohort not in blocked and (
                     self.fit(QuotaState(), {}, job.queue, spec)[0] is not None):
-                blocked[cohort] = (job.priority, lacking, job.job_id)
+                blocked[cohort] = (job.priority, lacking, job.job_id, job.queue)
             if reason is not None and state.said.get(job.job_id) != reason.message:
+                # the count keeps ids apart when a reason comes back (A, B, A): the server's
+                # duplicate window would otherwise drop the second A
+                told = state.told.get(job.job_id, 0)
                 out.append(ctx.emit(JobQueued(job_id=job.job_id, queue=job.queue, reason=reason),
-                                    tenant=job.tenant, cause_id=job.job_id, key=f"queued:{reason.message}"))
+                                    tenant=job.tenant, cause_id=job.job_id, key=f"queued:{told}:{reason.message}"))
         return out
 
     @staticmethod
@@ -376,6 +386,12 @@ class QuotaCore(BaseCore[QuotaState]):
                         f"of its nominal for itself (lending limit {lq.lending_limit[r]}) and the other queues "
                         f"of cohort {q.cohort} use {others} of {capacity - kept}")), {r}
         return None
+
+    def _would_borrow(self, state: QuotaState, extra: dict[str, dict[str, int]], queue: str,
+                      d: dict[str, int]) -> bool:
+        q = self.queue_config(queue)
+        return q is not None and any(
+            v > 0 and r in q.nominal and self._used(state, extra, queue, r) + v > q.nominal[r] for r, v in d.items())
 
     def _cohort_totals(self, state: QuotaState, extra: dict[str, dict[str, int]], cohort: str,
                        r: str) -> tuple[int, int]:
