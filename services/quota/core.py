@@ -20,7 +20,9 @@ One cycle, run when a job is admitted, when quota is released and every few seco
      when its queue is within its nominal quota — jobs of queues that borrow in its cohort
      (reclaim). The victims are the fewest that make room, lowest priority first, then the
      most recently admitted; each gets `job.preemption_requested` with the reason, so the
-     guardian can checkpoint it first. A preempted job does not come back by itself (resume is
+     guardian can checkpoint it first. A job that got its quota only after starving is not
+     reclaimed (else the jobs held back for it would take it straight back): the owner's
+     nominal comes back when it ends, at most its max runtime later. A preempted job does not come back by itself (resume is
      the guardian's), and a job never preempts while its earlier victims are still ending, so
      preemption cannot loop.
 """
@@ -69,6 +71,7 @@ class QuotaState:
     reserved_n: int = 0
     reserved_order: dict[str, int] = field(default_factory=dict)  # later = more recently admitted to run
     preempting: dict[str, str] = field(default_factory=dict)  # victim -> the job it makes room for
+    protected: set[str] = field(default_factory=set)  # reserved after starving: safe from reclaim
 
 
 def demand(spec: JobSpec, flavor: str | None) -> dict[str, int]:
@@ -126,7 +129,9 @@ class QuotaCore(BaseCore[QuotaState]):
                 use = state.usage.setdefault(p.queue, {})
                 for r, v in d.items():
                     use[r] = use.get(r, 0) + v
-                state.pending.pop(job_id, None)
+                waited = state.pending.pop(job_id, None)
+                if waited is not None and env.occurred_at.timestamp() - waited.since_s >= self.config.starvation_after_s:
+                    state.protected.add(job_id)  # got its quota after starving: not reclaimed
                 state.said.pop(job_id, None)
         elif isinstance(p, JobPreemptionRequested):
             if job_id in state.reserved:
@@ -135,6 +140,7 @@ class QuotaCore(BaseCore[QuotaState]):
             state.ended.add(job_id)
             state.preempting.pop(job_id, None)
             state.reserved_order.pop(job_id, None)
+            state.protected.discard(job_id)
             state.pending.pop(job_id, None)
             state.specs.pop(job_id, None)
             state.said.pop(job_id, None)
@@ -259,7 +265,7 @@ class QuotaCore(BaseCore[QuotaState]):
             if queue == job.queue and vspec.priority < job.priority:
                 why = Reason(code="priority", message=(
                     f"preempted for job {job.job_id} (priority {job.priority} > {vspec.priority}) in queue {queue}"))
-            elif (within_nominal and queue != job.queue and q.cohort
+            elif (within_nominal and queue != job.queue and q.cohort and victim not in state.protected
                   and self._cohort(queue) == q.cohort and self._borrowing(state, queue, held)):
                 why = Reason(code="reclaim", message=(
                     f"queue {job.queue} reclaims its nominal quota from {queue}, which borrows it"))
@@ -296,10 +302,16 @@ class QuotaCore(BaseCore[QuotaState]):
         return keep
 
     def _borrowing(self, state: QuotaState, queue: str, held: dict[str, int]) -> bool:
+        """Whether the queue borrows what `held` uses, not counting jobs protected from reclaim."""
         q = self.queue_config(queue)
         if q is None:
             return False
-        use = state.usage.get(queue, {})
+        use = dict(state.usage.get(queue, {}))
+        for job_id in state.protected:
+            owner = state.reserved.get(job_id)
+            if owner is not None and owner[0] == queue:
+                for r, v in owner[1].items():
+                    use[r] = use.get(r, 0) - v
         return any(r in q.nominal and use.get(r, 0) > q.nominal[r] for r in held)
 
     @staticmethod
