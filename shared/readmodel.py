@@ -31,12 +31,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import asyncpg
-import nats
 from nats.aio.msg import Msg
 
 from .bus import Bus
 from .events import STREAM, Envelope, parse_envelope
-from .runtime import open_durable
+from .runtime import fetch_batch, open_durable
 from .view import ClusterView, JobRow, NodeRow, apply
 
 log = logging.getLogger(__name__)
@@ -383,13 +382,7 @@ class Projector:
         return applied
 
     async def _fetch(self) -> list[Msg]:
-        try:
-            return list(await self._psub.fetch(self.batch, timeout=self.fetch_timeout_s))
-        except (nats.errors.TimeoutError, TimeoutError):  # nats-py also raises a bare asyncio one
-            return []
-        except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError):
-            await asyncio.sleep(0.2)
-            return []
+        return await fetch_batch(self._psub, self.batch, self.fetch_timeout_s)
 
     async def _commit(self, msgs: Sequence[Msg]) -> int:
         assert self.model is not None

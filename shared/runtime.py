@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Generic, Protocol, TypeVar
@@ -231,28 +231,11 @@ class ServiceRuntime(Generic[S]):
 
     async def run(self) -> None:
         """Run until `stop()`; call `start()` first."""
-        while not self._stop.is_set():
-            try:
-                await self.step()
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # noqa: BLE001 - the loop must outlive any one failure
-                log.exception("%s: step failed; re-folding", self.actor)
-                await asyncio.sleep(0.5)
-                try:
-                    await self._recover("a step failed")
-                except Exception:  # noqa: BLE001 - NATS may be away; the next step tries again
-                    log.exception("%s: recovery failed", self.actor)
+        await run_steps(self._stop, self.step, lambda: self._recover("a step failed"), self.actor)
 
     async def step(self) -> int:
         """Fetch and handle one batch, then tick if due. Returns the number of messages handled."""
-        try:
-            msgs = await self._psub.fetch(self.batch, timeout=self.fetch_timeout_s)
-        except (TimeoutError, nats.errors.TimeoutError):
-            msgs = []
-        except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError):
-            await asyncio.sleep(0.2)
-            msgs = []
+        msgs = await fetch_batch(self._psub, self.batch, self.fetch_timeout_s)
         if msgs:
             await self.handle_batch(msgs)
         await self.tick_if_due()
@@ -402,6 +385,34 @@ class ServiceRuntime(Generic[S]):
             await self.refold()
 
 
+async def fetch_batch(psub: Any, batch: int, timeout_s: float) -> list[Msg]:
+    """Up to `batch` messages, [] when none came in time or the connection is away."""
+    try:
+        return list(await psub.fetch(batch, timeout=timeout_s))
+    except (TimeoutError, nats.errors.TimeoutError):  # nats-py also raises a bare asyncio one
+        return []
+    except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError):
+        await asyncio.sleep(0.2)
+        return []
+
+
+async def run_steps(stop: asyncio.Event, step: Callable[[], Awaitable[int]],
+                    recover: Callable[[], Awaitable[None]], who: str) -> None:
+    """Step until `stop` is set; a failed step re-folds (`recover`) and the loop goes on."""
+    while not stop.is_set():
+        try:
+            await step()
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: BLE001 - the loop must outlive any one failure
+            log.exception("%s: step failed; re-folding", who)
+            await asyncio.sleep(0.5)
+            try:
+                await recover()
+            except Exception:  # noqa: BLE001 - NATS may be away; the next step tries again
+                log.exception("%s: recovery failed", who)
+
+
 async def open_durable(bus: Bus, durable: str, filter_subject: str, ack_wait_s: float, old_psub: Any = None) -> Any:
     """(Re)create a durable consumer at its ack floor + 1 and bind a pull subscription to it.
 
@@ -475,29 +486,15 @@ class RuntimeGroup:
         self._stop.set()
 
     async def run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                await self.step()
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # noqa: BLE001 - the loop must outlive any one failure
-                log.exception("group %s: step failed; re-folding", self.durable)
-                await asyncio.sleep(0.5)
-                try:
-                    for rt in self.runtimes:
-                        await rt.refold()
-                    await self.reopen()
-                except Exception:  # noqa: BLE001 - NATS may be away; the next step tries again
-                    log.exception("group %s: recovery failed", self.durable)
+        await run_steps(self._stop, self.step, self._recover, f"group {self.durable}")
+
+    async def _recover(self) -> None:
+        for rt in self.runtimes:
+            await rt.refold()
+        await self.reopen()
 
     async def step(self) -> int:
-        try:
-            msgs = await self._psub.fetch(self.batch, timeout=self.fetch_timeout_s)
-        except (TimeoutError, nats.errors.TimeoutError):
-            msgs = []
-        except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError):
-            await asyncio.sleep(0.2)
-            msgs = []
+        msgs = await fetch_batch(self._psub, self.batch, self.fetch_timeout_s)
         if msgs:
             generation = self._generation
             parsed: dict[int, Envelope] = {}

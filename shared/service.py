@@ -34,16 +34,21 @@ def base_parser(name: str) -> argparse.ArgumentParser:
     return ap
 
 
+def _stop_on_signals(stop: Callable[[], None]) -> None:
+    """SIGTERM / SIGINT stop the loop gracefully (the batch in hand is finished, then acked)."""
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, stop)
+        except (NotImplementedError, RuntimeError):
+            pass
+
+
 async def run_core(core: Core[Any], nats_url: str, instance: str = "0", batch: int = 256,
                    ready: Callable[[ServiceRuntime[Any]], None] | None = None) -> None:
     bus = await Bus.connect(nats_url, name=f"gpufleet-{core.name}-{instance}")
     rt: ServiceRuntime[Any] = ServiceRuntime(core, bus, instance=instance, batch=batch)
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        try:
-            loop.add_signal_handler(sig, rt.stop)
-        except (NotImplementedError, RuntimeError):
-            pass
+    _stop_on_signals(rt.stop)
     try:
         await rt.start()
         log.info("%s ready (folded to seq %d)", rt.actor, rt.applied_seq)
@@ -73,12 +78,7 @@ def serve(name: str, make_core: Callable[[argparse.Namespace], Core[Any]],
 async def run_group(cores: list[Core[Any]], nats_url: str, instance: str = "0", batch: int = 256) -> None:
     bus = await Bus.connect(nats_url, name=f"gpufleet-group-{'-'.join(c.name for c in cores)}")
     group = RuntimeGroup(cores, bus, instance=instance, batch=batch)
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        try:
-            loop.add_signal_handler(sig, group.stop)
-        except (NotImplementedError, RuntimeError):
-            pass
+    _stop_on_signals(group.stop)
     try:
         await group.start()
         log.info("group %s ready", group.durable)
