@@ -97,6 +97,7 @@ class ClusterConfig(BaseModel):
 
     tenants: dict[str, TenantPolicy] = Field(default_factory=dict)
     queues: dict[str, QueueConfig] = Field(default_factory=dict)
+    priority_classes: dict[str, int] = Field(default_factory=dict, alias="priorityClasses")
     # a job that waited this long stops jobs of its priority or lower, queued after it in its
     # cohort, from taking what it needs (no starvation of big gangs by streams of small jobs)
     starvation_after_s: DurationS = Field(default=600.0, alias="starvationAfter")

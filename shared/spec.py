@@ -194,6 +194,8 @@ class JobSpec(_Spec):
     queue: Annotated[str, _token("queue")] = "default"
     type: JobType = "batch"
     priority: int = Field(default=0, ge=-1_000_000, le=1_000_000)
+    # a named class from the cluster config (priorityClasses); admission turns it into `priority`
+    priority_class: Annotated[str, _token("priorityClass")] | None = Field(default=None, alias="priorityClass")
     replicas: int = Field(default=1, ge=1, le=4096)
     resources: Resources = Resources()
     max_runtime_s: DurationS = Field(default=86400.0, alias="maxRuntime", gt=0)
@@ -226,6 +228,7 @@ def _field_path(loc: tuple[int | str, ...]) -> str:
     aliases = {
         "cpu_milli": "cpu", "memory_mib": "memory", "gpu_models": "gpuModels", "gpu_memory_mib": "gpuMemory",
         "max_runtime_s": "maxRuntime", "interval_s": "interval", "duration_s": "duration", "exit_code": "exitCode",
+        "priority_class": "priorityClass",
     }
     parts = [str(aliases.get(str(p), p)) for p in loc if not str(p).startswith("function-")]
     return ".".join(parts) or "spec"

@@ -31,6 +31,7 @@ CONFIG = parse_config({
         },
         "globex": {"queues": ["default"], "maxGpusPerJob": 64},
     },
+    "priorityClasses": {"high": 1000, "low": -10},
 })
 
 
@@ -86,6 +87,9 @@ SPECS: dict[str, tuple[dict[str, Any], str | None, str, str | None]] = {
     "training without checkpoint": (job(type="training", maxRuntime="12h"), None, "checkpoint_required",
                                     "checkpoint"),
     "oversized payload": (job(env={"BLOB": "x" * 70_000}), None, "payload_too_large", "spec"),
+    "unknown priority class": (job(priorityClass="vip"), None, "unknown_priority_class", "priorityClass"),
+    "priority and class": (job(priorityClass="high", priority=5), None, "invalid_spec", "priorityClass"),
+    "priority class with a dot": (job(priorityClass="a.b"), None, "invalid_spec", "priorityClass"),
 }
 
 
@@ -214,3 +218,12 @@ def test_a_bad_cluster_config_names_the_field(text: str) -> None:
     assert "tenants" in str(exc.value)
 
 
+
+
+def test_a_priority_class_is_recorded_as_its_number() -> None:
+    from .builders import Harness, submit, types
+
+    h = Harness(AdmissionCore(CONFIG))
+    out = h.when(submit(job(priorityClass="high"), "p1"))
+    assert types(out) == ["job.submitted", "job.admitted"]
+    assert out[0].payload.spec.priority == 1000  # type: ignore[union-attr]

@@ -195,6 +195,8 @@ class AdmissionCore(BaseCore[AdmissionState]):
         if reasons:
             return [ctx.emit(JobRejected(job_id=p.job_id, reasons=tuple(reasons)))]
         spec = parse_spec(p.spec)
+        if spec.priority_class is not None:  # recorded as the number the class stands for
+            spec = spec.model_copy(update={"priority": self.config.priority_classes[spec.priority_class]})
         return [
             ctx.emit(JobSubmitted(job_id=p.job_id, spec=spec)),
             ctx.emit(JobAdmitted(job_id=p.job_id)),
@@ -215,6 +217,13 @@ class AdmissionCore(BaseCore[AdmissionState]):
         if spec.tenant != env.tenant:
             return [_r("tenant_mismatch", f"spec.tenant {spec.tenant!r} is not the submitting tenant {env.tenant!r}",
                        "tenant")]
+        if spec.priority_class is not None:
+            if spec.priority_class not in self.config.priority_classes:
+                known = ", ".join(sorted(self.config.priority_classes)) or "none"
+                return [_r("unknown_priority_class", f"priority class {spec.priority_class!r} is not in the "
+                           f"cluster config (known: {known})", "priorityClass")]
+            if spec.priority != 0:
+                return [_r("invalid_spec", "give priority or priorityClass, not both", "priorityClass")]
         reasons = self._policy_reasons(spec, policy) + self._cluster_reasons(state, spec, policy)
         if reasons:
             return reasons
