@@ -85,3 +85,20 @@ def test_no_reclaim_beyond_the_nominal_and_no_preemption_loop() -> None:
     assert types(run(h, "b3", 8, queue="b")) == ["job.queued"]
     for n in range(10):
         assert h.tick(T0 + timedelta(seconds=5 * (n + 1))) == []
+
+
+def test_with_a_backlog_the_cycle_runs_per_tick_not_per_event() -> None:
+    from gpufleet.services.quota.core import CYCLE_ON_EVENT_MAX
+
+    h = quota({"a": {"nominal": {"gpu": 8}}})
+    run(h, "holder", 8)
+    for i in range(CYCLE_ON_EVENT_MAX + 1):  # a backlog: each is told why once
+        run(h, f"w{i}", 8)
+    out = run(h, "late", 8)
+    assert out == []  # no cycle for this event: the backlog is past the threshold
+    out = h.tick(T0 + timedelta(seconds=1))
+    # the last of the backlog and the late one were admitted past the threshold: the tick tells them
+    assert [e.job_id for e in out if e.type == "job.queued"] == [f"w{CYCLE_ON_EVENT_MAX}", "late"]
+    out = h.when(preempted("holder"))  # a release with a backlog: also left to the tick
+    assert out == []
+    assert [e.job_id for e in h.tick(T0 + timedelta(seconds=2)) if e.type == "job.quota_reserved"] == ["w0"]

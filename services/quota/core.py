@@ -45,6 +45,7 @@ from gpufleet.shared.spec import JobSpec
 
 CYCLE_JOBS_MAX = 512  # pending jobs looked at per cycle: bound the work of one decision
 PREEMPT_GRACE_S = 30.0
+CYCLE_ON_EVENT_MAX = 64  # pending jobs up to which every admission or release runs a cycle
 ENDED_TYPES = ("job.succeeded", "job.failed", "job.cancelled", "job.preempted", "job.rejected")
 
 
@@ -90,7 +91,7 @@ class QuotaCore(BaseCore[QuotaState]):
         "fleet.evt.*.job.*.succeeded", "fleet.evt.*.job.*.failed", "fleet.evt.*.job.*.cancelled",
         "fleet.evt.*.job.*.preempted",
     )
-    tick_s = 5.0
+    tick_s = 1.0
 
     def __init__(self, config: ClusterConfig | None = None) -> None:
         self.config = config or ClusterConfig()
@@ -155,7 +156,10 @@ class QuotaCore(BaseCore[QuotaState]):
 
     def decide(self, state: QuotaState, env: Envelope, ctx: Ctx) -> list[Envelope]:
         if env.type == "job.admitted" or env.type in ENDED_TYPES and env.job_id in state.ended:
-            return self.cycle(state, ctx)
+            # A cycle per event while few jobs wait (the usual case: quota at once); with a
+            # backlog, one cycle per tick, so a flood of events costs a cycle a second, not one each.
+            if len(state.pending) <= CYCLE_ON_EVENT_MAX:
+                return self.cycle(state, ctx)
         return []
 
     def tick(self, state: QuotaState, ctx: Ctx) -> list[Envelope]:
