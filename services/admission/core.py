@@ -191,10 +191,9 @@ class AdmissionCore(BaseCore[AdmissionState]):
                 return []  # the same command again (a redelivery): decided already
             return self._refuse(ctx, env, p.job_id, "submit", _r(
                 "duplicate_job_id", f"job {p.job_id} exists already; a new job needs a new id", "job_id"))
-        reasons = self._check(state, env, p, ctx)
-        if reasons:
+        spec, reasons = self._check(state, env, p, ctx)
+        if reasons or spec is None:
             return [ctx.emit(JobRejected(job_id=p.job_id, reasons=tuple(reasons)))]
-        spec = parse_spec(p.spec)
         if spec.priority_class is not None:  # recorded as the number the class stands for
             spec = spec.model_copy(update={"priority": self.config.priority_classes[spec.priority_class]})
         return [
@@ -202,32 +201,33 @@ class AdmissionCore(BaseCore[AdmissionState]):
             ctx.emit(JobAdmitted(job_id=p.job_id)),
         ]
 
-    def _check(self, state: AdmissionState, env: Envelope, p: SubmitRequested, ctx: Ctx) -> list[Reason]:
-        """Every reason the job cannot be admitted; empty if it can."""
+    def _check(self, state: AdmissionState, env: Envelope, p: SubmitRequested, ctx: Ctx,
+               ) -> tuple[JobSpec | None, list[Reason]]:
+        """The parsed spec and every reason the job cannot be admitted (none: it can)."""
         size = len(json.dumps(p.spec, default=str))
         if size > MAX_PAYLOAD_BYTES:
-            return [_r("payload_too_large", f"the spec is {size} bytes; the limit is {MAX_PAYLOAD_BYTES}", "spec")]
+            return None, [_r("payload_too_large", f"the spec is {size} bytes; the limit is {MAX_PAYLOAD_BYTES}", "spec")]
         policy = self.config.policy(env.tenant)
         if policy is None:
-            return [_r("unknown_tenant", f"tenant {env.tenant!r} is not in the cluster config", "tenant")]
+            return None, [_r("unknown_tenant", f"tenant {env.tenant!r} is not in the cluster config", "tenant")]
         try:
             spec = parse_spec(p.spec)
         except SpecError as exc:
-            return [_r("invalid_spec", exc.reason, exc.field)]
+            return None, [_r("invalid_spec", exc.reason, exc.field)]
         if spec.tenant != env.tenant:
-            return [_r("tenant_mismatch", f"spec.tenant {spec.tenant!r} is not the submitting tenant {env.tenant!r}",
+            return spec, [_r("tenant_mismatch", f"spec.tenant {spec.tenant!r} is not the submitting tenant {env.tenant!r}",
                        "tenant")]
         if spec.priority_class is not None:
             if spec.priority_class not in self.config.priority_classes:
                 known = ", ".join(sorted(self.config.priority_classes)) or "none"
-                return [_r("unknown_priority_class", f"priority class {spec.priority_class!r} is not in the "
+                return spec, [_r("unknown_priority_class", f"priority class {spec.priority_class!r} is not in the "
                            f"cluster config (known: {known})", "priorityClass")]
             if spec.priority != 0:
-                return [_r("invalid_spec", "give priority or priorityClass, not both", "priorityClass")]
+                return spec, [_r("invalid_spec", "give priority or priorityClass, not both", "priorityClass")]
         reasons = self._policy_reasons(spec, policy) + self._cluster_reasons(state, spec, policy)
         if reasons:
-            return reasons
-        return self._limit_reasons(state, env.tenant, policy, ctx)
+            return spec, reasons
+        return spec, self._limit_reasons(state, env.tenant, policy, ctx)
 
     def _policy_reasons(self, spec: JobSpec, policy: TenantPolicy) -> list[Reason]:
         out = []
