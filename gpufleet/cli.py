@@ -352,28 +352,46 @@ def queues(data_dir: DataDir = None, as_json: JsonOut = False) -> None:
     """Usage, nominal quota, borrowed and pending jobs per queue and cohort (folded from the log)."""
     config = _mesh_config(data_dir)
     core, state = _run(_with_fleet(data_dir, lambda f: _quota_state(f, config)))
-    names = sorted(set(config.queues) | set(state.usage) | {p.queue for p in state.pending.values()})
-    rows = []
+    tree = core.tree
+
+    def used(queue: str, r: str) -> int:
+        return int(state.usage.get(queue, {}).get(r, 0))
+
+    pending_in: dict[str, int] = {}
+    for p in state.pending.values():
+        pending_in[p.queue] = pending_in.get(p.queue, 0) + 1
+    names = sorted(set(config.queues) | set(state.usage) | set(pending_in))
+    rows: list[dict[str, Any]] = []
     for name in names:
-        q = config.queues.get(name)
+        key = f"queue:{name}"
+        node = tree.nodes.get(key)
         use = {r: v for r, v in state.usage.get(name, {}).items() if v}
-        nominal = dict(q.nominal) if q else {}
+        resources = sorted(tree.limited(name))
         rows.append({
-            "queue": name, "cohort": q.cohort if q else None, "limited": q is not None,
-            "usage": use, "nominal": nominal,
-            "borrowed": {r: use.get(r, 0) - n for r, n in nominal.items() if use.get(r, 0) > n},
-            "lendable": {r: max(0, min(q.lending_limit.get(r, n), n - use.get(r, 0))) for r, n in nominal.items()} if q else {},
-            "pending": sum(1 for p in state.pending.values() if p.queue == name),
+            "queue": name, "cohort": node.parent.removeprefix("cohort:") if node and node.parent else None,
+            "limited": node is not None, "usage": use, "nominal": dict(node.nominal) if node else {},
+            "borrowed": {r: v for r in resources if (v := max(0, used(name, r) - node.nominal.get(r, 0))) > 0}
+            if node else {},
+            "lendable": {r: tree.lent(key, r, used) for r in resources if r in node.nominal} if node else {},
+            "pending": pending_in.get(name, 0),
             "reserved_jobs": sum(1 for held in state.reserved.values() if held[0] == name),
         })
-    cohorts: dict[str, dict[str, Any]] = {}
-    for row in rows:
-        if row["cohort"]:
-            c = cohorts.setdefault(row["cohort"], {"cohort": row["cohort"], "queues": [], "nominal": {}, "usage": {}})
-            c["queues"].append(row["queue"])
-            for key in ("nominal", "usage"):
-                for r, v in row[key].items():
-                    c[key][r] = c[key].get(r, 0) + v
+    cohorts: dict[str, dict[str, Any]] = {}  # (Any: the JSON document)
+    for key, node in sorted(tree.nodes.items()):
+        if node.is_queue:
+            continue
+        queues_under = tree.queues_under(key)
+        resources = sorted({r for q in queues_under for r in tree.limited(q)} | set(node.nominal))
+        cohorts[node.name] = {
+            "cohort": node.name, "parent": node.parent.removeprefix("cohort:") if node.parent else None,
+            "queues": sorted(queues_under), "children": sorted(c.split(":", 1)[1] for c in node.children),
+            "nominal": dict(node.nominal),  # its own
+            "quota": {r: tree.subtree(key, r) for r in resources},  # what it holds: its own + what below lend
+            "usage": {r: v for r in resources if (v := tree.usage(key, r, used))},
+            "borrowed": {r: v for r in resources if (v := tree.borrowed(key, r, used))},
+            "lendable": {r: tree.lent(key, r, used) for r in resources},
+            "pending": sum(pending_in.get(q, 0) for q in queues_under),
+        }
     if as_json:
         _print_json({"queues": rows, "cohorts": list(cohorts.values())})
         return
@@ -385,6 +403,11 @@ def queues(data_dir: DataDir = None, as_json: JsonOut = False) -> None:
     for row in rows:
         typer.echo(f"{row['queue']:<14}{row['cohort'] or '-':<10}{row['pending']:>8}{row['reserved_jobs']:>6}  "
                    f"{fmt(row['usage'])} / {fmt(row['nominal']) if row['limited'] else 'unlimited'}")
+    if cohorts:
+        typer.echo(f"\n{'COHORT':<14}{'PARENT':<10}{'PENDING':>8}  GPU USED / HELD  BORROWED")
+        for c in cohorts.values():
+            typer.echo(f"{c['cohort']:<14}{c['parent'] or '-':<10}{c['pending']:>8}  "
+                       f"{fmt(c['usage'])} / {fmt(c['quota'])}  {fmt(c['borrowed'])}")
 
 
 # ------------------------------------------------------------------ schema, bench

@@ -14,6 +14,9 @@
     openTenants: false                     # true: a tenant not listed gets `defaults`
     queues:                                # quota per queue; a queue not listed is unlimited
       research: {cohort: lab, nominal: {gpu/H100: 32, cpu: 512}, borrowingLimit: {gpu/H100: 16}}
+    cohorts:                               # optional: cohorts as a tree, with quota of their own
+      lab: {parent: org, borrowingLimit: {gpu/H100: 16}}
+      org: {nominal: {gpu/H100: 8}}
     defaults: {...}                        # the policy of unlisted tenants when openTenants
 
 Without a config file the mesh is open: every tenant gets the default policy (any queue).
@@ -92,11 +95,25 @@ class QueueConfig(BaseModel):
     lending_limit: Resources = Field(default_factory=dict, alias="lendingLimit")  # absent: lends it all
 
 
+class CohortConfig(BaseModel):
+    """A cohort: its parent cohort (a tree), quota of its own shared by everything under it, and
+    how much it may borrow from / lend to its parent. A cohort that is named but not listed is a
+    root without quota of its own."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
+
+    parent: str | None = None
+    nominal: Resources = Field(default_factory=dict)
+    borrowing_limit: Resources = Field(default_factory=dict, alias="borrowingLimit")
+    lending_limit: Resources = Field(default_factory=dict, alias="lendingLimit")
+
+
 class ClusterConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
 
     tenants: dict[str, TenantPolicy] = Field(default_factory=dict)
     queues: dict[str, QueueConfig] = Field(default_factory=dict)
+    cohorts: dict[str, CohortConfig] = Field(default_factory=dict)
     priority_classes: dict[str, int] = Field(default_factory=dict, alias="priorityClasses")
     # a job that waited this long stops jobs of its priority or lower, queued after it in its
     # cohort, from taking what it needs (no starvation of big gangs by streams of small jobs)
@@ -122,6 +139,14 @@ def parse_config(data: Any) -> ClusterConfig:
         raise spec_error_from(exc) from None
     for name in cfg.tenants:
         check_token(name, "tenants")
+    for name, cohort in cfg.cohorts.items():
+        seen = [name]
+        parent = cohort.parent
+        while parent is not None:
+            if parent in seen:
+                raise SpecError(f"cohorts.{name}.parent", f"cohorts form a cycle: {' -> '.join([*seen, parent])}")
+            seen.append(parent)
+            parent = cfg.cohorts[parent].parent if parent in cfg.cohorts else None
     if cfg.tenants and "openTenants" not in data and "open_tenants" not in data:
         # listing tenants means closing the door to the others, unless said otherwise
         cfg = cfg.model_copy(update={"open_tenants": False})

@@ -168,7 +168,8 @@ def test_queues_and_explain_name_the_quota_a_job_waits_for(tmp_path: Path) -> No
     config = tmp_path / "cluster.yaml"
     config.write_text(
         "tenants:\n  acme: {queues: [small]}\n"
-        "queues:\n  small: {nominal: {gpu: 8}}\n"
+        "queues:\n  small: {cohort: team, nominal: {gpu: 8}}\n"
+        "cohorts:\n  team: {parent: org, borrowingLimit: {gpu: 0}}\n  org: {}\n"
     )
     data_dir = tmp_path / "q"
     cli(data_dir, "up", "--detach", "--sim-nodes", "4", "--no-postgres", "--config", str(config))
@@ -186,9 +187,14 @@ def test_queues_and_explain_name_the_quota_a_job_waits_for(tmp_path: Path) -> No
                 break
             assert time.monotonic() < deadline, doc
             time.sleep(0.3)
-        assert q["nominal"] == {"gpu": 8} and q["reserved_jobs"] == 1
+        assert q["nominal"] == {"gpu": 8} and q["reserved_jobs"] == 1 and q["cohort"] == "team"
+        cohorts = {c["cohort"]: c for c in doc["cohorts"]}
+        assert cohorts["team"]["parent"] == "org" and cohorts["org"]["children"] == ["team"]
+        assert cohorts["org"]["usage"] == {"gpu": 8} and cohorts["org"]["quota"]["gpu"] == 8
+        assert cohorts["team"]["pending"] == cohorts["org"]["pending"] == 1
+        assert "org" in cli(data_dir, "queues").stdout
         out = cli(data_dir, "explain", second).stdout
-        assert "pending (quota" in out and "queue small: gpu 8 used + 8 requested > nominal 8" in out
+        assert "pending (quota" in out and "queue small: gpu 8 used + 8 requested > 0 available" in out
         assert "[cohort_limit]" in out or "[queue_limit]" in out
         cli(data_dir, "cancel", first)
         deadline = time.monotonic() + 30

@@ -18,6 +18,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from gpufleet.services.quota.core import QuotaCore, QuotaState
 from gpufleet.shared.clusterconfig import QueueConfig, parse_config
+from gpufleet.shared.errors import SpecError
 from gpufleet.shared.events import (
     Envelope,
     JobAdmitted,
@@ -247,6 +248,99 @@ def test_a_queue_within_its_nominal_does_not_take_what_a_lender_keeps() -> None:
     assert reserved_ids(out) == []
     assert [e.job_id for e in out if e.type == "job.preemption_requested"] == ["b1"]
     assert reserved_ids(arrive(h, gpu_job(6, "keeper"), "k1")) == ["k1"]  # its own 6 are there
+
+
+# ================================================================ 2b. cohorts as a tree
+
+# org (4 GPUs of its own) over labA (a1, a2: 4 each; labA may borrow 2 beyond its 8) and labB
+# (b: 8): 20 GPUs in the tree.
+TREE_QUEUES = {"a1": {"cohort": "labA", "nominal": {"gpu": 4}}, "a2": {"cohort": "labA", "nominal": {"gpu": 4}},
+               "b": {"cohort": "labB", "nominal": {"gpu": 8}}}
+
+
+def _tree(**overrides: dict[str, Any]) -> dict[str, Any]:
+    cohorts: dict[str, Any] = {"org": {"nominal": {"gpu": 4}}, "labA": {"parent": "org", "borrowingLimit": {"gpu": 2}},
+                               "labB": {"parent": "org"}}
+    for name, extra in overrides.items():
+        cohorts[name] = {**cohorts.get(name, {}), **extra}
+    return cohorts
+
+
+@pytest.mark.parametrize(("cohorts", "b_uses", "queue", "asks", "then", "words"), [
+    # labA's queues take their 8 and borrow 2 more from org, no more: labA's borrowing limit
+    (_tree(), 0, "a1", 10, "reserved", []),
+    (_tree(), 0, "a1", 11, "cohort_limit", ["cohort labA may borrow at most 2"]),
+    # labB has no borrowing limit: b takes the whole tree
+    (_tree(), 0, "b", 20, "reserved", []),
+    (_tree(), 0, "b", 21, "cohort_limit", ["cohort org holds 20", "use 0"]),
+    # the tree is shared: what b uses, labA cannot borrow
+    (_tree(), 12, "a1", 8, "reserved", []),
+    (_tree(), 12, "a1", 9, "cohort_limit", ["cohort org holds 20", "use 12"]),
+    # labB lends only 2 of its 8 to org: org holds 4 + 8 + 2 = 14 for others; without labA's
+    # borrowing limit labA's queues take 14
+    (_tree(labA={"borrowingLimit": {}}, labB={"lendingLimit": {"gpu": 2}}), 0, "a1", 14, "reserved", []),
+    (_tree(labA={"borrowingLimit": {}}, labB={"lendingLimit": {"gpu": 2}}), 0, "a1", 15, "cohort_limit",
+     ["cohort org holds 14"]),
+    # ... while b itself takes its 6 and all org holds: the whole tree
+    (_tree(labB={"lendingLimit": {"gpu": 2}}), 0, "b", 20, "reserved", []),
+    # labB lends nothing: labA's queues get their 8 and org's own 4, whatever b leaves idle
+    (_tree(labA={"borrowingLimit": {}}, labB={"lendingLimit": {"gpu": 0}}), 0, "a1", 12, "reserved", []),
+    (_tree(labA={"borrowingLimit": {}}, labB={"lendingLimit": {"gpu": 0}}), 0, "a1", 13, "cohort_limit",
+     ["cohort org holds 12"]),
+], ids=["sub-borrows-to-limit", "sub-beyond-limit", "sub-no-limit-takes-tree", "beyond-tree",
+        "shares-tree", "beyond-what-is-left", "sub-lends-part", "beyond-what-sub-lends", "lender-takes-tree",
+        "root-quota", "beyond-root-quota"])
+def test_cohorts_form_a_tree_with_quota_and_limits_at_every_level(
+        cohorts: dict[str, Any], b_uses: int, queue: str, asks: int, then: str, words: list[str]) -> None:
+    h = quota(TREE_QUEUES, cohorts=cohorts)
+    if b_uses:
+        holding(h, ("b1", gpu_job(b_uses, "b")))
+
+    out = arrive(h, gpu_job(asks, queue), "j1")
+
+    if then == "reserved":
+        assert reserved_ids(out) == ["j1"]
+    else:
+        reason = reasons(out)["j1"]
+        assert reason.code == then
+        for word in words:
+            assert word in reason.message, (word, reason.message)
+        assert usage(h, queue) == 0
+
+
+def test_a_queue_reclaims_its_nominal_from_a_borrower_elsewhere_in_the_tree() -> None:
+    h = quota(TREE_QUEUES, cohorts=_tree())
+    holding(h, ("b1", gpu_job(6, "b")), ("b2", gpu_job(6, "b")), ("b3", gpu_job(6, "b")))  # 18 of 20
+
+    out = arrive(h, gpu_job(4, "a1"), "a")  # a1's own nominal; 2 left in the tree
+
+    assert [(e.type, e.job_id) for e in out] == [("job.preemption_requested", "b3"), ("job.queued", "a")]
+    assert out[0].payload.reason.code == "reclaim"  # type: ignore[union-attr]
+    assert reserved_ids(h.when(preempted("b3"))) == ["a"]
+
+
+def test_a_deeper_tree_limits_at_every_level() -> None:
+    # root <- mid (borrowing limit 1) <- leaf-cohort <- q (nominal 2); sibling queue s under root: 10
+    h = quota({"q": {"cohort": "leaf", "nominal": {"gpu": 2}}, "s": {"cohort": "root", "nominal": {"gpu": 10}}},
+              cohorts={"root": {}, "mid": {"parent": "root", "borrowingLimit": {"gpu": 1}},
+                       "leaf": {"parent": "mid"}})
+
+    assert reserved_ids(arrive(h, gpu_job(3, "q"), "j1")) == ["j1"]  # 2 + 1 borrowed through mid
+    reason = reasons(arrive(h, gpu_job(1, "q"), "j2"))["j2"]
+    assert reason.code == "cohort_limit" and "cohort mid may borrow at most 1" in reason.message
+    assert reserved_ids(arrive(h, gpu_job(9, "s"), "j3")) == ["j3"]  # the rest is s's
+
+
+@pytest.mark.parametrize(("cohorts", "field"), [
+    ({"x": {"parent": "y"}, "y": {"parent": "x"}}, "cohorts.x.parent"),
+    ({"x": {"parent": "x"}}, "cohorts.x.parent"),
+    ({"x": {"nominal": {"tpu": 4}}}, "cohorts.x.nominal"),
+    ({"x": {"weight": 2}}, "cohorts.x.weight"),
+], ids=["cycle", "self-parent", "unknown-resource", "unknown-field"])
+def test_a_bad_cohort_tree_is_refused_naming_the_field(cohorts: dict[str, Any], field: str) -> None:
+    with pytest.raises(SpecError) as err:
+        parse_config({"cohorts": cohorts})
+    assert err.value.field == field
 
 
 # ================================================================ 3. GPU flavors
@@ -620,19 +714,36 @@ class QuotaMachine(RuleBasedStateMachine):
         self.ended: set[str] = set()
         self.inputs: list[tuple[str, Envelope | None, float]] = []  # to replay
         self.outputs: list[Envelope] = []
+        self.cohorts: dict[str, dict[str, Any]] = {}
 
-    @initialize(data=st.data(), n_queues=st.integers(2, 3))
-    def configure(self, data: st.DataObject, n_queues: int) -> None:
-        for name in STATEFUL_COHORT_QUEUES[:n_queues]:
-            q: dict[str, Any] = {"cohort": LAB, "nominal": {}, "borrowingLimit": {}, "lendingLimit": {}}
+    @initialize(data=st.data(), n_queues=st.integers(2, 3), tree=st.booleans())
+    def configure(self, data: st.DataObject, n_queues: int, tree: bool) -> None:
+        """One cohort `lab` of 2-3 queues; or a tree: lab (with quota of its own) over sub-cohorts
+        s0 and s1 (with their own quota, borrowing and lending limits), the queues under those."""
+        def limits(label: str, node: dict[str, Any], nominal_most: int | None = None) -> None:
             for resource, most in STATEFUL_RESOURCES.items():
-                nominal = q["nominal"][resource] = data.draw(st.integers(0, most), label=f"{name} {resource}")
-                if data.draw(st.booleans(), label=f"{name} limits {resource} borrowing"):
-                    q["borrowingLimit"][resource] = data.draw(st.integers(0, most), label="borrowing limit")
-                if data.draw(st.booleans(), label=f"{name} limits {resource} lending"):
-                    q["lendingLimit"][resource] = data.draw(st.integers(0, nominal), label="lending limit")
+                nominal = data.draw(st.integers(0, nominal_most if nominal_most is not None else most),
+                                    label=f"{label} {resource}")
+                node["nominal"][resource] = nominal
+                if data.draw(st.booleans(), label=f"{label} limits {resource} borrowing"):
+                    node["borrowingLimit"][resource] = data.draw(st.integers(0, most), label="borrowing limit")
+                if data.draw(st.booleans(), label=f"{label} limits {resource} lending"):
+                    node["lendingLimit"][resource] = data.draw(st.integers(0, nominal), label="lending limit")
+
+        self.cohorts: dict[str, dict[str, Any]] = {}
+        if tree:
+            self.cohorts[LAB] = {"nominal": {}, "borrowingLimit": {}, "lendingLimit": {}}
+            limits(LAB, self.cohorts[LAB], nominal_most=8)
+            del self.cohorts[LAB]["borrowingLimit"], self.cohorts[LAB]["lendingLimit"]  # a root has no parent
+            for sub in ("s0", "s1"):
+                self.cohorts[sub] = {"parent": LAB, "nominal": {}, "borrowingLimit": {}, "lendingLimit": {}}
+                limits(sub, self.cohorts[sub], nominal_most=8)
+        for i, name in enumerate(STATEFUL_COHORT_QUEUES[:n_queues]):
+            q: dict[str, Any] = {"cohort": f"s{i % 2}" if tree else LAB,
+                                 "nominal": {}, "borrowingLimit": {}, "lendingLimit": {}}
+            limits(name, q)
             self.queues[name] = q
-        self.h = quota(self.queues, starvationAfter="60s")
+        self.h = quota(self.queues, cohorts=self.cohorts, starvationAfter="60s")
 
     # -------------------------------------------------------- steps
 
@@ -713,24 +824,54 @@ class QuotaMachine(RuleBasedStateMachine):
         assert isinstance(core, QuotaCore)
         return [(name, r, q) for name, q in core.config.queues.items() for r in q.nominal]
 
-    @invariant()
-    def queues_stay_within_nominal_plus_borrowing_limit(self) -> None:
-        for name, r, q in self._limits():
-            limit = q.borrowing_limit.get(r)
-            if limit is not None:
-                assert self._used(name, r) <= q.nominal[r] + limit, (name, r, self.h.state.usage)
+    def _under(self, node: str) -> tuple[list[str], list[str]]:
+        """(queues, cohorts) in the subtree of a cohort, itself included; from the test's own config."""
+        cohorts = [node]
+        for name, c in self.cohorts.items():
+            if c.get("parent") == node:
+                cohorts += self._under(name)[1]
+        return [q for q, c in self.queues.items() if c["cohort"] in cohorts], cohorts
+
+    def _nominal(self, node: dict[str, Any], r: str) -> int:
+        value = node["nominal"].get(r, 0)
+        return int(value) * (1000 if r == "cpu" else 1)
+
+    def _limit(self, node: dict[str, Any], key: str, r: str) -> int | None:
+        value = node.get(key, {}).get(r)
+        return None if value is None else int(value) * (1000 if r == "cpu" else 1)
 
     @invariant()
-    def the_cohort_stays_within_its_nominal(self) -> None:
+    def queues_and_cohorts_stay_within_their_quota_plus_borrowing_limit(self) -> None:
+        # no queue above nominal + borrowing limit; no cohort above the quota of its subtree (its
+        # own and all below it) + its borrowing limit
         for r in STATEFUL_RESOURCES:
-            total = sum(q.nominal[r] for _, rr, q in self._limits() if rr == r)
+            for name, q in self.queues.items():
+                limit = self._limit(q, "borrowingLimit", r)
+                if limit is not None:
+                    assert self._used(name, r) <= self._nominal(q, r) + limit, (name, r, self.h.state.usage)
+            for name, c in self.cohorts.items():
+                queues, cohorts = self._under(name)
+                quota_ = sum(self._nominal(self.queues[q], r) for q in queues) + sum(
+                    self._nominal(self.cohorts[c], r) for c in cohorts)
+                limit = self._limit(c, "borrowingLimit", r)
+                if limit is not None or c.get("parent") is None:  # (a root borrows from no one)
+                    used = sum(self._used(q, r) for q in queues)
+                    assert used <= quota_ + (limit or 0), (name, r, used, quota_, limit, self.h.state.usage)
+
+    @invariant()
+    def the_cohort_stays_within_its_total(self) -> None:
+        for r in STATEFUL_RESOURCES:
+            total = sum(self._nominal(q, r) for q in self.queues.values()) + sum(
+                self._nominal(c, r) for c in self.cohorts.values())
             assert sum(self._used(name, r) for name in self.queues) <= total, (r, self.h.state.usage)
 
     @invariant()
     def lenders_lend_no_more_than_their_lending_limit(self) -> None:
-        # usage is not booked against lenders, so the check is: the other queues together use at
-        # most their own nominal plus what this one lends; this one's nominal less its lending
-        # limit stays free for it, whatever the others do
+        # (one flat cohort) usage is not booked against lenders, so the check is: the other queues
+        # together use at most their own nominal plus what this one lends; this one's nominal less
+        # its lending limit stays free for it, whatever the others do
+        if self.cohorts:
+            return
         for name, r, q in self._limits():
             lend = q.lending_limit.get(r)
             if lend is None:
@@ -741,7 +882,9 @@ class QuotaMachine(RuleBasedStateMachine):
 
     @invariant()
     def every_queue_keeps_what_it_does_not_lend_all_at_once(self) -> None:
-        # Kueue's pool: usage beyond what each queue keeps for itself fits in what they all lend
+        # (one flat cohort) Kueue's pool: usage beyond what each queue keeps fits in what they all lend
+        if self.cohorts:
+            return
         for r in STATEFUL_RESOURCES:
             pool = pool_used = 0
             for name, rr, q in self._limits():
@@ -788,7 +931,7 @@ class QuotaMachine(RuleBasedStateMachine):
         # the same inputs at the same times decide the same events: replay them on a fresh core
         if not self.queues:
             return
-        replay = quota(self.queues, starvationAfter="60s")
+        replay = quota(self.queues, cohorts=self.cohorts, starvationAfter="60s")
         outputs: list[Envelope] = []
         for kind, env, s in self.inputs:
             if env is None:

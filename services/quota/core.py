@@ -43,6 +43,8 @@ from gpufleet.shared.events import (
 from gpufleet.shared.runtime import BaseCore, Ctx
 from gpufleet.shared.spec import JobSpec
 
+from .tree import QuotaTree
+
 CYCLE_JOBS_MAX = 512  # pending jobs looked at per cycle: bound the work of one decision
 PREEMPT_GRACE_S = 30.0
 CYCLE_ON_EVENT_MAX = 64  # pending jobs up to which every admission or release runs a cycle
@@ -95,9 +97,7 @@ class QuotaCore(BaseCore[QuotaState]):
 
     def __init__(self, config: ClusterConfig | None = None) -> None:
         self.config = config or ClusterConfig()
-        self.cohorts: dict[str, list[str]] = {}
-        for name, q in self.config.queues.items():
-            self.cohorts.setdefault(q.cohort or f"queue:{name}", []).append(name)
+        self.tree = QuotaTree(self.config)
 
     def initial_state(self) -> QuotaState:
         return QuotaState()
@@ -257,7 +257,7 @@ class QuotaCore(BaseCore[QuotaState]):
             return []
         within_nominal = all(
             self._used(state, extra, job.queue, r) + v <= q.nominal[r]
-            for r, v in demand(spec, self._flavor_hint(q, spec)).items() if r in q.nominal
+            for r, v in demand(spec, self._flavor_hint(job.queue, spec)).items() if r in q.nominal
         )
         candidates: list[tuple[int, int, str, Reason]] = []
         for victim, (queue, held) in state.reserved.items():
@@ -269,8 +269,8 @@ class QuotaCore(BaseCore[QuotaState]):
             if queue == job.queue and vspec.priority < job.priority:
                 why = Reason(code="priority", message=(
                     f"preempted for job {job.job_id} (priority {job.priority} > {vspec.priority}) in queue {queue}"))
-            elif (within_nominal and queue != job.queue and q.cohort and victim not in state.protected
-                  and self._cohort(queue) == q.cohort and self._borrowing(state, queue, held)):
+            elif (within_nominal and queue != job.queue and victim not in state.protected
+                  and self._cohort(queue) == self._cohort(job.queue) and self._borrowing(state, queue, held)):
                 why = Reason(code="reclaim", message=(
                     f"queue {job.queue} reclaims its nominal quota from {queue}, which borrows it"))
             else:
@@ -318,15 +318,18 @@ class QuotaCore(BaseCore[QuotaState]):
                     use[r] = use.get(r, 0) - v
         return any(r in q.nominal and use.get(r, 0) > q.nominal[r] for r in held)
 
-    @staticmethod
-    def _flavor_hint(q: QueueConfig, spec: JobSpec) -> str | None:
-        models = [r.removeprefix("gpu/") for r in q.nominal if r.startswith("gpu/")]
+    def _models(self, queue: str) -> list[str]:
+        """The GPU models (flavors) limited for the queue, in the config's order (queue, then cohorts)."""
+        return self.tree.flavors(queue)
+
+    def _flavor_hint(self, queue: str, spec: JobSpec) -> str | None:
+        models = self._models(queue)
         wanted = [m for m in models if not spec.resources.gpu_models or m in spec.resources.gpu_models]
         return wanted[0] if spec.resources.gpu and wanted else None
 
     def _cohort(self, queue: str) -> str:
-        q = self.queue_config(queue)
-        return (q.cohort if q and q.cohort else None) or f"queue:{queue}"
+        """The root of the queue's tree (its cohort tree, or the queue itself)."""
+        return self.tree.root(queue) if self.tree.is_limited(queue) else f"queue:{queue}"
 
     def fit(self, state: QuotaState, extra: dict[str, dict[str, int]], queue: str, spec: JobSpec,
             ) -> tuple[str | None, Reason | None, set[str]]:
@@ -335,7 +338,7 @@ class QuotaCore(BaseCore[QuotaState]):
         q = self.queue_config(queue)
         if q is None:
             return "", None, set()
-        limited_models = [r.removeprefix("gpu/") for r in q.nominal if r.startswith("gpu/")]
+        limited_models = self._models(queue)
         if not spec.resources.gpu or not limited_models:
             flavors = [""]
         else:
@@ -348,7 +351,7 @@ class QuotaCore(BaseCore[QuotaState]):
         first: Reason | None = None
         lacking: set[str] = set()
         for flavor in flavors:
-            problem = self._fits(state, extra, queue, q, demand(spec, flavor or None))
+            problem = self._fits(state, extra, queue, demand(spec, flavor or None))
             if problem is None:
                 return flavor, None, set()
             first = first or problem[0]
@@ -359,83 +362,52 @@ class QuotaCore(BaseCore[QuotaState]):
     def _used(self, state: QuotaState, extra: dict[str, dict[str, int]], queue: str, r: str) -> int:
         return state.usage.get(queue, {}).get(r, 0) + extra.get(queue, {}).get(r, 0)
 
-    def _fits(self, state: QuotaState, extra: dict[str, dict[str, int]], queue: str, q: QueueConfig,
+    def _fits(self, state: QuotaState, extra: dict[str, dict[str, int]], queue: str,
               d: dict[str, int]) -> tuple[Reason, set[str]] | None:
+        limited = self.tree.limited(queue)
+
+        def used(q: str, r: str) -> int:
+            return self._used(state, extra, q, r)
+
         for r, amount in d.items():
-            nominal = q.nominal.get(r)
-            if nominal is None or amount == 0:  # (0: a queue over a shrunk quota still runs CPU-only jobs)
+            if r not in limited or amount == 0:  # (0: a queue over a shrunk quota still runs CPU-only jobs)
                 continue
-            used = self._used(state, extra, queue, r)
-            new = used + amount
-            borrow_limit = q.borrowing_limit.get(r)
-            if borrow_limit is not None and new > nominal + borrow_limit:
-                return Reason(code="queue_limit", message=(
-                    f"queue {queue}: {r} {used} used + {amount} requested > nominal {nominal} + borrowing "
-                    f"limit {borrow_limit}")), {r}
-            if not q.cohort:
-                if new > nominal:
-                    return Reason(code="queue_limit", message=(
-                        f"queue {queue}: {r} {used} used + {amount} requested > nominal {nominal}")), {r}
+            free, limit = self.tree.available(f"queue:{queue}", r, used)
+            if amount <= free:
                 continue
-            if new > nominal:
-                available = self._cohort_available(state, extra, queue, q, r)
-                if new - nominal > available:
-                    return Reason(code="cohort_limit", message=(
-                        f"queue {queue}: {r} {used} used + {amount} requested > nominal {nominal}, and cohort "
-                        f"{q.cohort} has {available} to lend")), {r}
-            capacity, in_use = self._cohort_totals(state, extra, q.cohort, r)
-            if in_use + amount > capacity:
-                # within its own nominal, but the cohort is full: others borrow this queue's share
-                return Reason(code="cohort_limit", message=(
-                    f"queue {queue}: {r} {used} used + {amount} requested is within nominal {nominal}, but cohort "
-                    f"{q.cohort} is full ({in_use} of {capacity} in use; queues borrow this one's share)")), {r}
-            for lender in self.cohorts.get(q.cohort, []):
-                lq = self.config.queues[lender]
-                if lender == queue or r not in lq.nominal or r not in lq.lending_limit:
-                    continue
-                # the others may use their own nominal and what the lender lends, never the rest
-                kept = lq.nominal[r] - min(lq.nominal[r], lq.lending_limit[r])
-                others = in_use - self._used(state, extra, lender, r)
-                if others + amount > capacity - kept:
-                    return Reason(code="cohort_limit", message=(
-                        f"queue {queue}: {r} {used} used + {amount} requested, but queue {lender} keeps {kept} "
-                        f"of its nominal for itself (lending limit {lq.lending_limit[r]}) and the other queues "
-                        f"of cohort {q.cohort} use {others} of {capacity - kept}")), {r}
+            node = limit.node
+            mine = used(queue, r)
+            nominal = self.tree.nodes[f"queue:{queue}"].nominal.get(r, 0)
+            if node.is_queue and node.name == queue:
+                code = "queue_limit"
+                if limit.kind == "borrowing_limit":
+                    why = f"> nominal {nominal} + borrowing limit {node.borrowing_limit[r]}"
+                else:
+                    why = f"> nominal {nominal}"
+            else:
+                code = "cohort_limit"
+                key = node.key
+                if limit.kind == "borrowing_limit":
+                    why = (f"> {free} available: {node.label} may borrow at most {node.borrowing_limit[r]} "
+                           f"beyond its {self.tree.subtree(key, r)}")
+                else:
+                    why = (f"> {free} available: {node.label} holds {self.tree.subtree(key, r)} and its queues use "
+                           f"{self.tree.usage(key, r, used)}")
+                    if mine + amount <= nominal:
+                        why += " (others borrow this queue's share)"
+                kept = self._kept_by_lenders(queue, r)
+                if kept:
+                    why += f"; {kept} kept back by lending limits"
+            return Reason(code=code, message=f"queue {queue}: {r} {mine} used + {amount} requested {why}"), {r}
         return None
+
+    def _kept_by_lenders(self, queue: str, r: str) -> int:
+        """What the other queues of the tree keep for themselves (nominal - lending limit)."""
+        root = self.tree.root(queue)
+        return sum(self.tree.local(f"queue:{q}", r) for q in self.tree.queues_under(root) if q != queue)
 
     def _would_borrow(self, state: QuotaState, extra: dict[str, dict[str, int]], queue: str,
                       d: dict[str, int]) -> bool:
         q = self.queue_config(queue)
         return q is not None and any(
             v > 0 and r in q.nominal and self._used(state, extra, queue, r) + v > q.nominal[r] for r, v in d.items())
-
-    def _cohort_totals(self, state: QuotaState, extra: dict[str, dict[str, int]], cohort: str,
-                       r: str) -> tuple[int, int]:
-        """The cohort's capacity of `r` (its queues' nominal) and what its queues use of it."""
-        capacity = in_use = 0
-        for name in self.cohorts.get(cohort, []):
-            n = self.config.queues[name].nominal.get(r)
-            if n is not None:
-                capacity += n
-                in_use += self._used(state, extra, name, r)
-        return capacity, in_use
-
-    def _cohort_available(self, state: QuotaState, extra: dict[str, dict[str, int]], queue: str,
-                          q: QueueConfig, r: str) -> int:
-        """What the other queues of the cohort can lend of `r` now."""
-        if not q.cohort:
-            return 0
-        lendable = 0
-        borrowed = 0
-        for other in self.cohorts.get(q.cohort, []):
-            if other == queue:
-                continue
-            oq = self.config.queues[other]
-            n = oq.nominal.get(r)
-            if n is None:
-                continue
-            used = self._used(state, extra, other, r)
-            lend = oq.lending_limit.get(r, n)
-            lendable += min(lend, max(0, n - used))
-            borrowed += max(0, used - n)
-        return max(0, lendable - borrowed)
