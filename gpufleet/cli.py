@@ -66,6 +66,8 @@ def up(
     postgres: Annotated[bool, typer.Option(help="run the PostgreSQL read model")] = True,
     layout: Annotated[str, typer.Option(help="grouped: light services share a process; separate: one process each")] = "grouped",
     config: Annotated[Path | None, typer.Option(help="cluster config YAML: tenants and policies (docs/config.md)")] = None,
+    sim_mix: Annotated[str, typer.Option(help="node shapes cycled over the sim nodes, e.g. h100x8,h100mig "
+                                              "(default: h100x8/a100x8/a10x4/cpu64 4:3:2:1)")] = "",
 ) -> None:
     """Start nats-server, PostgreSQL, the eight services and N simulated nodes."""
     from gpufleet.mesh import MeshOptions, Supervisor, running_supervisor, up_detached
@@ -83,7 +85,14 @@ def up(
         except SpecError as exc:
             typer.echo(f"error: invalid cluster config {config}: {exc}", err=True)
             raise typer.Exit(2) from None
-    opts = MeshOptions(ddir, sim_nodes, nats_port, pg_port, postgres, layout=layout, config=config)
+    try:
+        from gpufleet.shared.cluster import parse_mix
+
+        parse_mix(sim_mix)
+    except ValueError as exc:
+        typer.echo(f"error: --sim-mix: {exc}", err=True)
+        raise typer.Exit(2) from None
+    opts = MeshOptions(ddir, sim_nodes, nats_port, pg_port, postgres, layout=layout, config=config, sim_mix=sim_mix)
     if detach:
         doc = up_detached(opts)
         typer.echo(f"gpufleet running in {ddir}: NATS {doc['nats_url']}, PostgreSQL {doc['pg_dsn'] or '-'}, "

@@ -47,6 +47,7 @@ class MeshOptions:
     log_level: str = "INFO"
     layout: str = "grouped"
     config: Path | None = None  # cluster config (tenants, policies); copied into the data dir
+    sim_mix: str = ""  # node shapes cycled over the sim nodes; '' = the default mix
 
 
 @dataclass
@@ -134,6 +135,8 @@ class Supervisor:
             argv = [py, "-m", "gpufleet.shared.service", *services, *common]
         if "executor" in services:
             argv += ["--sim-nodes", str(self.opts.sim_nodes)]
+            if self.opts.sim_mix:
+                argv += ["--sim-mix", self.opts.sim_mix]
         return argv
 
     def spawn(self, child: Child) -> None:
@@ -254,7 +257,7 @@ def up_detached(opts: MeshOptions, timeout_s: float = 90.0) -> dict[str, Any]:
     argv = [
         sys.executable, "-m", "gpufleet.mesh", "supervise", "--data-dir", str(opts.data_dir),
         "--sim-nodes", str(opts.sim_nodes), "--nats-port", str(opts.nats_port), "--pg-port", str(opts.pg_port),
-        "--log-level", opts.log_level, "--layout", opts.layout,
+        "--log-level", opts.log_level, "--layout", opts.layout, "--sim-mix", opts.sim_mix,
         *(["--config", str(Path(opts.config).resolve())] if opts.config else []), *([] if opts.postgres else ["--no-postgres"]),
     ]
     (opts.data_dir / "logs").mkdir(exist_ok=True)
@@ -316,11 +319,12 @@ def main(argv: list[str] | None = None) -> None:
     sp.add_argument("--log-level", default="INFO")
     sp.add_argument("--layout", default="grouped", choices=sorted(LAYOUTS))
     sp.add_argument("--config", default=None)
+    sp.add_argument("--sim-mix", default="")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     opts = MeshOptions(Path(args.data_dir), args.sim_nodes, args.nats_port, args.pg_port,
                        not args.no_postgres, args.log_level, args.layout,
-                       Path(args.config) if args.config else None)
+                       Path(args.config) if args.config else None, args.sim_mix)
     Supervisor(opts).run()
 
 

@@ -25,7 +25,8 @@ def make_core(name: str, args: argparse.Namespace) -> Core[Any]:
     if name == "executor":
         from gpufleet.services.executor.core import ExecutorCore
         from gpufleet.shared.cluster import sim_fleet
-        return ExecutorCore(sim_fleet(getattr(args, "sim_nodes", 4), getattr(args, "node_prefix", "sim")))
+        return ExecutorCore(sim_fleet(getattr(args, "sim_nodes", 4), getattr(args, "node_prefix", "sim"),
+                                      getattr(args, "sim_mix", "")))
     if name == "telemetry":
         from gpufleet.services.telemetry.core import TelemetryCore
         return TelemetryCore()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 
-from .events import GpuDevice, NodeInventory
+from .events import GpuDevice, MigDevice, NodeInventory
 
 GIB = 1024
 
@@ -34,17 +34,48 @@ MIX_CYCLE: tuple[str, ...] = (
 )
 
 
+# shape -> GPU index -> the MIG instances it is split into (the GPU is in MIG mode). Not in the
+# default mix: tests and `--sim-shapes` ask for it.
+MIG_LAYOUTS: dict[str, dict[int, tuple[str, ...]]] = {
+    "h100mig": {4: ("1g.10gb",) * 7, 5: ("1g.10gb",) * 7, 6: ("3g.40gb", "3g.40gb"), 7: ("2g.20gb",) * 3},
+}
+SHAPES["h100mig"] = SHAPES["h100x8"]
+
+
+def _with_mig(gpus: tuple[GpuDevice, ...], layout: dict[int, tuple[str, ...]]) -> tuple[GpuDevice, ...]:
+    out = []
+    for g in gpus:
+        profiles = layout.get(g.index)
+        if profiles:
+            g = g.model_copy(update={"mig_enabled": True, "mig_devices": tuple(
+                MigDevice(profile=p, uuid=f"MIG-{g.uuid.removeprefix('GPU-')}-{i}") for i, p in enumerate(profiles))})
+        out.append(g)
+    return tuple(out)
+
+
 def shape_inventory(shape: str, node_id: str, rack: str = "rack-0") -> NodeInventory:
     model, n, gpu_mem, islands, cores, mem = SHAPES[shape]
+    gpus = _gpus(model, n, gpu_mem, islands, node_id)
+    if shape in MIG_LAYOUTS:
+        gpus = _with_mig(gpus, MIG_LAYOUTS[shape])
     return NodeInventory(
-        cpu_milli=cores * 1000, memory_mib=mem, gpus=_gpus(model, n, gpu_mem, islands, node_id),
+        cpu_milli=cores * 1000, memory_mib=mem, gpus=gpus,
         numa_nodes=2 if n else 1, labels={"rack": rack, "shape": shape}, driver="sim",
     )
 
 
-def sim_fleet(n: int, prefix: str = "sim") -> dict[str, NodeInventory]:
-    """`n` nodes in the default mix, 16 per rack; deterministic for a given n."""
-    order = MIX_CYCLE
+def parse_mix(mix: str) -> tuple[str, ...]:
+    """`h100x8,h100mig` -> the shapes, cycled over the nodes; '' -> the default mix."""
+    shapes = tuple(s.strip() for s in mix.split(",") if s.strip())
+    for s in shapes:
+        if s not in SHAPES:
+            raise ValueError(f"unknown node shape {s!r} (one of {', '.join(SHAPES)})")
+    return shapes or MIX_CYCLE
+
+
+def sim_fleet(n: int, prefix: str = "sim", mix: str = "") -> dict[str, NodeInventory]:
+    """`n` nodes in the default mix (or `mix`, cycled), 16 per rack; deterministic for a given n."""
+    order = parse_mix(mix)
     nodes: dict[str, NodeInventory] = {}
     for i in range(n):
         node_id = f"{prefix}-{i:05d}"

@@ -33,7 +33,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 
 from .errors import SpecError
 from .ids import check_token
-from .spec import JOB_TYPES, DurationS, JobType, spec_error_from
+from .spec import JOB_TYPES, MIG_PROFILE, DurationS, JobType, spec_error_from
 
 MAX_PAYLOAD_BYTES = 64 * 1024  # a submit larger than this is refused before it is parsed
 
@@ -75,8 +75,14 @@ def _quantities(v: Any) -> Any:
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{key} must be a whole number of GPUs >= 0")
             out[key] = value
+        elif isinstance(key, str) and key.startswith("mig/"):
+            if not MIG_PROFILE.fullmatch(key[4:]):
+                raise ValueError(f"{key}: {key[4:]!r} is not a MIG profile (like mig/1g.10gb)")
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{key} must be a whole number of MIG instances >= 0")
+            out[key] = value
         else:
-            raise ValueError(f"unknown resource {key!r} (cpu, memory, gpu, gpu/<model>)")
+            raise ValueError(f"unknown resource {key!r} (cpu, memory, gpu, gpu/<model>, mig/<profile>)")
     return out
 
 

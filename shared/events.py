@@ -116,6 +116,7 @@ class JobQuotaReserved(_JobPayload):
     memory_mib: int
     gpus: int
     flavor: str | None = None  # the GPU model the quota was taken from; the placer keeps to it
+    mig: dict[str, int] = Field(default_factory=dict)  # MIG profile -> instances, all replicas
 
 
 class JobUnschedulable(_JobPayload):
@@ -135,6 +136,7 @@ class ReplicaAllocation(_Payload):
     gpu_indices: tuple[int, ...] = ()
     cpu_milli: int = 0
     memory_mib: int = 0
+    mig_devices: tuple[str, ...] = ()  # the UUIDs of the MIG instances it holds
 
 
 class JobPlaced(_JobPayload):
@@ -262,8 +264,16 @@ class JobIdleDetected(_JobPayload):
 # ---------------------------------------------------------------- nodes
 
 
+class MigDevice(_Payload):
+    """One MIG instance of a GPU in MIG mode: its profile (`1g.10gb`) and the UUID to pin it."""
+
+    profile: str
+    uuid: str
+
+
 class GpuDevice(_Payload):
-    """One GPU and where it sits in the node's topology."""
+    """One GPU and where it sits in the node's topology. A GPU in MIG mode is not handed out
+    whole: its instances (`mig_devices`) are."""
 
     index: int
     uuid: str
@@ -273,6 +283,7 @@ class GpuDevice(_Payload):
     pcie_switch: int = 0
     numa_node: int = 0
     mig_enabled: bool = False
+    mig_devices: tuple[MigDevice, ...] = ()
 
 
 class NodeInventory(_Payload):

@@ -96,6 +96,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("services", nargs="+", help="services to run together in this process")
     ap.add_argument("--sim-nodes", type=int, default=4, help="simulated nodes (if executor is one of them)")
     ap.add_argument("--node-prefix", default="sim")
+    ap.add_argument("--sim-mix", default="", help="node shapes cycled over the sim nodes (h100x8,h100mig,...)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s group %(levelname)s %(message)s")
     url = args.nats_url or resolve_nats_url(args.data_dir)

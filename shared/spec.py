@@ -12,6 +12,7 @@
       gpu: 8
       gpuModel: H100       # or gpuModels: [H100, A100]
       gpuMemory: 80Gi      # per GPU, at least
+      # or, instead of whole GPUs, MIG instances: mig: {1g.10gb: 2}
     maxRuntime: 2h
     checkpoint: {path: /ckpt/resnet50, interval: 30m}
     sim: {duration: 20s, exitCode: 0}   # for the sim driver
@@ -32,6 +33,7 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    StrictInt,
     ValidationError,
     ValidationInfo,
     field_validator,
@@ -127,6 +129,9 @@ MemoryMiB = Annotated[int, BeforeValidator(parse_memory_mib)]
 DurationS = Annotated[float, BeforeValidator(parse_duration_s)]
 
 
+MIG_PROFILE = re.compile(r"[1-8]g\.[1-9][0-9]{0,3}gb(\+me|\+gfx|-me)?")
+
+
 def _token(field: str) -> BeforeValidator:
     return BeforeValidator(lambda v: check_token(v, field))
 
@@ -141,6 +146,9 @@ class Resources(_Spec):
     cpu_milli: CpuMilli = Field(default=1000, alias="cpu", ge=0)
     memory_mib: MemoryMiB = Field(default=1024, alias="memory", ge=0)
     gpu: int = Field(default=0, ge=0, le=1024)
+    # MIG instances by profile (`1g.10gb`, `3g.40gb`, `1g.18gb+me`): the sharing mode for less
+    # than a GPU; not together with whole GPUs
+    mig: dict[str, StrictInt] = Field(default_factory=dict)
     gpu_models: tuple[str, ...] = Field(default=(), alias="gpuModels")
     gpu_memory_mib: MemoryMiB = Field(default=0, alias="gpuMemory", ge=0)
 
@@ -166,10 +174,29 @@ class Resources(_Spec):
             raise ValueError("must be a whole number of GPUs, not a string")
         return v
 
-    @field_validator("gpu_models", "gpu_memory_mib")
+    @field_validator("mig")
+    @classmethod
+    def _mig_profiles(cls, v: dict[str, int], info: ValidationInfo) -> dict[str, int]:
+        for profile, n in v.items():
+            if not MIG_PROFILE.fullmatch(profile):
+                raise ValueError(f"{profile!r} is not a MIG profile (like 1g.10gb, 3g.40gb, 1g.18gb+me)")
+            if not 1 <= n <= 64:
+                raise ValueError(f"{profile}: must be a whole number of instances from 1 to 64")
+        if v and info.data.get("gpu"):
+            raise ValueError("give whole GPUs (gpu) or MIG instances (mig), not both")
+        return v
+
+    @field_validator("gpu_models")
     @classmethod
     def _models_need_gpus(cls, v: Any, info: ValidationInfo) -> Any:
         # a field validator (not a model one) so that the error names the field
+        if v and info.data.get("gpu") == 0 and not info.data.get("mig"):
+            raise ValueError("given but gpu is 0: ask for at least one GPU (or MIG instance)")
+        return v
+
+    @field_validator("gpu_memory_mib")
+    @classmethod
+    def _memory_needs_gpus(cls, v: Any, info: ValidationInfo) -> Any:
         if v and info.data.get("gpu") == 0:
             raise ValueError("given but gpu is 0: ask for at least one GPU")
         return v
@@ -222,6 +249,11 @@ class JobSpec(_Spec):
     @property
     def gpus_total(self) -> int:
         return self.resources.gpu * self.replicas
+
+    @property
+    def mig_total(self) -> dict[str, int]:
+        """MIG instances by profile, all replicas together."""
+        return {p: n * self.replicas for p, n in self.resources.mig.items()}
 
 
 def _field_path(loc: tuple[int | str, ...]) -> str:

@@ -82,6 +82,12 @@ class JobBuilder:
     def model(self, model: Any) -> JobBuilder:
         return self.res("gpuModel", model)
 
+    def mig(self, profile: str, n: Any = 1) -> JobBuilder:
+        """MIG instances of a profile per replica (instead of whole GPUs)."""
+        self._data["resources"].pop("gpu", None)
+        self._data["resources"].setdefault("mig", {})[profile] = n
+        return self
+
     def cpu(self, cpu: Any) -> JobBuilder:
         return self.res("cpu", cpu)
 
@@ -185,7 +191,7 @@ def quota_reserved(job: JobBuilder | JobSpec, job_id: str = "j1") -> Envelope:
     r = spec.resources
     return event(JobQuotaReserved(
         job_id=job_id, queue=spec.queue, cpu_milli=r.cpu_milli * spec.replicas,
-        memory_mib=r.memory_mib * spec.replicas, gpus=spec.gpus_total,
+        memory_mib=r.memory_mib * spec.replicas, gpus=spec.gpus_total, mig=spec.mig_total,
     ), tenant=spec.tenant)
 
 
@@ -236,6 +242,13 @@ def node(node_id: str, gpus: int = 8, model: str = "H100", cpu_milli: int = 64_0
          memory_mib: int = 512 * 1024) -> Envelope:
     """A node.registered fact."""
     return event(NodeRegistered(node_id=node_id, inventory=inventory(gpus, model, cpu_milli, memory_mib)))
+
+
+def mig_node(node_id: str, shape: str = "h100mig") -> Envelope:
+    """A node.registered fact for a sim shape with GPUs in MIG mode (shared.cluster.MIG_LAYOUTS)."""
+    from gpufleet.shared.cluster import shape_inventory
+
+    return event(NodeRegistered(node_id=node_id, inventory=shape_inventory(shape, node_id)))
 
 
 def cordoned(node_id: str) -> Envelope:

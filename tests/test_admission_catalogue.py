@@ -90,13 +90,18 @@ SPECS: dict[str, tuple[dict[str, Any], str | None, str, str | None]] = {
     "unknown priority class": (job(priorityClass="vip"), None, "unknown_priority_class", "priorityClass"),
     "priority and class": (job(priorityClass="high", priority=5), None, "invalid_spec", "priorityClass"),
     "priority class with a dot": (job(priorityClass="a.b"), None, "invalid_spec", "priorityClass"),
+    "mig with whole gpus": (job(r_mig={"1g.10gb": 1}), None, "invalid_spec", "resources.mig"),
+    "mig profile nonsense": (job(r_gpu=0, r_mig={"half": 1}), None, "invalid_spec", "resources.mig"),
+    "mig profile not in the cluster": (job(r_gpu=0, r_mig={"1g.5gb": 1}), None, "mig_profile_unknown",
+                                       "resources.mig"),
+    "mig instances over any node": (job(r_gpu=0, r_mig={"3g.40gb": 3}), None, "exceeds_node", "resources.mig"),
 }
 
 
 def cores(config: ClusterConfig = CONFIG, nodes: int = 10) -> list[Any]:
     out: list[Any] = [AdmissionCore(config), QuotaCore(), PlacerCore(), GuardianCore()]
-    if nodes:
-        out.append(ExecutorCore(sim_fleet(nodes)))
+    if nodes:  # the default mix, and one node with GPUs in MIG mode
+        out.append(ExecutorCore(sim_fleet(nodes) | sim_fleet(1, prefix="mig", mix="h100mig")))
     return out
 
 
@@ -119,6 +124,8 @@ async def test_every_bad_input_gets_a_clear_reason_and_nothing_is_lost(bus: Bus,
         # commands refused about jobs that exist
         good = submit_cmd(job(name="good"), job_id=new_id())
         await bus.publish(good)
+        mig = submit_cmd(job(name="mig", r_gpu=0, r_mig={"1g.10gb": 2}), job_id=new_id())
+        await bus.publish(mig)
         gid = good.payload.job_id  # type: ignore[union-attr]
         again = submit_cmd(job(name="again"), job_id=gid)
         again = again.model_copy(update={"event_id": derive_id(gid, "again")})
@@ -139,7 +146,7 @@ async def test_every_bad_input_gets_a_clear_reason_and_nothing_is_lost(bus: Bus,
             log = await read_log(bus)
             decided = {e.job_id for _, e in log if e.type in ("job.rejected", "job.request_refused")}
             letters = {e.payload.stream_seq for _, e in log if e.type == "sys.dead_letter"}  # type: ignore[union-attr]
-            ok = any(e.type == "job.succeeded" and e.job_id == gid for _, e in log)
+            ok = {gid, mig.job_id} <= {e.job_id for _, e in log if e.type == "job.succeeded"}
             return set(expect) <= decided and set(dead) <= letters and ok
 
         await wait_until(all_decided, timeout_s=30)

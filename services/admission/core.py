@@ -66,22 +66,31 @@ class Capacity:
     memory_mib: int
     gpus_by_model: dict[str, int]
     gpu_memory_mib_by_model: dict[str, int]
+    mig_by_profile: dict[str, int]  # the most instances of the profile on one node
 
 
 def capacity(nodes: dict[str, NodeInventory]) -> Capacity:
     gpus: dict[str, int] = {}
     gpu_mem: dict[str, int] = {}
+    mig: dict[str, int] = {}
     for inv in nodes.values():
         per: dict[str, int] = {}
+        per_mig: dict[str, int] = {}
         for g in inv.gpus:
-            per[g.model] = per.get(g.model, 0) + 1
             gpu_mem[g.model] = max(gpu_mem.get(g.model, 0), g.memory_mib)
+            if g.mig_enabled:
+                for m in g.mig_devices:
+                    per_mig[m.profile] = per_mig.get(m.profile, 0) + 1
+            else:
+                per[g.model] = per.get(g.model, 0) + 1
         for model, n in per.items():
             gpus[model] = max(gpus.get(model, 0), n)
+        for profile, n in per_mig.items():
+            mig[profile] = max(mig.get(profile, 0), n)
     return Capacity(
-        models=frozenset(gpus), cpu_milli=max((n.cpu_milli for n in nodes.values()), default=0),
+        models=frozenset(gpu_mem), cpu_milli=max((n.cpu_milli for n in nodes.values()), default=0),
         memory_mib=max((n.memory_mib for n in nodes.values()), default=0), gpus_by_model=gpus,
-        gpu_memory_mib_by_model=gpu_mem,
+        gpu_memory_mib_by_model=gpu_mem, mig_by_profile=mig,
     )
 
 
@@ -274,10 +283,19 @@ class AdmissionCore(BaseCore[AdmissionState]):
         if r.memory_mib > cap.memory_mib:
             out.append(_r("exceeds_node", f"memory {r.memory_mib // MIB}Gi per replica is more than the largest node "
                           f"has ({cap.memory_mib // MIB}Gi)", "resources.memory"))
+        for profile, n in r.mig.items():
+            most = cap.mig_by_profile.get(profile, 0)
+            if not most:
+                out.append(_r("mig_profile_unknown", f"no node has MIG instances of profile {profile} (the cluster has "
+                              f"{', '.join(sorted(cap.mig_by_profile)) or 'none'})", "resources.mig"))
+            elif n > most:
+                out.append(_r("exceeds_node", f"mig {profile}: {n} per replica is more than any node has ({most}); "
+                              "use replicas for more", "resources.mig"))
         models = [m for m in (r.gpu_models or tuple(cap.models)) if m in cap.models]
-        if r.gpu and models and r.gpu > max(cap.gpus_by_model[m] for m in models):
+        if r.gpu and models and r.gpu > (most_gpus := max(cap.gpus_by_model.get(m, 0) for m in models)):
             out.append(_r("exceeds_node", f"gpu {r.gpu} per replica is more than any node has "
-                          f"({max(cap.gpus_by_model[m] for m in models)}); use replicas for more", "resources.gpu"))
+                          f"({most_gpus} whole GPUs); use replicas for more",
+                          "resources.gpu"))
         if r.gpu_memory_mib and models and r.gpu_memory_mib > max(cap.gpu_memory_mib_by_model[m] for m in models):
             out.append(_r("exceeds_node", f"gpuMemory {r.gpu_memory_mib // MIB}Gi is more than any GPU has", "resources.gpuMemory"))
         return out

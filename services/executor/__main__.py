@@ -8,4 +8,5 @@ if __name__ == "__main__":
     ap = base_parser("executor")
     ap.add_argument("--sim-nodes", type=int, default=4, help="simulated nodes this executor hosts")
     ap.add_argument("--node-prefix", default="sim", help="node id prefix")
-    serve("executor", lambda args: ExecutorCore(sim_fleet(args.sim_nodes, args.node_prefix)), parser=ap)
+    ap.add_argument("--sim-mix", default="", help="node shapes cycled over the sim nodes (h100x8,h100mig,...)")
+    serve("executor", lambda args: ExecutorCore(sim_fleet(args.sim_nodes, args.node_prefix, args.sim_mix)), parser=ap)

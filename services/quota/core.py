@@ -82,6 +82,8 @@ def demand(spec: JobSpec, flavor: str | None) -> dict[str, int]:
     d = {"cpu": r.cpu_milli * spec.replicas, "memory": r.memory_mib * spec.replicas, "gpu": spec.gpus_total}
     if r.gpu and flavor:
         d[f"gpu/{flavor}"] = r.gpu * spec.replicas
+    for profile, n in spec.mig_total.items():
+        d[f"mig/{profile}"] = n
     return d
 
 
@@ -124,6 +126,8 @@ class QuotaCore(BaseCore[QuotaState]):
                 d = {"cpu": p.cpu_milli, "memory": p.memory_mib, "gpu": p.gpus}
                 if p.flavor and p.gpus:
                     d[f"gpu/{p.flavor}"] = p.gpus
+                for profile, n in p.mig.items():
+                    d[f"mig/{profile}"] = n
                 state.reserved[job_id] = (p.queue, d)
                 state.reserved_n += 1
                 state.reserved_order[job_id] = state.reserved_n
@@ -213,7 +217,7 @@ class QuotaCore(BaseCore[QuotaState]):
                     add[r] = add.get(r, 0) + v
                 out.append(ctx.emit(JobQuotaReserved(
                     job_id=job.job_id, queue=job.queue, cpu_milli=d["cpu"], memory_mib=d["memory"],
-                    gpus=spec.gpus_total, flavor=flavor or None,
+                    gpus=spec.gpus_total, flavor=flavor or None, mig=spec.mig_total,
                 ), tenant=job.tenant, cause_id=job.job_id, key="reserved"))
                 continue
             if reason is not None and reason.code in ("queue_limit", "cohort_limit"):
