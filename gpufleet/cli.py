@@ -452,6 +452,67 @@ def bench_e2e(
             typer.echo(f"{k:>24}: {v}")
 
 
+def _seeds(text: str) -> list[int]:
+    out: list[int] = []
+    for part in text.split(","):
+        a, _, b = part.strip().partition("-")
+        out += list(range(int(a), int(b or a) + 1))
+    return out
+
+
+@bench_app.command("placement")
+def bench_placement(
+    pods: Annotated[Path, typer.Option(help="pod list CSV (openb_pod_list_*.csv), or a folder: every pod list in it")],
+    nodes: Annotated[Path, typer.Option(help="node list CSV (openb_node_list_gpu_node.csv)")],
+    policies: Annotated[str, typer.Option(help="random,dotprod,clustering,packing,bestfit,fgd,fragaware")] = "bestfit,fgd,fragaware",
+    seeds: Annotated[str, typer.Option(help="e.g. 42-51 or 42,43")] = "42-51",
+    published: Annotated[Path | None, typer.Option(help="folder of the published results (fgd-expected)")] = None,
+    plot: Annotated[Path | None, typer.Option(help="write the allocation curves to this PNG")] = None,
+    as_json: JsonOut = False,
+) -> None:
+    """Replay an Alibaba GPU trace through the placer's framework, as the FGD paper's simulator does:
+    GPU allocation ratio at 130 % arrived GPU, fragmentation at 80 %, side by side with the
+    published numbers."""
+    from gpufleet.bench_placement import bench, write_plot
+    from gpufleet.bench_placement import published as published_results
+
+    files = sorted(pods.glob("openb_pod_list_*.csv")) if pods.is_dir() else [pods]
+    if not files:
+        typer.echo(f"error: no pod lists in {pods}", err=True)
+        raise typer.Exit(2)
+    if not nodes.exists():
+        typer.echo(f"error: --nodes: {nodes} does not exist", err=True)
+        raise typer.Exit(2)
+    names = [p.strip() for p in policies.split(",") if p.strip()]
+    from gpufleet.services.placer.framework import profiles
+
+    unknown = [n for n in names if n not in profiles()]
+    if unknown:
+        typer.echo(f"error: --policies: unknown {', '.join(unknown)} (one of {', '.join(profiles())})", err=True)
+        raise typer.Exit(2)
+    docs = []
+    for f in files:
+        doc = bench(f, nodes, names, _seeds(seeds), progress=lambda m: typer.echo(m, err=True))
+        if published is not None:
+            doc["published"] = published_results(published, doc["workload"])
+        docs.append(doc)
+    if plot is not None:
+        write_plot(docs, plot)
+    if as_json:
+        _print_json(docs[0] if len(docs) == 1 else {"workloads": docs})
+        return
+    for doc in docs:
+        typer.echo(f"{doc['workload']}: {doc['nodes']} nodes, {doc['gpus']} GPUs, {doc['pods']} pods, "
+                   f"seeds {doc['seeds'][0]}-{doc['seeds'][-1]}")
+        typer.echo(f"  {'policy':<12}{'alloc@130':>10}{'±':>6}{'published':>11}{'frag@80':>9}{'published':>11}{'s/seed':>8}")
+        pub = doc.get("published", {})
+        for name, r in doc["policies"].items():
+            p = pub.get(name, {})
+            typer.echo(f"  {name:<12}{r['alloc_130_mean']:>10.2f}{r['alloc_130_std']:>6.2f}"
+                       f"{p.get('alloc_130_mean', float('nan')):>11.2f}{r['frag_80_mean']:>9.2f}"
+                       f"{p.get('frag_80_mean', float('nan')):>11.2f}{r['seconds_per_seed']:>8.1f}")
+
+
 def main() -> None:
     try:
         app()

@@ -9,7 +9,7 @@
     resources:             # per replica
       cpu: 8               # or "500m"
       memory: 64Gi
-      gpu: 8
+      gpu: 8               # or a share of one GPU: gpu: 0.25 with gpuSharing: shared
       gpuModel: H100       # or gpuModels: [H100, A100]
       gpuMemory: 80Gi      # per GPU, at least
       # or, instead of whole GPUs, MIG instances: mig: {1g.10gb: 2}
@@ -145,7 +145,10 @@ class Resources(_Spec):
 
     cpu_milli: CpuMilli = Field(default=1000, alias="cpu", ge=0)
     memory_mib: MemoryMiB = Field(default=1024, alias="memory", ge=0)
+    # shared: `gpu` may be a fraction of one GPU (0.001 .. 1), placed beside other shares on a GPU
+    gpu_sharing: Literal["exclusive", "shared"] = Field(default="exclusive", alias="gpuSharing")
     gpu: int = Field(default=0, ge=0, le=1024)
+    gpu_milli: int = Field(default=1000, ge=1, le=1000, alias="gpuMilli")  # of each GPU; < 1000: a share
     # MIG instances by profile (`1g.10gb`, `3g.40gb`, `1g.18gb+me`): the sharing mode for less
     # than a GPU; not together with whole GPUs
     mig: dict[str, StrictInt] = Field(default_factory=dict)
@@ -157,6 +160,10 @@ class Resources(_Spec):
     def _one_model(cls, data: Any) -> Any:
         if isinstance(data, dict):
             data = _canonical_to_quantities(data)
+        if isinstance(data, dict) and data.get("gpuSharing", data.get("gpu_sharing")) == "shared":
+            gpu = data.get("gpu")
+            if isinstance(gpu, int | float | Decimal) and not isinstance(gpu, bool) and 0 < gpu < 1:
+                data = {**data, "gpu": 1, "gpu_milli": math.ceil(gpu * 1000)}
         if isinstance(data, dict) and "gpuModel" in data:
             data = dict(data)
             model = data.pop("gpuModel")
@@ -167,11 +174,20 @@ class Resources(_Spec):
 
     @field_validator("gpu", mode="before")
     @classmethod
-    def _whole_gpus(cls, v: Any) -> Any:
+    def _whole_gpus(cls, v: Any, info: ValidationInfo) -> Any:
         if isinstance(v, bool) or (isinstance(v, float) and v != int(v)):
-            raise ValueError("must be a whole number of GPUs (fractional GPUs need a sharing mode)")
+            if info.data.get("gpu_sharing") == "shared":
+                raise ValueError("a shared GPU is a fraction of one GPU (0.001 to 1), or whole GPUs")
+            raise ValueError("must be a whole number of GPUs (fractional GPUs need gpuSharing: shared)")
         if isinstance(v, str):
             raise ValueError("must be a whole number of GPUs, not a string")
+        return v
+
+    @field_validator("gpu_milli")
+    @classmethod
+    def _share(cls, v: int, info: ValidationInfo) -> int:
+        if v < 1000 and (info.data.get("gpu_sharing") != "shared" or info.data.get("gpu") != 1):
+            raise ValueError("a share of a GPU needs gpuSharing: shared and one GPU")
         return v
 
     @field_validator("mig")
@@ -259,6 +275,7 @@ class JobSpec(_Spec):
 def _field_path(loc: tuple[int | str, ...]) -> str:
     aliases = {
         "cpu_milli": "cpu", "memory_mib": "memory", "gpu_models": "gpuModels", "gpu_memory_mib": "gpuMemory",
+        "gpu_sharing": "gpuSharing", "gpu_milli": "gpuMilli",
         "max_runtime_s": "maxRuntime", "interval_s": "interval", "duration_s": "duration", "exit_code": "exitCode",
         "priority_class": "priorityClass",
     }
