@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import fnmatch
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
@@ -114,12 +114,25 @@ class CohortConfig(BaseModel):
     lending_limit: Resources = Field(default_factory=dict, alias="lendingLimit")
 
 
+class PlacementConfig(BaseModel):
+    """How the placer scores nodes (docs/config.md)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
+
+    # default: best fit + topology + gang locality + data locality; fragaware / fgd: fragmentation
+    # aware (the FGD paper's gradient); bestfit; topology
+    profile: Literal["default", "fragaware", "fgd", "bestfit", "topology"] = "default"
+    candidates: int = Field(default=64, ge=1, le=100_000)  # feasible nodes scored per replica
+    backfill: bool = True  # EASY backfill with a reservation for the head job
+
+
 class ClusterConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
 
     tenants: dict[str, TenantPolicy] = Field(default_factory=dict)
     queues: dict[str, QueueConfig] = Field(default_factory=dict)
     cohorts: dict[str, CohortConfig] = Field(default_factory=dict)
+    placement: PlacementConfig = PlacementConfig()
     priority_classes: dict[str, int] = Field(default_factory=dict, alias="priorityClasses")
     # a job that waited this long stops jobs of its priority or lower, queued after it in its
     # cohort, from taking what it needs (no starvation of big gangs by streams of small jobs)

@@ -128,6 +128,16 @@ class JobUnschedulable(_JobPayload):
     nodes_total: int = 0
 
 
+class JobBackfillReserved(_JobPayload):
+    """The job at the head of the line cannot be placed yet: these nodes are held for it from the
+    estimated start (running jobs' max runtimes), and smaller jobs run before it only where they
+    do not delay that start (EASY backfill)."""
+
+    type: Literal["job.backfill_reserved"] = "job.backfill_reserved"
+    nodes: tuple[str, ...]
+    estimated_start: datetime
+
+
 class ReplicaAllocation(_Payload):
     """Exactly what one replica holds on one node."""
 
@@ -137,6 +147,7 @@ class ReplicaAllocation(_Payload):
     cpu_milli: int = 0
     memory_mib: int = 0
     mig_devices: tuple[str, ...] = ()  # the UUIDs of the MIG instances it holds
+    gpu_milli: int = 1000  # of each GPU in gpu_indices: < 1000 is a share of it
 
 
 class JobPlaced(_JobPayload):
@@ -291,7 +302,8 @@ class NodeInventory(_Payload):
     memory_mib: int
     gpus: tuple[GpuDevice, ...] = ()
     numa_nodes: int = 1
-    labels: dict[str, str] = Field(default_factory=dict)
+    labels: dict[str, str] = Field(default_factory=dict)  # rack, leaf, spine, shape, ...
+    taints: tuple[str, ...] = ()  # jobs that do not tolerate one of these are not placed here
     driver: str = "sim"
 
 
@@ -329,6 +341,13 @@ class NodeUncordoned(_NodePayload):
     type: Literal["node.uncordoned"] = "node.uncordoned"
 
 
+class NodeDatasetsCached(_NodePayload):
+    """The datasets in the node's local cache, as the executor last saw them (a data-locality fact)."""
+
+    type: Literal["node.datasets_cached"] = "node.datasets_cached"
+    datasets: tuple[str, ...]
+
+
 class NodeGpuUnhealthy(_NodePayload):
     """A GPU showed ECC / XID errors; it takes no new work."""
 
@@ -363,8 +382,8 @@ Payload = Annotated[
         JobSubmitted, JobAdmitted, JobRejected, JobQueued, JobQuotaReserved, JobUnschedulable, JobPlaced,
         JobStarted, JobHeartbeat, JobCheckpointSaved, JobPreemptionRequested, JobPreempted,
         JobRequestRefused, JobCancelRequested, JobExited, JobSucceeded, JobFailed, JobCancelled, JobResumeRequested,
-        JobIdleDetected,
-        NodeRegistered, NodeHeartbeat, NodeLost, NodeCordoned, NodeUncordoned, NodeGpuUnhealthy,
+        JobIdleDetected, JobBackfillReserved,
+        NodeRegistered, NodeHeartbeat, NodeLost, NodeCordoned, NodeUncordoned, NodeGpuUnhealthy, NodeDatasetsCached,
         NodeGpuZombieDetected,
         DeadLetter,
     ],

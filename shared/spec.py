@@ -246,6 +246,9 @@ class JobSpec(_Spec):
     command: tuple[str, ...] = Field(default=(), max_length=256)
     env: dict[str, str] = Field(default_factory=dict)
     checkpoint: CheckpointSpec | None = None
+    node_selector: dict[str, str] = Field(default_factory=dict, alias="nodeSelector")  # node labels required
+    tolerations: tuple[str, ...] = ()  # node taints tolerated
+    dataset: str | None = Field(default=None, max_length=256)  # prefers nodes with it in their local cache
     sim: SimSpec = SimSpec()
 
     @field_validator("replicas", "priority", mode="before")
@@ -275,7 +278,7 @@ class JobSpec(_Spec):
 def _field_path(loc: tuple[int | str, ...]) -> str:
     aliases = {
         "cpu_milli": "cpu", "memory_mib": "memory", "gpu_models": "gpuModels", "gpu_memory_mib": "gpuMemory",
-        "gpu_sharing": "gpuSharing", "gpu_milli": "gpuMilli",
+        "gpu_sharing": "gpuSharing", "gpu_milli": "gpuMilli", "node_selector": "nodeSelector",
         "max_runtime_s": "maxRuntime", "interval_s": "interval", "duration_s": "duration", "exit_code": "exitCode",
         "priority_class": "priorityClass",
     }

@@ -56,8 +56,8 @@ def dgx(name: str = "dgx", nvswitch: bool = False) -> Node:
     (node(gpus=0, model=""), Ask(gpus=1), "gpu_model"),
     (node(cpu=4000), Ask(cpu=8000), "cpu"),
     (node(mem=1024), Ask(mem=2048), "memory"),
-    (node(left=[1000] * 3 + [500] * 5), Ask(gpus=4), "gpu"),  # whole GPUs must be whole
-    (node(left=[400] * 8), Ask(gpus=1, milli=500), "gpu"),  # no GPU with 500 milli free
+    (node(left=[1000] * 3 + [500] * 5), Ask(gpus=4), "gpu_count"),  # whole GPUs must be whole
+    (node(left=[400] * 8), Ask(gpus=1, milli=500), "gpu_count"),  # no GPU with 500 milli free
 ], ids=["unhealthy", "tainted", "labels", "model", "cpu-node", "cpu", "memory", "whole-gpus", "share"])
 def test_each_filter_removes_the_node_and_is_counted_by_name(n: Node, ask: Ask, removed_by: str) -> None:
     assert why_not([n], ask) == {removed_by: 1}

@@ -300,13 +300,13 @@ def _small_cluster_and_jobs(n_jobs: int) -> tuple[list[Envelope], list[Envelope]
     return nodes, jobs
 
 
-async def test_two_placers_never_allocate_a_gpu_twice(bus: Bus, nats_url: str) -> None:
-    nodes, jobs = _small_cluster_and_jobs(10)  # 40 GPUs asked of 16
+async def _race(bus: Bus, nats_url: str, nodes: list[Envelope], jobs: list[Envelope]) -> tuple[Any, Any]:
+    """Two placers see the same burst of jobs at once; run until both have settled."""
     await bus.publish_batch(nodes)
     a = await Service(nats_url, PlacerCore(), instance="a").start()
     b = await Service(nats_url, PlacerCore(), instance="b").start()
     try:
-        await bus.publish_batch(jobs)  # both see the same burst at once
+        await bus.publish_batch(jobs)
         last = await bus.last_seq()
 
         async def settled() -> bool:
@@ -319,6 +319,12 @@ async def test_two_placers_never_allocate_a_gpu_twice(bus: Bus, nats_url: str) -
     finally:
         await a.stop()
         await b.stop()
+    return a, b
+
+
+async def test_two_placers_never_allocate_a_gpu_twice(bus: Bus, nats_url: str) -> None:
+    nodes, jobs = _small_cluster_and_jobs(10)  # 40 GPUs asked of 16
+    a, b = await _race(bus, nats_url, nodes, jobs)
 
     log = await log_of(bus)
     per_node = _check_no_gpu_taken_twice(log, gpus_per_node=8)
@@ -328,6 +334,20 @@ async def test_two_placers_never_allocate_a_gpu_twice(bus: Bus, nats_url: str) -
     assert conflicts >= 1, "the race never happened"
     loser = a if a.rt.stats.cas_conflicts else b
     assert loser.rt.stats.refolds >= 1 + loser.rt.stats.cas_conflicts  # start, then once per lost CAS
+
+
+async def test_two_placers_racing_on_gangs_place_each_whole_or_not_at_all(bus: Bus, nats_url: str) -> None:
+    nodes = [node(f"n{i}") for i in range(4)]  # 32 GPUs
+    gang = make_job().gpus(8).replicas(2)
+    jobs = [e for i in range(5) for e in (submitted(gang, f"g{i}"), quota_reserved(gang, f"g{i}"))]  # 80 asked
+    a, b = await _race(bus, nats_url, nodes, jobs)
+
+    log = await log_of(bus)
+    per_node = _check_no_gpu_taken_twice(log, gpus_per_node=8)
+    gangs = [e for e in log if e.type == "job.placed"]
+    assert len(gangs) == 2 and all(len(e.payload.allocations) == 2 for e in gangs)  # type: ignore[union-attr]
+    assert sorted(per_node.values()) == [8, 8, 8, 8]
+    assert a.rt.stats.cas_conflicts + b.rt.stats.cas_conflicts >= 1, "the race never happened"
 
 
 async def test_rival_placement_later_in_the_same_batch_fails_the_cas(bus: Bus, nats_url: str) -> None:

@@ -1,20 +1,31 @@
 """Placer: give every replica of a job a node and exact GPUs, all or nothing, in one CAS write.
 
-folds: nodes (inventory, health), allocations, jobs with reserved quota
-decides: job.placed (compare-and-set on `fleet.evt.*.job.*.placed`) | job.unschedulable
+folds: nodes (inventory, topology, health, cached datasets), allocations, jobs with reserved quota
+decides: job.placed (compare-and-set on `fleet.evt.*.job.*.placed`) | job.unschedulable (per-filter
+         counts) | job.backfill_reserved | job.failed (never fits) | job.cancelled / job.preempted
+         (of jobs it has not placed)
 
-Nodes are indexed by (GPU model, free GPU count), so a decision looks at a few buckets, not
-at every node: best fit = the smallest free count that still fits. (Topology, fragmentation,
-backfill and the plugin framework come with the placer issue.)
+Placement runs the framework (framework.py): filter plugins, then score plugins with the weights
+of the configured profile (`placement.profile`), over at most `placement.candidates` feasible
+nodes taken from an index (GPU model -> free whole GPUs -> nodes, and the nodes with a partly
+used GPU), tightest buckets first: a decision looks at a few buckets, not at every node.
+
+Backfill (EASY): when the oldest waiting job does not fit, it gets a reservation — the nodes it
+would use once enough running jobs end (placement time + max runtime) and that estimated start —
+and a later job is placed before it only if it keeps off those nodes or ends (by its max runtime)
+before that start.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
+from datetime import datetime
 
+from gpufleet.shared.clusterconfig import ClusterConfig
 from gpufleet.shared.events import (
     Envelope,
+    JobBackfillReserved,
     JobCancelled,
     JobCancelRequested,
     JobExited,
@@ -26,64 +37,83 @@ from gpufleet.shared.events import (
     JobSubmitted,
     JobUnschedulable,
     NodeCordoned,
+    NodeDatasetsCached,
     NodeInventory,
     NodeLost,
     NodeRegistered,
     NodeUncordoned,
     Reason,
     ReplicaAllocation,
+    utc,
 )
 from gpufleet.shared.runtime import BaseCore, Ctx
 from gpufleet.shared.spec import JobSpec
 
+from .frag import MILLI, TaskShape, typical_tasks
+from .framework import Ask, Context, Node, Profile, feasible, profiles, schedule, why_not
+
 CPU_ONLY = ""  # the model key of nodes without GPUs
-SCAN_NODES_MAX = 512  # per replica, per bucket: bound the work of one decision
+SCAN_NODES_MAX = 2048  # per replica: bound the work of one decision
 RETRY_PENDING_MAX = 64  # pending jobs retried when capacity frees
+SHAPES_KEPT = 4096  # recent job shapes: the workload the fragmentation-aware profiles aim at
+TYPICAL_EVERY = 256  # recompute the typical shapes every this many new jobs
+RESERVATION_SLACK_S = 60.0  # a new estimate within this of the last is not said again
 
 
 @dataclass
-class NodeSlot:
-    node_id: str
-    model: str
-    gpus_total: int
-    free_gpus: list[int]
-    cpu_milli_free: int
-    memory_mib_free: int
-    healthy: bool = True
-    cpu_milli_total: int = 0
-    memory_mib_total: int = 0
-    # MIG: GPUs in MIG mode are not handed out whole; their instances are, by profile
-    mig_free: dict[str, list[str]] = field(default_factory=dict)  # profile -> free instance UUIDs
-    mig_total: dict[str, int] = field(default_factory=dict)  # profile -> instances
-    mig_profile: dict[str, str] = field(default_factory=dict)  # instance UUID -> profile
+class MigSlot:
+    """A node's MIG instances: GPUs in MIG mode are never handed out whole; their instances are."""
+
+    free: dict[str, list[str]] = field(default_factory=dict)  # profile -> free instance UUIDs
+    total: dict[str, int] = field(default_factory=dict)  # profile -> instances
+    profile: dict[str, str] = field(default_factory=dict)  # instance UUID -> profile
 
 
-# what one decision's earlier plans took on a node: free GPUs, CPU, memory, MIG instances taken
-Scratch = dict[str, tuple[list[int], int, int, frozenset[str]]]
+@dataclass
+class Reservation:
+    job_id: str
+    nodes: tuple[str, ...]
+    start_s: float
 
 
 @dataclass
 class PlacerState:
-    nodes: dict[str, NodeSlot] = field(default_factory=dict)
-    # model -> free GPU count -> node ids (dicts as ordered sets: deterministic iteration)
+    nodes: dict[str, Node] = field(default_factory=dict)
+    mig: dict[str, MigSlot] = field(default_factory=dict)  # nodes with MIG instances
+    # model -> free whole GPUs -> node ids; model -> nodes with a partly used GPU (ordered sets)
     index: dict[str, dict[int, dict[str, None]]] = field(default_factory=dict)
-    mig_nodes: dict[str, None] = field(default_factory=dict)  # nodes with MIG instances (ordered set)
+    partial: dict[str, dict[str, None]] = field(default_factory=dict)
     specs: dict[str, JobSpec] = field(default_factory=dict)
     pending: OrderedDict[str, None] = field(default_factory=OrderedDict)
     allocations: dict[str, tuple[ReplicaAllocation, ...]] = field(default_factory=dict)
+    ends_at: dict[str, float] = field(default_factory=dict)  # placed job -> placed at + max runtime
     ended: set[str] = field(default_factory=set)
     unschedulable_said: dict[str, str] = field(default_factory=dict)
+    reservation: Reservation | None = None
+    shapes: Counter[TaskShape] = field(default_factory=Counter)
+    recent: deque[TaskShape] = field(default_factory=deque)
+    shapes_seen: int = 0
 
 
-def _unindex(state: PlacerState, node: NodeSlot) -> None:
-    bucket = state.index.get(node.model, {}).get(len(node.free_gpus))
+# ---------------------------------------------------------------- node bookkeeping
+
+
+def _unindex(state: PlacerState, node: Node) -> None:
+    bucket = state.index.get(node.model, {}).get(node.free_whole)
     if bucket is not None:
         bucket.pop(node.node_id, None)
+    state.partial.get(node.model, {}).pop(node.node_id, None)
 
 
-def _reindex(state: PlacerState, node: NodeSlot) -> None:
+def _reindex(state: PlacerState, node: Node) -> None:
     if node.healthy:
-        state.index.setdefault(node.model, {}).setdefault(len(node.free_gpus), {})[node.node_id] = None
+        state.index.setdefault(node.model, {}).setdefault(node.free_whole, {})[node.node_id] = None
+        if any(0 < x < MILLI for x in node.left):
+            state.partial.setdefault(node.model, {})[node.node_id] = None
+
+
+def _positions(node: Node, gpu_indices: tuple[int, ...]) -> list[int]:
+    return [node.gpu_ids.index(g) for g in gpu_indices if g in node.gpu_ids]
 
 
 def _take(state: PlacerState, alloc: ReplicaAllocation) -> None:
@@ -91,19 +121,18 @@ def _take(state: PlacerState, alloc: ReplicaAllocation) -> None:
     if node is None:
         return
     _unindex(state, node)
-    taken = set(alloc.gpu_indices)
-    node.free_gpus = [g for g in node.free_gpus if g not in taken]
-    node.cpu_milli_free -= alloc.cpu_milli
-    node.memory_mib_free -= alloc.memory_mib
-    _take_mig(node, alloc.mig_devices)
+    node.take(_positions(node, alloc.gpu_indices), alloc.gpu_milli, alloc.cpu_milli, alloc.memory_mib)
+    _take_mig(state.mig.get(alloc.node_id), alloc.mig_devices)
     _reindex(state, node)
 
 
-def _take_mig(node: NodeSlot, uuids: tuple[str, ...]) -> None:
+def _take_mig(slot: MigSlot | None, uuids: tuple[str, ...]) -> None:
+    if slot is None:
+        return
     for uuid in uuids:
-        profile = node.mig_profile.get(uuid)
-        if profile is not None and uuid in node.mig_free[profile]:
-            node.mig_free[profile].remove(uuid)
+        profile = slot.profile.get(uuid)
+        if profile is not None and uuid in slot.free[profile]:
+            slot.free[profile].remove(uuid)
 
 
 def _give_back(state: PlacerState, alloc: ReplicaAllocation) -> None:
@@ -111,13 +140,13 @@ def _give_back(state: PlacerState, alloc: ReplicaAllocation) -> None:
     if node is None:
         return
     _unindex(state, node)
-    node.free_gpus = sorted(set(node.free_gpus) | set(alloc.gpu_indices))
-    node.cpu_milli_free += alloc.cpu_milli
-    node.memory_mib_free += alloc.memory_mib
-    for uuid in alloc.mig_devices:
-        profile = node.mig_profile.get(uuid)
-        if profile is not None and uuid not in node.mig_free[profile]:
-            node.mig_free[profile].append(uuid)
+    node.give(_positions(node, alloc.gpu_indices), alloc.gpu_milli, alloc.cpu_milli, alloc.memory_mib)
+    slot = state.mig.get(alloc.node_id)
+    if slot is not None:
+        for uuid in alloc.mig_devices:
+            profile = slot.profile.get(uuid)
+            if profile is not None and uuid not in slot.free[profile]:
+                slot.free[profile].append(uuid)
     _reindex(state, node)
 
 
@@ -125,32 +154,61 @@ def _register(state: PlacerState, node_id: str, inv: NodeInventory) -> None:
     old = state.nodes.get(node_id)
     if old is not None:
         _unindex(state, old)
-    models = {g.model for g in inv.gpus}
-    whole = [g.index for g in inv.gpus if not g.mig_enabled]
-    node = NodeSlot(
-        node_id=node_id, model=(sorted(models)[0] if models else CPU_ONLY), gpus_total=len(whole),
-        free_gpus=whole, cpu_milli_free=inv.cpu_milli, memory_mib_free=inv.memory_mib,
-        cpu_milli_total=inv.cpu_milli, memory_mib_total=inv.memory_mib,
+    whole = [g for g in inv.gpus if not g.mig_enabled]
+    models = sorted({g.model for g in inv.gpus})
+    node = Node(
+        node_id=node_id, model=models[0] if models else CPU_ONLY, gpu_ids=[g.index for g in whole],
+        left=[MILLI] * len(whole), cpu_left=inv.cpu_milli, mem_left=inv.memory_mib, cpu_total=inv.cpu_milli,
+        mem_total=inv.memory_mib, gpu_mem_mib=min((g.memory_mib for g in whole), default=0),
+        island=[g.nvlink_island for g in whole], switch=[g.pcie_switch for g in whole],
+        numa=[g.numa_node for g in whole], labels=dict(inv.labels), taints=frozenset(inv.taints),
+        healthy=old.healthy if old is not None else True, datasets=old.datasets if old is not None else frozenset(),
     )
+    state.nodes[node_id] = node
+    slot = MigSlot()
     for g in inv.gpus:
         if g.mig_enabled:
             for m in g.mig_devices:
-                node.mig_free.setdefault(m.profile, []).append(m.uuid)
-                node.mig_total[m.profile] = node.mig_total.get(m.profile, 0) + 1
-                node.mig_profile[m.uuid] = m.profile
-    state.nodes[node_id] = node
-    if node.mig_total:
-        state.mig_nodes[node_id] = None
+                slot.free.setdefault(m.profile, []).append(m.uuid)
+                slot.total[m.profile] = slot.total.get(m.profile, 0) + 1
+                slot.profile[m.uuid] = m.profile
+    if slot.total:
+        state.mig[node_id] = slot
     else:
-        state.mig_nodes.pop(node_id, None)
+        state.mig.pop(node_id, None)
     for allocs in state.allocations.values():  # re-registration keeps what is already held
         for a in allocs:
             if a.node_id == node_id:
-                node.free_gpus = [g for g in node.free_gpus if g not in a.gpu_indices]
-                node.cpu_milli_free -= a.cpu_milli
-                node.memory_mib_free -= a.memory_mib
-                _take_mig(node, a.mig_devices)
+                node.take(_positions(node, a.gpu_indices), a.gpu_milli, a.cpu_milli, a.memory_mib)
+                _take_mig(state.mig.get(node_id), a.mig_devices)
     _reindex(state, node)
+
+
+def ask_of(spec: JobSpec) -> Ask:
+    r = spec.resources
+    return Ask(cpu=r.cpu_milli, mem=r.memory_mib, gpus=r.gpu, milli=r.gpu_milli if r.gpu else MILLI,
+               models=frozenset(r.gpu_models), gpu_mem=r.gpu_memory_mib,
+               selector=tuple(sorted(spec.node_selector.items())), tolerations=frozenset(spec.tolerations),
+               dataset=spec.dataset)
+
+
+def shape_of(spec: JobSpec) -> TaskShape:
+    r = spec.resources
+    return TaskShape(r.cpu_milli, r.gpu, r.gpu_milli if r.gpu else 0, frozenset(r.gpu_models))
+
+
+@dataclass
+class Plan:
+    """What the plans of one decision took so far: copies of the nodes they touched, MIG instances."""
+
+    nodes: dict[str, Node] = field(default_factory=dict)
+    mig_taken: dict[str, set[str]] = field(default_factory=dict)
+
+    def node(self, state: PlacerState, node_id: str) -> Node:
+        return self.nodes.get(node_id) or state.nodes[node_id]
+
+    def fork(self) -> Plan:
+        return Plan({k: v.copy() for k, v in self.nodes.items()}, {k: set(v) for k, v in self.mig_taken.items()})
 
 
 class PlacerCore(BaseCore[PlacerState]):
@@ -160,12 +218,20 @@ class PlacerCore(BaseCore[PlacerState]):
         "fleet.evt.sys.node.*.*",
         "fleet.evt.*.job.*.submitted", "fleet.evt.*.job.*.quota_reserved", "fleet.evt.*.job.*.placed",
         "fleet.evt.*.job.*.unschedulable", "fleet.evt.*.job.*.exited", "fleet.evt.*.job.*.cancel_requested",
-        "fleet.evt.*.job.*.preemption_requested",
+        "fleet.evt.*.job.*.preemption_requested", "fleet.evt.*.job.*.backfill_reserved",
         "fleet.evt.*.job.*.succeeded", "fleet.evt.*.job.*.failed", "fleet.evt.*.job.*.cancelled",
         "fleet.evt.*.job.*.preempted",
     )
 
+    def __init__(self, config: ClusterConfig | None = None) -> None:
+        self.config = config or ClusterConfig()
+        self.placement = self.config.placement
+        self.profile: Profile = profiles()[self.placement.profile]
+        self.ctx = Context()
+        self._typical_at = -1
+
     def initial_state(self) -> PlacerState:
+        self._typical_at = -1
         return PlacerState()
 
     # ------------------------------------------------------------ evolve
@@ -188,11 +254,25 @@ class PlacerCore(BaseCore[PlacerState]):
                 node.healthy = True
                 _reindex(state, node)
             return state
+        if isinstance(p, NodeDatasetsCached):
+            node = state.nodes.get(p.node_id)
+            if node is not None:
+                node.datasets = frozenset(p.datasets)
+            return state
         job_id = env.job_id
         if job_id is None:
             return state
         if isinstance(p, JobSubmitted):
             state.specs[job_id] = p.spec
+            shape = shape_of(p.spec)
+            state.shapes[shape] += 1
+            state.recent.append(shape)
+            state.shapes_seen += 1
+            if len(state.recent) > SHAPES_KEPT:
+                old = state.recent.popleft()
+                state.shapes[old] -= 1
+                if state.shapes[old] <= 0:
+                    del state.shapes[old]
         elif isinstance(p, JobQuotaReserved):
             if job_id not in state.ended and job_id not in state.allocations:
                 state.pending[job_id] = None
@@ -205,14 +285,20 @@ class PlacerCore(BaseCore[PlacerState]):
         elif isinstance(p, JobUnschedulable):
             if job_id in state.pending:
                 state.unschedulable_said[job_id] = "; ".join(r.message for r in p.reasons)
+        elif isinstance(p, JobBackfillReserved):
+            if job_id in state.pending:
+                state.reservation = Reservation(job_id, p.nodes, p.estimated_start.timestamp())
         elif isinstance(p, JobPlaced):
             if job_id in state.ended or job_id in state.allocations:
                 return state
             state.pending.pop(job_id, None)
             state.unschedulable_said.pop(job_id, None)
-            allocs = p.allocations
-            state.allocations[job_id] = allocs
-            for a in allocs:
+            if state.reservation is not None and state.reservation.job_id == job_id:
+                state.reservation = None
+            state.allocations[job_id] = p.allocations
+            spec = state.specs.get(job_id)
+            state.ends_at[job_id] = env.occurred_at.timestamp() + (spec.max_runtime_s if spec else 86400.0)
+            for a in p.allocations:
                 _take(state, a)
         elif t in ("job.exited", "job.succeeded", "job.failed", "job.cancelled", "job.preempted"):
             if t != "job.exited":
@@ -220,6 +306,9 @@ class PlacerCore(BaseCore[PlacerState]):
                 state.specs.pop(job_id, None)
                 state.pending.pop(job_id, None)
                 state.unschedulable_said.pop(job_id, None)
+                state.ends_at.pop(job_id, None)
+                if state.reservation is not None and state.reservation.job_id == job_id:
+                    state.reservation = None
             held = state.allocations.pop(job_id, ())
             # one replica's exit frees that replica's resources only: the rest of a gang still runs
             keep = tuple(a for a in held if a.replica != p.replica) if isinstance(p, JobExited) else ()
@@ -228,6 +317,8 @@ class PlacerCore(BaseCore[PlacerState]):
                     _give_back(state, a)
             if keep:
                 state.allocations[job_id] = keep
+            elif t == "job.exited":
+                state.ends_at.pop(job_id, None)
         return state
 
     # ------------------------------------------------------------ decide
@@ -245,192 +336,296 @@ class PlacerCore(BaseCore[PlacerState]):
             if job_id in state.specs and job_id not in state.allocations and job_id not in state.ended:
                 return [ctx.emit(JobPreempted(job_id=job_id, reason=p.reason), key="preempted")]
             return []
+        self._refresh_typical(state)
+        now = ctx.now.timestamp()
         if isinstance(p, JobQuotaReserved):
             job_id = p.job_id
             if job_id in state.pending:
-                return self._try(state, job_id, ctx, {}, say_unschedulable=True)
+                return self._try(state, job_id, ctx, Plan(), now, say_unschedulable=True)
             return []
         if t in ("job.exited", "job.succeeded", "job.failed", "job.cancelled", "job.preempted",
                  "node.registered", "node.uncordoned"):
             out: list[Envelope] = []
-            scratch: Scratch = {}  # what earlier plans here took
+            plan = Plan()  # what earlier plans in this decision took
             for job_id in list(state.pending)[:RETRY_PENDING_MAX]:
-                out.extend(self._try(state, job_id, ctx, scratch, say_unschedulable=False))
+                out.extend(self._try(state, job_id, ctx, plan, now, say_unschedulable=False))
             return out
         return []
 
-    def _try(self, state: PlacerState, job_id: str, ctx: Ctx, scratch: Scratch,
+    def _refresh_typical(self, state: PlacerState) -> None:
+        at = state.shapes_seen // TYPICAL_EVERY
+        if at != self._typical_at:
+            self._typical_at = at
+            shapes = tuple(state.recent)
+            self.ctx = Context(typical=typical_tasks(shapes), shapes=shapes)
+
+    def _try(self, state: PlacerState, job_id: str, ctx: Ctx, plan: Plan, now: float,
              say_unschedulable: bool) -> list[Envelope]:
         spec = state.specs.get(job_id)
         if spec is None:
             return []
-        allocs, models = self.plan(state, spec, scratch)
+        trial = plan.fork()
+        allocs = self.plan(state, spec, trial)
+        res = state.reservation if self.placement.backfill else None
+        if (allocs is not None and res is not None and res.job_id != job_id and res.job_id in state.pending
+                and any(a.node_id in res.nodes for a in allocs) and now + spec.max_runtime_s > res.start_s):
+            # backfill: keep off the head job's nodes, unless this job ends before the head starts
+            trial = plan.fork()
+            allocs = self.plan(state, spec, trial, avoid=frozenset(res.nodes))
+            if allocs is None:
+                return []  # it would delay the reserved job: it waits
         if allocs is not None:
+            plan.nodes, plan.mig_taken = trial.nodes, trial.mig_taken
             # The runtime evolves this output at once, so the next decision sees the GPUs taken.
             return [ctx.emit(JobPlaced(job_id=job_id, allocations=allocs), tenant=spec.tenant, key=f"placed:{job_id}")]
-        if not say_unschedulable:
-            return []  # a retry that still does not fit: the reason was said when it first failed
-        if state.nodes and not self.ever_fits(state, spec, models):
+        out: list[Envelope] = []
+        if state.nodes and not self.ever_fits(state, spec):
             # Quota and placement must agree: a job no healthy node set could ever hold must not
             # keep its quota (and block others) while it waits; it fails, and says why.
             return [ctx.emit(JobFailed(job_id=job_id, reason=Reason(code="never_fits", message=(
-                f"{spec.replicas} x {_ask(spec)} ({', '.join(models) or 'CPU'}) cannot fit even on the "
-                f"empty cluster of {sum(n.healthy for n in state.nodes.values())} healthy nodes"))),
+                f"{spec.replicas} x {_ask(spec)} ({', '.join(spec.resources.gpu_models) or 'any model'}) cannot "
+                f"fit even on the empty cluster of {sum(n.healthy for n in state.nodes.values())} healthy nodes"))),
                 tenant=spec.tenant, key=f"never:{job_id}")]
-        reasons = self._reasons(state, spec, models)
-        filtered = self._filtered(state, spec, models)
+        if self.placement.backfill and state.nodes:
+            out += self._reserve(state, job_id, spec, ctx, now)
+        if not say_unschedulable:
+            return out  # a retry that still does not fit: the reason was said when it first failed
+        reasons = self._reasons(state, spec)
+        filtered = self._filtered(state, spec)
         message = "; ".join(r.message for r in reasons)
         if state.unschedulable_said.get(job_id) == message:
-            return []
-        return [ctx.emit(JobUnschedulable(
+            return out
+        return out + [ctx.emit(JobUnschedulable(
             job_id=job_id, reasons=tuple(reasons), filtered=filtered, nodes_total=len(state.nodes),
         ), tenant=spec.tenant, key=f"unsched:{job_id}:{len(state.nodes)}:{message}")]
 
-    @staticmethod
-    def ever_fits(state: PlacerState, spec: JobSpec, models: list[str]) -> bool:
-        """Whether all replicas would fit if every healthy node were empty."""
-        r = spec.resources
-        room = 0
-        for node in state.nodes.values():
-            if not node.healthy or ((r.gpu or r.mig) and node.model not in models):
-                continue
-            per = [node.gpus_total // r.gpu if r.gpu else spec.replicas,
-                   node.cpu_milli_total // r.cpu_milli if r.cpu_milli else spec.replicas,
-                   node.memory_mib_total // r.memory_mib if r.memory_mib else spec.replicas]
-            per += [node.mig_total.get(profile, 0) // n for profile, n in r.mig.items()]
-            room += max(0, min(per))
-            if room >= spec.replicas:
-                return True
-        return False
+    # ------------------------------------------------------------ backfill
 
-    def plan(self, state: PlacerState, spec: JobSpec, scratch: Scratch | None = None,
-             ) -> tuple[tuple[ReplicaAllocation, ...] | None, list[str]]:
-        """All replicas or nothing, planned on `scratch`: the touched nodes' free resources.
+    def _reserve(self, state: PlacerState, job_id: str, spec: JobSpec, ctx: Ctx, now: float) -> list[Envelope]:
+        """Reserve for the head job (the oldest waiting one): nodes and an estimated start."""
+        res = state.reservation
+        head = next(iter(state.pending), None)
+        if head != job_id or (res is not None and res.job_id != job_id and res.job_id in state.pending):
+            return []
+        est = self.estimate(state, spec, now)
+        if est is None:
+            return []
+        start, nodes = est
+        if res is not None and res.job_id == job_id and res.nodes == nodes and abs(res.start_s - start) < RESERVATION_SLACK_S:
+            return []
+        return [ctx.emit(JobBackfillReserved(job_id=job_id, nodes=nodes, estimated_start=utc(start)),
+                         tenant=spec.tenant, key=f"reserve:{job_id}:{int(start)}:{','.join(nodes)}")]
 
-        On success `scratch` holds what this plan took (so several plans in one decision stack);
-        on failure it is left as it was.
-        """
-        outer = scratch if scratch is not None else {}
-        scratch = dict(outer)
+    def estimate(self, state: PlacerState, spec: JobSpec, now: float) -> tuple[float, tuple[str, ...]] | None:
+        """When the job could start, and on which nodes, if running jobs end at their max runtime.
+
+        The fewest endings after which it fits are found by doubling then bisecting: a few plans,
+        not one per running job."""
+        ending = sorted(state.ends_at, key=lambda j: (state.ends_at[j], j))
+
+        def after(k: int) -> tuple[ReplicaAllocation, ...] | None:
+            plan = Plan()
+            for job_id in ending[:k]:
+                for a in state.allocations.get(job_id, ()):
+                    node = plan.nodes.get(a.node_id)
+                    if node is None:
+                        real = state.nodes.get(a.node_id)
+                        if real is None:
+                            continue
+                        node = plan.nodes[a.node_id] = real.copy()
+                    node.give(_positions(node, a.gpu_indices), a.gpu_milli, a.cpu_milli, a.memory_mib)
+            return self.plan(state, spec, plan, full_scan=True)
+
+        if not ending:
+            return None
+        hi = 1
+        while hi < len(ending) and after(hi) is None:
+            hi *= 2
+        hi = min(hi, len(ending))
+        allocs = after(hi)
+        if allocs is None:
+            return None
+        lo = hi // 2  # after(lo) did not fit (or lo == 0)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            got = after(mid)
+            if got is None:
+                lo = mid
+            else:
+                hi, allocs = mid, got
+        return max(now, state.ends_at[ending[hi - 1]]), tuple(sorted({a.node_id for a in allocs}))
+
+    # ------------------------------------------------------------ planning
+
+    def plan(self, state: PlacerState, spec: JobSpec, plan: Plan, avoid: frozenset[str] = frozenset(),
+             full_scan: bool = False) -> tuple[ReplicaAllocation, ...] | None:
+        """All replicas or nothing, on `plan` (copies of the nodes it touches); None if they do not fit."""
+        a = ask_of(spec)
         r = spec.resources
-        gpu_models = sorted(m for m in state.index if m != CPU_ONLY)
-        if r.mig:
-            models = list(r.gpu_models) if r.gpu_models else sorted({state.nodes[n].model for n in state.mig_nodes})
-        elif r.gpu:
-            models = list(r.gpu_models) if r.gpu_models else gpu_models
-        else:
-            models = [CPU_ONLY, *gpu_models]  # CPU-only nodes first, GPU nodes if need be
         allocs: list[ReplicaAllocation] = []
+        self.ctx.gang = {}
         for replica in range(spec.replicas):
             if r.mig:
-                chosen = self._pick_mig(state, models, r.mig, r.cpu_milli, r.memory_mib, scratch)
-            else:
-                chosen = self._pick(state, models, r.gpu, r.cpu_milli, r.memory_mib, r.gpu_memory_mib, scratch)
-            if chosen is None:
-                return None, models
-            node_id, gpus, mig = chosen
-            free, cpu, mem, mig_taken = scratch.get(node_id) or self._view(state.nodes[node_id])
-            scratch[node_id] = ([g for g in free if g not in gpus], cpu - r.cpu_milli, mem - r.memory_mib,
-                                mig_taken | frozenset(mig))
-            allocs.append(ReplicaAllocation(
-                replica=replica, node_id=node_id, gpu_indices=tuple(gpus), cpu_milli=r.cpu_milli,
-                memory_mib=r.memory_mib, mig_devices=tuple(mig),
-            ))
-        outer.update(scratch)
-        return tuple(allocs), models
-
-    @staticmethod
-    def _view(node: NodeSlot) -> tuple[list[int], int, int, frozenset[str]]:
-        return node.free_gpus, node.cpu_milli_free, node.memory_mib_free, frozenset()
-
-    def _pick(self, state: PlacerState, models: list[str], gpus: int, cpu: int, mem: int, gpu_mem: int,
-              scratch: Scratch) -> tuple[str, list[int], list[str]] | None:
-        # nodes this decision already touched first (packs, keeps a gang together), then best fit
-        for node_id, (free, c, m, _) in scratch.items():
-            if len(free) >= gpus and c >= cpu and m >= mem and state.nodes[node_id].model in models:
-                return node_id, free[:gpus], []
-        for model in models:
-            buckets = state.index.get(model)
-            if not buckets:
+                got = self._pick_mig(state, a, r.mig, plan, avoid)
+                if got is None:
+                    return None
+                node_id, uuids = got
+                if node_id not in plan.nodes:
+                    plan.nodes[node_id] = state.nodes[node_id].copy()
+                plan.nodes[node_id].take((), 0, a.cpu, a.mem)
+                plan.mig_taken.setdefault(node_id, set()).update(uuids)
+                allocs.append(ReplicaAllocation(replica=replica, node_id=node_id, cpu_milli=a.cpu,
+                                                memory_mib=a.mem, mig_devices=tuple(uuids)))
                 continue
-            for count in sorted(k for k in buckets if k >= gpus):
-                scanned = 0
-                for node_id in buckets[count]:
-                    if node_id in scratch:
-                        continue
-                    node = state.nodes[node_id]
-                    scanned += 1
-                    if scanned > SCAN_NODES_MAX:
-                        break
-                    if node.cpu_milli_free >= cpu and node.memory_mib_free >= mem and (
-                        not gpu_mem or self._gpu_mem_ok(node, gpu_mem)
-                    ):
-                        return node_id, node.free_gpus[:gpus], []
-        return None
+            cands = self.candidates(state, a, plan, avoid, full_scan)
+            pick = schedule(cands, a, self.profile, self.ctx)
+            if pick is None:
+                return None
+            if pick.node.node_id not in plan.nodes:
+                plan.nodes[pick.node.node_id] = pick.node.copy()
+            node = plan.nodes[pick.node.node_id]
+            node.take(pick.positions, a.milli if a.gpus else 0, a.cpu, a.mem)
+            for key in (node.node_id, node.leaf, node.rack):
+                self.ctx.gang[key] = self.ctx.gang.get(key, 0) + 1
+            allocs.append(ReplicaAllocation(
+                replica=replica, node_id=node.node_id, gpu_indices=tuple(node.gpu_ids[i] for i in pick.positions),
+                cpu_milli=a.cpu, memory_mib=a.mem, gpu_milli=a.milli if a.gpus else MILLI,
+            ))
+        self.ctx.gang = {}
+        return tuple(allocs)
 
-    @staticmethod
-    def _pick_mig(state: PlacerState, models: list[str], mig: dict[str, int], cpu: int, mem: int,
-                  scratch: Scratch) -> tuple[str, list[int], list[str]] | None:
+    def candidates(self, state: PlacerState, a: Ask, plan: Plan, avoid: frozenset[str] = frozenset(),
+                   full_scan: bool = False) -> list[Node]:
+        """Up to `placement.candidates` feasible nodes, tightest first (nodes this decision touched first)."""
+        limit = len(state.nodes) if full_scan else self.placement.candidates
+        out: list[Node] = []
+        seen: set[str] = set()
+        for node in plan.nodes.values():  # packs, keeps a gang together
+            if node.node_id not in avoid and feasible(node, a):
+                out.append(node)
+                seen.add(node.node_id)
+        models = sorted(a.models) if a.models else sorted(m for m in state.index if m != CPU_ONLY)
+        order: list[dict[str, None]] = []
+        if not a.gpus:
+            order += [b for _, b in sorted(state.index.get(CPU_ONLY, {}).items())]  # CPU-only nodes first
+            for m in models:  # then GPU nodes, those with the fewest free GPUs first
+                order += [b for _, b in sorted(state.index.get(m, {}).items())]
+        else:
+            for m in models:
+                if a.milli < MILLI:
+                    order.append(state.partial.get(m, {}))
+                order += [b for k, b in sorted(state.index.get(m, {}).items()) if k >= (1 if a.milli < MILLI else a.gpus)]
+        scanned = 0
+        for bucket in order:
+            for node_id in bucket:
+                if node_id in seen or node_id in avoid:
+                    continue
+                seen.add(node_id)
+                node = plan.node(state, node_id)
+                scanned += 1
+                if feasible(node, a):
+                    out.append(node)
+                    if len(out) >= limit:
+                        return out
+                if scanned > max(SCAN_NODES_MAX, limit) and out:
+                    return out
+        return out
+
+    def _pick_mig(self, state: PlacerState, a: Ask, mig: dict[str, int], plan: Plan,
+                  avoid: frozenset[str]) -> tuple[str, list[str]] | None:
         """A node with the MIG instances one replica asks for: best fit (the fewest free instances
         of those profiles left over), nodes this decision touched first."""
-        best: tuple[int, str, list[str]] | None = None
-        for node_id in state.mig_nodes:
-            node = state.nodes[node_id]
-            if not node.healthy or node.model not in models:
+        best: tuple[tuple[int, int], str, list[str]] | None = None
+        for node_id, slot in state.mig.items():
+            node = plan.node(state, node_id)
+            if (node_id in avoid or not node.healthy or (a.models and node.model not in a.models)
+                    or node.cpu_left < a.cpu or node.mem_left < a.mem):
                 continue
-            _, c, m, taken = scratch.get(node_id) or (None, node.cpu_milli_free, node.memory_mib_free, frozenset())
-            if c < cpu or m < mem:
-                continue
+            taken = plan.mig_taken.get(node_id, set())
             chosen: list[str] = []
             left = 0
             for profile, n in mig.items():
-                free = [u for u in node.mig_free.get(profile, ()) if u not in taken]
+                free = [u for u in slot.free.get(profile, ()) if u not in taken]
                 if len(free) < n:
                     break
                 chosen += free[:n]
                 left += len(free) - n
             else:
-                rank = (0 if node_id in scratch else 1, left)
-                if best is None or rank < (0 if best[1] in scratch else 1, best[0]):
-                    best = (left, node_id, chosen)
-        return (best[1], [], best[2]) if best is not None else None
+                rank = (0 if node_id in plan.nodes else 1, left)
+                if best is None or rank < best[0]:
+                    best = (rank, node_id, chosen)
+        return (best[1], best[2]) if best is not None else None
 
-    @staticmethod
-    def _gpu_mem_ok(node: NodeSlot, gpu_mem: int) -> bool:
-        return True  # per-GPU memory is checked against the model's inventory in the placer issue
-
-    def _filtered(self, state: PlacerState, spec: JobSpec, models: list[str]) -> dict[str, int]:
+    def ever_fits(self, state: PlacerState, spec: JobSpec) -> bool:
+        """Whether all replicas would fit if every healthy node were empty."""
+        a = ask_of(spec)
         r = spec.resources
-        counts = {"unhealthy": 0, "gpu_model": 0, "gpu_count": 0, "mig": 0, "cpu": 0, "memory": 0}
+        room = 0
         for node in state.nodes.values():
-            if not node.healthy:
-                counts["unhealthy"] += 1
-            elif (r.gpu or r.mig) and node.model not in models:
-                counts["gpu_model"] += 1
-            elif len(node.free_gpus) < r.gpu:
-                counts["gpu_count"] += 1
-            elif any(len(node.mig_free.get(profile, ())) < n for profile, n in r.mig.items()):
-                counts["mig"] += 1
-            elif node.cpu_milli_free < r.cpu_milli:
-                counts["cpu"] += 1
-            elif node.memory_mib_free < r.memory_mib:
-                counts["memory"] += 1
-        return {k: v for k, v in counts.items() if v}
+            if not node.healthy or (node.taints and not node.taints <= a.tolerations) or (
+                    a.selector and any(node.labels.get(k) != v for k, v in a.selector)):
+                continue
+            if (a.gpus or r.mig) and a.models and node.model not in a.models:
+                continue
+            if a.gpus and (not node.gpus_total or (a.gpu_mem and node.gpu_mem_mib < a.gpu_mem)):
+                continue
+            per_gpu = MILLI // a.milli if a.milli < MILLI else 1
+            per = [node.gpus_total * per_gpu // a.gpus if a.gpus else spec.replicas,
+                   node.cpu_total // a.cpu if a.cpu else spec.replicas,
+                   node.mem_total // a.mem if a.mem else spec.replicas]
+            slot = state.mig.get(node.node_id)
+            per += [(slot.total.get(profile, 0) if slot else 0) // n for profile, n in r.mig.items()]
+            room += max(0, min(per))
+            if room >= spec.replicas:
+                return True
+        return False
 
-    def _reasons(self, state: PlacerState, spec: JobSpec, models: list[str]) -> list[Reason]:
+    def _filtered(self, state: PlacerState, spec: JobSpec) -> dict[str, int]:
+        a = ask_of(spec)
+        if not spec.resources.mig:
+            return why_not(state.nodes.values(), a)
+        counts: dict[str, int] = {}
+        cpu_ask = Ask(cpu=a.cpu, mem=a.mem, selector=a.selector, tolerations=a.tolerations)
+        for node in state.nodes.values():
+            slot = state.mig.get(node.node_id)
+            why = next(iter(why_not([node], cpu_ask)), None)
+            if why is None and a.models and node.model not in a.models:
+                why = "gpu_model"
+            if why is None and (slot is None or any(len(slot.free.get(p, ())) < n for p, n in spec.resources.mig.items())):
+                why = "mig"
+            if why is not None:
+                counts[why] = counts.get(why, 0) + 1
+        return counts
+
+    def _reasons(self, state: PlacerState, spec: JobSpec) -> list[Reason]:
         if not state.nodes:
             return [Reason(code="no_nodes", message="no nodes registered")]
-        filtered = self._filtered(state, spec, models)
+        filtered = self._filtered(state, spec)
         parts = ", ".join(f"{v} {k}" for k, v in filtered.items()) or "replicas do not fit together"
+        res = state.reservation
+        held = ""
+        if res is not None and res.job_id in state.pending and res.job_id != spec_job_id(state, spec):
+            held = f"; job {res.job_id} holds {len(res.nodes)} node(s) from {utc(res.start_s).isoformat()}"
         return [Reason(
             code="no_fit",
-            message=f"{spec.replicas} x {_ask(spec)}: no fit on {len(state.nodes)} nodes ({parts})",
+            message=f"{spec.replicas} x {_ask(spec)}: no fit on {len(state.nodes)} nodes ({parts}){held}",
         )]
 
 
+def spec_job_id(state: PlacerState, spec: JobSpec) -> str | None:
+    return next((j for j, s in state.specs.items() if s is spec), None)
+
+
 def _ask(spec: JobSpec) -> str:
-    """What one replica asks for, in words: `8 GPU`, `2 MIG 1g.10gb`."""
+    """What one replica asks for, in words: `8 GPU`, `0.25 GPU`, `2 MIG 1g.10gb`, `CPU`."""
     r = spec.resources
     if r.mig:
         return ", ".join(f"{n} MIG {profile}" for profile, n in r.mig.items())
+    if r.gpu and r.gpu_milli < MILLI:
+        return f"{r.gpu_milli / MILLI:g} GPU"
     return f"{r.gpu} GPU"
+
+
+def estimated(state: PlacerState) -> dict[str, datetime]:
+    """Each placed job's expected end (placement + max runtime): what backfill plans with."""
+    return {j: utc(s) for j, s in state.ends_at.items()}

@@ -45,6 +45,10 @@ def typical_tasks(shapes: Iterable[TaskShape], coverage: float = 0.95, weight: s
     counts: Counter[TaskShape] | dict[TaskShape, float] = Counter(shapes)
     if weight == "gpu":
         counts = {s: n * (s.gpus * s.milli if s.gpus else 100) for s, n in counts.items()}
+    elif weight == "blend":  # half by count, half by GPU demand
+        n_all = sum(counts.values())
+        g_all = sum(n * (s.gpus * s.milli if s.gpus else 100) for s, n in counts.items()) or 1
+        counts = {s: n / n_all + n * (s.gpus * s.milli if s.gpus else 100) / g_all for s, n in counts.items()}
     total = sum(counts.values())
     if not total:
         return ()

@@ -22,7 +22,7 @@ from .frag import MILLI, TaskShape, Typical, fits_gpus, node_frag
 # ---------------------------------------------------------------- the model
 
 
-@dataclass(slots=True, eq=False)
+@dataclass(slots=True)
 class Node:
     """A node as the placer sees it. GPUs are by position: `left[i]` is the milli-GPU free on the
     GPU with device index `gpu_ids[i]` (1000: free; GPUs in MIG mode are not here)."""
@@ -35,7 +35,7 @@ class Node:
     mem_left: int = 0
     cpu_total: int = 0
     mem_total: int = 0
-    gpu_mem_mib: int = 0
+    gpu_mem_mib: int = 0  # the least memory of its GPUs
     island: list[int] = field(default_factory=list)  # NVLink island per position
     switch: list[int] = field(default_factory=list)  # PCIe switch per position
     numa: list[int] = field(default_factory=list)  # NUMA node per position
@@ -52,6 +52,17 @@ class Node:
     @property
     def free_whole(self) -> int:
         return sum(1 for x in self.left if x >= MILLI)
+
+    @property
+    def free_gpus(self) -> list[int]:
+        """The device indices of the GPUs with nothing taken."""
+        return [g for g, x in zip(self.gpu_ids, self.left, strict=True) if x >= MILLI]
+
+    def copy(self) -> Node:
+        """A copy to plan on (lists copied; the rest shared, as it does not change in a plan)."""
+        return Node(self.node_id, self.model, self.gpu_ids, list(self.left), self.cpu_left, self.mem_left,
+                    self.cpu_total, self.mem_total, self.gpu_mem_mib, self.island, self.switch, self.numa,
+                    self.labels, self.taints, self.healthy, self.datasets, self.version)
 
     @property
     def rack(self) -> str:
@@ -147,7 +158,7 @@ def _gpu(n: Node, a: Ask) -> bool:
 # in order: a node is counted under the first filter that removes it
 FILTERS: tuple[tuple[str, FilterFn], ...] = (
     ("unhealthy", _healthy), ("taints", _taints), ("labels", _labels), ("gpu_model", _gpu_model),
-    ("cpu", _cpu), ("memory", _memory), ("gpu", _gpu),
+    ("cpu", _cpu), ("memory", _memory), ("gpu_count", _gpu),
 )
 
 
@@ -184,6 +195,7 @@ class Context:
     ties and random choices, and caches that key on node versions."""
 
     typical: tuple[Typical, ...] = ()
+    gang: dict[str, int] = field(default_factory=dict)  # where a gang's placed replicas are: node, leaf, rack -> count
     shapes: tuple[TaskShape, ...] = ()  # the workload's job shapes, one per job (policies derive their own typical set)
     rng: random.Random = field(default_factory=lambda: random.Random(0))
     frag_cache: dict[tuple[str, int, tuple[int, ...]], float] = field(default_factory=dict)
@@ -423,6 +435,20 @@ class DataLocality(Plugin):
         return (100.0 if a.dataset and a.dataset in n.datasets else 0.0), None
 
 
+class GangLocality(Plugin):
+    """The replicas of a gang close together: the same node or leaf switch as replicas already
+    placed (100), the same rack (50), elsewhere (0). No effect on a single replica."""
+
+    name = "gang"
+
+    def evaluate(self, n: Node, a: Ask, ctx: Context) -> tuple[float, Positions | None]:
+        if not ctx.gang:
+            return 0.0, None
+        if n.leaf in ctx.gang or n.node_id in ctx.gang:
+            return 100.0, None
+        return (50.0 if n.rack in ctx.gang else 0.0), None
+
+
 @dataclass
 class Profile:
     """Score plugins with weights; `chooser`: how the GPUs on the chosen node are picked ("tightest"
@@ -440,6 +466,8 @@ class Profile:
 def choose_gpus(n: Node, a: Ask, how: str, ctx: Context) -> Positions:
     if not a.gpus:
         return ()
+    if how == "auto":  # shares: the tightest GPU; whole GPUs: by topology
+        how = "topology"
     if a.milli < MILLI:
         if how == "random":
             fits = [i for i, x in enumerate(n.left) if x >= a.milli]
@@ -482,6 +510,8 @@ def schedule(nodes: Iterable[Node], a: Ask, profile: Profile, ctx: Context) -> P
 def profiles() -> dict[str, Profile]:
     """The built-in profiles, fresh (GpuClustering keeps per-node state)."""
     return {
+        "default": Profile("default", ((BestFit(), 1.0), (Topology(), 1.0), (GangLocality(), 1.0),
+                                       (DataLocality(), 0.5)), chooser="auto"),
         "random": Profile("random", ((RandomScore(), 1.0),), chooser="random"),
         "dotprod": Profile("dotprod", ((DotProd(), 1.0),)),
         "clustering": Profile("clustering", ((GpuClustering(), 1.0),)),
@@ -508,8 +538,9 @@ class FragAware(Plugin):
 
     name = "fragaware"
 
-    def __init__(self, by: str = "count", truncate: bool = True, tiebreak: bool = True, cpu_jobs: bool = True,
-                 quantum: float = 1.0) -> None:
+    def __init__(self, by: str = "count", truncate: bool = True, tiebreak: bool | str = True, cpu_jobs: bool = True,
+                 quantum: float = 1.0, coverage: float = 0.95) -> None:
+        self.coverage = coverage
         self.quantum = quantum
         self.by = by
         self.truncate = truncate
@@ -523,10 +554,10 @@ class FragAware(Plugin):
         if self._typical is None or self._source is not ctx.typical:
             self._source = ctx.typical
             self._cache.clear()
-            if self.by == "gpu" and ctx.shapes:
+            if (self.by != "count" or self.coverage != 0.95) and ctx.shapes:
                 from .frag import typical_tasks
 
-                self._typical = typical_tasks(ctx.shapes, weight="gpu")
+                self._typical = typical_tasks(ctx.shapes, coverage=self.coverage, weight=self.by)
             else:
                 self._typical = ctx.typical
         return self._typical
@@ -570,5 +601,6 @@ class FragAware(Plugin):
             if not a.gpus and self.cpu_jobs:
                 # stranding: free GPU per free core after the job (0 when the GPUs are all taken)
                 score -= 1e-3 * min(1.0, gpu_left / max(1, cpu_after) * 10)
-            score -= 1e-6 * (gpu_left / 8000 + cpu_after / 128_000)
+            if self.tiebreak != "cpu":
+                score -= 1e-6 * (gpu_left / 8000 + cpu_after / 128_000)
         return score, pos

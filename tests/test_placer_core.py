@@ -1,0 +1,212 @@
+"""The placer core with the framework: GPU topology on a DGX-like node, gangs across racks,
+shares of a GPU, taints and labels, data locality, and EASY backfill (which never delays the
+job it reserved for: a property test)."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gpufleet.services.placer.core import PlacerCore, PlacerState
+from gpufleet.shared.clusterconfig import parse_config
+from gpufleet.shared.events import (
+    GpuDevice,
+    JobBackfillReserved,
+    JobPlaced,
+    NodeDatasetsCached,
+    NodeInventory,
+    NodeRegistered,
+)
+
+from .builders import T0, Harness, event, exited, make_job, node, placed, quota_reserved, submitted
+
+
+def dgx(node_id: str, rack: str = "r1", leaf: str | None = None, nvswitch: bool = False,
+        taints: tuple[str, ...] = ()) -> Any:
+    """8 H100: 2 NVLink islands of 4 (or one NVSwitch), a PCIe switch per pair, 2 NUMA nodes."""
+    gpus = tuple(GpuDevice(index=i, uuid=f"GPU-{node_id}-{i}", model="H100", memory_mib=80 * 1024,
+                           nvlink_island=0 if nvswitch else i // 4, pcie_switch=i // 2, numa_node=i // 4)
+                 for i in range(8))
+    labels = {"rack": rack, "leaf": leaf or f"leaf-{rack}"}
+    return event(NodeRegistered(node_id=node_id, inventory=NodeInventory(
+        cpu_milli=96_000, memory_mib=1024 * 1024, gpus=gpus, numa_nodes=2, labels=labels, taints=taints)))
+
+
+def place(h: Harness[PlacerState], job: Any, job_id: str, at_s: float = 0) -> list[Any]:
+    h.given(submitted(job, job_id))
+    return h.when(quota_reserved(job, job_id), T0 + timedelta(seconds=at_s))
+
+
+def allocs(out: list[Any]) -> list[Any]:
+    (p,) = [e.payload for e in out if isinstance(e.payload, JobPlaced)]
+    return list(p.allocations)
+
+
+# ---------------------------------------------------------------- topology
+
+
+def test_a_four_gpu_job_gets_one_nvlink_island_and_the_next_one_the_other() -> None:
+    h = Harness(PlacerCore()).given(dgx("d1"))
+
+    (a,) = allocs(place(h, make_job().gpus(2), "two"))
+    assert a.gpu_indices in ((0, 1), (2, 3), (4, 5), (6, 7))  # one PCIe switch, one island
+    (b,) = allocs(place(h, make_job().gpus(4), "four"))
+    island = {g // 4 for g in b.gpu_indices}
+    assert len(island) == 1 and island != {a.gpu_indices[0] // 4}  # the whole other island, not 2 + 2
+
+
+def test_a_two_gpu_job_fills_the_island_with_two_free_before_splitting_one_with_four() -> None:
+    h = Harness(PlacerCore()).given(dgx("d1"))
+    place(h, make_job().gpus(2), "a")  # island 0 has 2 left, island 1 has 4
+    (b,) = allocs(place(h, make_job().gpus(2), "b"))
+    assert {g // 4 for g in b.gpu_indices} == {0}  # best fit by island: island 1 stays whole
+    (c,) = allocs(place(h, make_job().gpus(4), "c"))
+    assert sorted(c.gpu_indices) == [4, 5, 6, 7]
+
+
+def test_a_gang_keeps_to_one_leaf_switch() -> None:
+    # node order interleaves the racks: without gang locality replica 1 would go to a1
+    h = Harness(PlacerCore()).given(dgx("b1", rack="b"), dgx("a1", rack="a"), dgx("a2", rack="a"), dgx("b2", rack="b"))
+
+    got = allocs(place(h, make_job().gpus(8).replicas(2), "gang"))
+
+    racks = {a.node_id[0] for a in got}
+    assert len(got) == 2 and len(racks) == 1 and len({a.node_id for a in got}) == 2
+
+
+def test_a_gang_of_many_small_replicas_packs_onto_few_nodes() -> None:
+    h = Harness(PlacerCore()).given(*(dgx(f"n{i}") for i in range(4)))
+
+    got = allocs(place(h, make_job().gpus(2).replicas(4), "g"))
+
+    assert len({a.node_id for a in got}) == 1  # 4 x 2 GPUs on one node, over NVLink
+
+
+# ---------------------------------------------------------------- shares, taints, labels, locality
+
+
+def test_shares_of_a_gpu_pack_onto_one_gpu_and_leave_whole_gpus_whole() -> None:
+    h = Harness(PlacerCore()).given(node("n1", gpus=2))
+    share = make_job().res("gpu", 0.5).res("gpuSharing", "shared")
+
+    (a,) = allocs(place(h, share, "s1"))
+    (b,) = allocs(place(h, share, "s2"))
+    assert a.gpu_milli == b.gpu_milli == 500 and a.gpu_indices == b.gpu_indices  # the same GPU, shared
+    (c,) = allocs(place(h, make_job().gpus(1), "whole"))
+    assert c.gpu_indices != a.gpu_indices and c.gpu_milli == 1000
+    out = place(h, share, "s3")
+    assert not any(isinstance(e.payload, JobPlaced) for e in out)
+    (d,) = allocs(h.when(exited("s1", "n1")))  # s1's half comes back, and the waiting share takes it
+    assert d.gpu_indices == a.gpu_indices and h.state.nodes["n1"].left == [0, 0]
+
+
+def test_taints_need_a_toleration_and_labels_a_selector() -> None:
+    h = Harness(PlacerCore()).given(dgx("tainted", taints=("maintenance",)), dgx("plain", rack="zone-b"))
+
+    (a,) = allocs(place(h, make_job().gpus(1).set("nodeSelector", {"rack": "zone-b"}), "sel"))
+    assert a.node_id == "plain"
+    (b,) = allocs(place(h, make_job().gpus(8).set("tolerations", ["maintenance"]), "tol"))
+    assert b.node_id == "tainted"
+    out = place(h, make_job().gpus(8), "plain-job")  # plain has 7 free; tainted is not tolerated
+    unsched = [e.payload for e in out if e.type == "job.unschedulable"]
+    assert unsched and unsched[0].filtered.get("taints") == 1
+
+
+def test_a_job_goes_where_its_dataset_is_cached() -> None:
+    h = Harness(PlacerCore()).given(dgx("n1"), dgx("n2"), dgx("n3"),
+                                    event(NodeDatasetsCached(node_id="n3", datasets=("imagenet",))))
+
+    (a,) = allocs(place(h, make_job().gpus(4).set("dataset", "imagenet"), "j"))
+
+    assert a.node_id == "n3"
+
+
+def test_a_job_whose_selector_no_node_matches_fails_instead_of_holding_quota() -> None:
+    h = Harness(PlacerCore()).given(dgx("n1"))
+    out = place(h, make_job().gpus(1).set("nodeSelector", {"rack": "nowhere"}), "j")
+    assert [e.type for e in out] == ["job.failed"] and out[0].payload.reason.code == "never_fits"
+
+
+# ---------------------------------------------------------------- backfill (EASY)
+
+HOUR = 3600.0
+
+
+def _busy_cluster(backfill: bool = True) -> Harness[PlacerState]:
+    """n1 and n2 (8 H100 each) run one 8-GPU job each, ending in 1 h and 3 h; n3 is free."""
+    h = Harness(PlacerCore(parse_config({"placement": {"backfill": backfill}}))).given(
+        node("n1"), node("n2"), node("n3"))
+    for job_id, node_id, hours in (("r1", "n1", 1), ("r2", "n2", 3)):
+        job = make_job().gpus(8).max_runtime(f"{hours}h")
+        h.given(submitted(job, job_id), quota_reserved(job, job_id), placed(job_id, (node_id, range(8))))
+    return h
+
+
+def test_the_head_job_gets_a_reservation_and_small_jobs_only_use_the_holes() -> None:
+    h = _busy_cluster()
+    head = make_job().gpus(8).replicas(2).max_runtime("10h")  # needs n1 (in 1 h) and n3
+    out = place(h, head, "head")
+    (res,) = [e.payload for e in out if isinstance(e.payload, JobBackfillReserved)]
+    assert res.nodes == ("n1", "n3")
+    assert abs((res.estimated_start - (T0 + timedelta(hours=1))).total_seconds()) < 1  # when r1 ends
+
+    # n3 is free now, but reserved from 1 h: a 30-min job runs there, a 2-hour one does not
+    short = allocs(place(h, make_job().gpus(4).max_runtime("30m"), "short"))
+    assert short[0].node_id == "n3"
+    assert not any(isinstance(e.payload, JobPlaced) for e in place(h, make_job().gpus(4).max_runtime("2h"), "long"))
+    # the short job ends; then r1 ends, on time, and the head starts, as estimated
+    h.when(exited("short", "n3"), T0 + timedelta(minutes=30))
+    out = h.when(exited("r1", "n1"), T0 + timedelta(hours=1))
+    assert [e.job_id for e in out if isinstance(e.payload, JobPlaced)] == ["head"]
+    assert {a.node_id for a in allocs(out)} == {"n1", "n3"}
+
+
+def test_without_backfill_protection_a_small_job_delays_the_big_one() -> None:
+    # the same story with backfill off: the 2-hour job takes n3 and the head's start slips
+    h = _busy_cluster(backfill=False)
+    core = h.core
+    assert isinstance(core, PlacerCore)
+    head = make_job().gpus(8).replicas(2).max_runtime("10h")
+    place(h, head, "head")
+    before = core.estimate(h.state, head.spec(), T0.timestamp())
+    assert allocs(place(h, make_job().gpus(4).max_runtime("2h"), "long"))[0].node_id == "n3"
+    after = core.estimate(h.state, head.spec(), T0.timestamp())
+    assert before is not None and after is not None and after[0] > before[0]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    running=st.lists(st.tuples(st.integers(1, 8), st.integers(1, 12)), min_size=1, max_size=6),
+    head_gpus=st.integers(6, 8), head_replicas=st.integers(2, 3),
+    arrivals=st.lists(st.tuples(st.integers(1, 8), st.integers(1, 16)), min_size=1, max_size=8),
+)
+def test_backfill_never_delays_the_reserved_job(running: list[tuple[int, int]], head_gpus: int, head_replicas: int,
+                                                arrivals: list[tuple[int, int]]) -> None:
+    """Random running jobs (GPUs, hours left) on 4 nodes, a head job that does not fit now, then
+    random smaller jobs (GPUs, hours): whatever backfill lets in, the head's estimated start
+    does not move later."""
+    core = PlacerCore()
+    h = Harness(core).given(*(node(f"n{i}") for i in range(4)))
+    for i, (gpus, hours) in enumerate(running):
+        job = make_job().gpus(gpus).max_runtime(f"{hours}h")
+        out = place(h, job, f"r{i}")
+        if not any(isinstance(e.payload, JobPlaced) for e in out):
+            h.given(event(_ended(f"r{i}")))  # it did not fit: drop it
+    head = make_job().gpus(head_gpus).replicas(head_replicas).max_runtime("1h")
+    out = place(h, head, "head")
+    if any(isinstance(e.payload, JobPlaced) for e in out) or h.state.reservation is None:
+        return  # it fitted at once (or never could): nothing to protect
+    start = h.state.reservation.start_s
+    for i, (gpus, hours) in enumerate(arrivals):
+        place(h, make_job().gpus(gpus).max_runtime(f"{hours}h"), f"b{i}")
+        est = core.estimate(h.state, head.spec(), T0.timestamp())
+        assert est is not None and est[0] <= start, (i, est, start)
+
+
+def _ended(job_id: str) -> Any:
+    from gpufleet.shared.events import JobCancelled
+
+    return JobCancelled(job_id=job_id, reason="test: did not fit")
