@@ -251,3 +251,115 @@ def main(argv: Sequence[str] | None = None) -> None:  # python -m gpufleet.bench
 
 if __name__ == "__main__":
     main()
+
+
+# ---------------------------------------------------------------- decision speed at scale
+
+
+def decide_speed(nodes: int = 5000, jobs: int = 2000, fill: float = 0.6, seed: int = 1,
+                 profiles_: Sequence[str] = ("default", "fragaware"),
+                 progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Milliseconds per placement decision of the placer core on a sim fleet of `nodes`, filled
+    to `fill` of its GPUs, for a stream of mixed jobs (whole GPUs, shares, gangs); each profile
+    with the candidate cap (`placement.candidates`) and, as the baseline in the same run, with
+    every node scored (the cap lifted)."""
+    from datetime import timedelta
+
+    from gpufleet.services.placer.core import PlacerCore
+    from gpufleet.shared.cluster import sim_fleet
+    from gpufleet.shared.clusterconfig import parse_config
+    from gpufleet.shared.events import (
+        Envelope,
+        JobPlaced,
+        JobQuotaReserved,
+        JobSubmitted,
+        JobSucceeded,
+        NodeRegistered,
+        utc,
+    )
+    from gpufleet.shared.runtime import Ctx
+    from gpufleet.shared.spec import parse_spec
+
+    fleet = sim_fleet(nodes)
+    rng = random.Random(seed)
+    shapes = [{"gpu": 1}, {"gpu": 1}, {"gpu": 2}, {"gpu": 4}, {"gpu": 8},
+              {"gpu": 0.5, "gpuSharing": "shared"}, {"gpu": 0.25, "gpuSharing": "shared"}, {"gpu": 0, "cpu": 4}]
+    t0 = utc(1_800_000_000)
+
+    def env(payload: Any, i: int) -> Envelope:
+        return Envelope(event_id=f"{i:026d}", type=payload.type, occurred_at=t0 + timedelta(milliseconds=i),
+                        tenant="bench", actor="bench", payload=payload)
+
+    def make_spec(i: int) -> Any:
+        res = dict(rng.choice(shapes))
+        res.setdefault("cpu", 4)
+        res["memory"] = "16Gi"
+        replicas = 2 if res.get("gpu") == 8 and rng.random() < 0.2 else 1
+        return parse_spec({"name": f"j{i}", "tenant": "bench", "resources": res, "replicas": replicas})
+
+    specs = [make_spec(i) for i in range(int(fill * sum(len(inv.gpus) for inv in fleet.values())) + 2 * jobs)]
+    total_gpus = sum(len(inv.gpus) for inv in fleet.values())
+    out: dict[str, Any] = {"nodes": nodes, "gpus": total_gpus, "jobs": jobs, "fill": fill, "profiles": {}}
+
+    def reserved(k: int, n: int) -> tuple[list[Envelope], Envelope]:
+        spec = specs[k]
+        r = spec.resources
+        job_id = f"job{k:07d}"
+        return [env(JobSubmitted(job_id=job_id, spec=spec), n)], env(JobQuotaReserved(
+            job_id=job_id, queue="default", cpu_milli=r.cpu_milli, memory_mib=r.memory_mib, gpus=spec.gpus_total), n + 1)
+
+    # one fill history (the default profile's placements up to `fill`), folded by every variant
+    filler = PlacerCore(parse_config({"placement": {"backfill": False}}))
+    state = filler.initial_state()
+    history: list[Envelope] = []
+    n = 0
+    for node_id, inv in fleet.items():
+        n += 1
+        history.append(env(NodeRegistered(node_id=node_id, inventory=inv), n))
+        state = filler.evolve(state, history[-1])
+    used = 0.0
+    k = 0
+    while used < fill * total_gpus and k < len(specs) - jobs:
+        before, cause = reserved(k, n)
+        n += 2
+        k += 1
+        for e in (*before, cause):
+            state = filler.evolve(state, e)
+        history += [*before, cause]
+        for e in filler.decide(state, cause, Ctx(now=cause.occurred_at, actor="placer", cause=cause)):
+            state = filler.evolve(state, e)
+            history.append(e)
+            if isinstance(e.payload, JobPlaced):
+                used += sum(len(a.gpu_indices) * a.gpu_milli / 1000 for a in e.payload.allocations)
+    out["filled_gpus"] = round(used)
+    for name in profiles_:
+        for capped in (True, False):
+            cfg = {"placement": {"profile": name, "backfill": False, **({} if capped else {"candidates": 100_000})}}
+            core = PlacerCore(parse_config(cfg))
+            st = core.initial_state()
+            for e in history:
+                st = core.evolve(st, e)
+            times: list[float] = []
+            for j in range(jobs):  # each decided on the filled state, then forgotten (the fill stays)
+                before, cause = reserved(k + j, n + 2 * j)
+                for e in (*before, cause):
+                    st = core.evolve(st, e)
+                start = time.perf_counter()
+                core.decide(st, cause, Ctx(now=cause.occurred_at, actor="placer", cause=cause))
+                times.append(time.perf_counter() - start)
+                st = core.evolve(st, env(JobSucceeded(job_id=cause.job_id or ""), n + 2 * j + 1))
+            times.sort()
+            key = name if capped else f"{name} (every node)"
+            out["profiles"][key] = {
+                "decisions": len(times),
+                "median_ms": round(statistics.median(times) * 1000, 3),
+                "p99_ms": round(times[max(0, int(len(times) * 0.99) - 1)] * 1000, 3),
+            }
+            if progress:
+                progress(f"decide {key}: median {out['profiles'][key]['median_ms']} ms, "
+                         f"p99 {out['profiles'][key]['p99_ms']} ms over {len(times)} decisions")
+        capped_ms = out["profiles"][name]["median_ms"]
+        full_ms = out["profiles"][f"{name} (every node)"]["median_ms"]
+        if capped_ms and full_ms:
+            out["profiles"][name]["speedup_vs_every_node"] = round(full_ms / capped_ms, 1)
+    return out

@@ -513,6 +513,28 @@ def bench_placement(
                        f"{p.get('frag_80_mean', float('nan')):>11.2f}{r['seconds_per_seed']:>8.1f}")
 
 
+@bench_app.command("decide")
+def bench_decide(
+    nodes: Annotated[int, typer.Option(help="sim nodes")] = 5000,
+    jobs: Annotated[int, typer.Option(help="decisions to time")] = 2000,
+    fill: Annotated[float, typer.Option(help="GPU fill kept while timing")] = 0.6,
+    profiles_: Annotated[str, typer.Option("--profiles", help="placement profiles")] = "default,fragaware",
+    as_json: JsonOut = False,
+) -> None:
+    """Milliseconds per placement decision at scale: the candidate cap vs scoring every node."""
+    from gpufleet.bench_placement import decide_speed
+
+    doc = decide_speed(nodes=nodes, jobs=jobs, fill=fill, profiles_=[p.strip() for p in profiles_.split(",")],
+                       progress=None if as_json else (lambda m: typer.echo(m, err=True)))
+    if as_json:
+        _print_json(doc)
+        return
+    typer.echo(f"{doc['nodes']} nodes, {doc['gpus']} GPUs, filled to {doc['fill']:.0%}, {doc['jobs']} decisions each")
+    for name, r in doc["profiles"].items():
+        extra = f"  ({r['speedup_vs_every_node']}x faster than every node)" if "speedup_vs_every_node" in r else ""
+        typer.echo(f"  {name:<28} median {r['median_ms']:>8} ms   p99 {r['p99_ms']:>8} ms{extra}")
+
+
 def main() -> None:
     try:
         app()

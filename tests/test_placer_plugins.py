@@ -253,3 +253,14 @@ def test_bench_placement_cli_json_and_plot(tmp_path: Path) -> None:
     bad = subprocess.run([sys.executable, "-m", "gpufleet.cli", "bench", "placement", "--pods", str(pods),
                           "--nodes", str(nodes), "--policies", "magic"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "unknown magic" in bad.stderr
+
+
+def test_bench_decide_times_decisions_against_scoring_every_node() -> None:
+    out = subprocess.run([sys.executable, "-m", "gpufleet.cli", "bench", "decide", "--nodes", "40", "--jobs", "30",
+                          "--json"], capture_output=True, text=True, timeout=300, check=True)
+    doc = json.loads(out.stdout)
+    assert doc["nodes"] == 40 and doc["filled_gpus"] > 0
+    for name in ("default", "default (every node)", "fragaware", "fragaware (every node)"):
+        r = doc["profiles"][name]
+        assert r["decisions"] == 30 and 0 < r["median_ms"] <= r["p99_ms"]
+    assert doc["profiles"]["default"]["speedup_vs_every_node"] > 0

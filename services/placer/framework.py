@@ -601,6 +601,19 @@ class FragAware(Plugin):
             if not a.gpus and self.cpu_jobs:
                 # stranding: free GPU per free core after the job (0 when the GPUs are all taken)
                 score -= 1e-3 * min(1.0, gpu_left / max(1, cpu_after) * 10)
-            if self.tiebreak != "cpu":
+            if self.tiebreak in ("affinity", "small-affinity"):
+                # shares with shares, whole GPUs with whole GPUs (GpuClustering's idea, as a tie-break)
+                shared = any(0 < x < MILLI for x in n.left)
+                if a.gpus:
+                    score += 1e-6 * (1 if shared == (a.milli < MILLI) else 0)
+                if self.tiebreak == "small-affinity":
+                    score -= 1e-7 * (n.gpus_total / 8 + n.cpu_total / 128_000)
+            elif self.tiebreak == "small":
+                score -= 1e-6 * (n.gpus_total / 8 + n.cpu_total / 128_000)
+            elif self.tiebreak == "large":
+                score += 1e-6 * (n.gpus_total / 8 + n.cpu_total / 128_000)
+            elif self.tiebreak == "gpu":
+                score -= 1e-6 * gpu_left / 8000
+            elif self.tiebreak != "cpu":
                 score -= 1e-6 * (gpu_left / 8000 + cpu_after / 128_000)
         return score, pos
