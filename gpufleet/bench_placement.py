@@ -282,7 +282,7 @@ def decide_speed(nodes: int = 5000, jobs: int = 2000, fill: float = 0.6, seed: i
 
     fleet = sim_fleet(nodes)
     rng = random.Random(seed)
-    shapes = [{"gpu": 1}, {"gpu": 1}, {"gpu": 2}, {"gpu": 4}, {"gpu": 8},
+    shapes: list[dict[str, Any]] = [{"gpu": 1}, {"gpu": 1}, {"gpu": 2}, {"gpu": 4}, {"gpu": 8},
               {"gpu": 0.5, "gpuSharing": "shared"}, {"gpu": 0.25, "gpuSharing": "shared"}, {"gpu": 0, "cpu": 4}]
     t0 = utc(1_800_000_000)
 
@@ -291,7 +291,7 @@ def decide_speed(nodes: int = 5000, jobs: int = 2000, fill: float = 0.6, seed: i
                         tenant="bench", actor="bench", payload=payload)
 
     def make_spec(i: int) -> Any:
-        res = dict(rng.choice(shapes))
+        res: dict[str, Any] = dict(rng.choice(shapes))
         res.setdefault("cpu", 4)
         res["memory"] = "16Gi"
         replicas = 2 if res.get("gpu") == 8 and rng.random() < 0.2 else 1
