@@ -53,6 +53,12 @@ def _with_mig(gpus: tuple[GpuDevice, ...], layout: dict[int, tuple[str, ...]]) -
     return tuple(out)
 
 
+def _spine(rack: str) -> int:
+    """8 racks (leaf switches) per spine."""
+    digits = "".join(c for c in rack if c.isdigit())
+    return int(digits or 0) // 8
+
+
 def shape_inventory(shape: str, node_id: str, rack: str = "rack-0") -> NodeInventory:
     model, n, gpu_mem, islands, cores, mem = SHAPES[shape]
     gpus = _gpus(model, n, gpu_mem, islands, node_id)
@@ -60,7 +66,8 @@ def shape_inventory(shape: str, node_id: str, rack: str = "rack-0") -> NodeInven
         gpus = _with_mig(gpus, MIG_LAYOUTS[shape])
     return NodeInventory(
         cpu_milli=cores * 1000, memory_mib=mem, gpus=gpus,
-        numa_nodes=2 if n else 1, labels={"rack": rack, "shape": shape}, driver="sim",
+        numa_nodes=2 if n else 1, driver="sim",
+        labels={"rack": rack, "leaf": f"leaf-{rack}", "spine": f"spine-{_spine(rack)}", "shape": shape},
     )
 
 

@@ -148,6 +148,7 @@ class ReplicaAllocation(_Payload):
     memory_mib: int = 0
     mig_devices: tuple[str, ...] = ()  # the UUIDs of the MIG instances it holds
     gpu_milli: int = 1000  # of each GPU in gpu_indices: < 1000 is a share of it
+    numa_node: int = 0  # the NUMA node of its GPUs: where its CPUs and memory should come from
 
 
 class JobPlaced(_JobPayload):

@@ -210,3 +210,25 @@ def _ended(job_id: str) -> Any:
     from gpufleet.shared.events import JobCancelled
 
     return JobCancelled(job_id=job_id, reason="test: did not fit")
+
+
+def test_a_quarantined_gpu_takes_nothing_new_and_what_ran_there_ends_cleanly() -> None:
+    from gpufleet.shared.events import NodeGpuUnhealthy, NodeGpuZombieDetected
+
+    h = Harness(PlacerCore()).given(dgx("d1"))
+    (a,) = allocs(place(h, make_job().gpus(1), "before"))
+    h.given(event(NodeGpuZombieDetected(node_id="d1", gpu_index=a.gpu_indices[0], pid=4242, used_mib=2048)),
+            event(NodeGpuUnhealthy(node_id="d1", gpu_index=7, reason="XID 79")))
+    (b,) = allocs(place(h, make_job().gpus(6), "six"))
+    assert a.gpu_indices[0] not in b.gpu_indices and 7 not in b.gpu_indices
+    out = place(h, make_job().gpus(1), "one-more")  # 8 - 2 quarantined - 6 = 0 left
+    assert not any(isinstance(e.payload, JobPlaced) for e in out)
+    h.when(exited("before", "d1"))  # the zombie's GPU does not come back with the job's end
+    assert h.state.nodes["d1"].gpus_total == 6
+
+
+def test_an_allocation_names_the_numa_node_of_its_gpus() -> None:
+    h = Harness(PlacerCore()).given(dgx("d1"))
+    place(h, make_job().gpus(4), "first")
+    (b,) = allocs(place(h, make_job().gpus(4), "second"))
+    assert b.numa_node == b.gpu_indices[0] // 4 and {g // 4 for g in b.gpu_indices} == {b.numa_node}

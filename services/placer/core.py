@@ -38,6 +38,8 @@ from gpufleet.shared.events import (
     JobUnschedulable,
     NodeCordoned,
     NodeDatasetsCached,
+    NodeGpuUnhealthy,
+    NodeGpuZombieDetected,
     NodeInventory,
     NodeLost,
     NodeRegistered,
@@ -252,6 +254,20 @@ class PlacerCore(BaseCore[PlacerState]):
             node = state.nodes.get(p.node_id)
             if node is not None and not node.healthy:
                 node.healthy = True
+                _reindex(state, node)
+            return state
+        if isinstance(p, NodeGpuUnhealthy | NodeGpuZombieDetected):
+            # quarantined: the GPU leaves the placer's view (no new work; what runs there keeps going)
+            node = state.nodes.get(p.node_id)
+            if node is not None and p.gpu_index in node.gpu_ids:
+                _unindex(state, node)
+                i = node.gpu_ids.index(p.gpu_index)
+                node.gpu_ids = [g for j, g in enumerate(node.gpu_ids) if j != i]
+                for attr in ("left", "island", "switch", "numa"):
+                    values = getattr(node, attr)
+                    if len(values) > i:
+                        setattr(node, attr, [v for j, v in enumerate(values) if j != i])
+                node.version += 1
                 _reindex(state, node)
             return state
         if isinstance(p, NodeDatasetsCached):
@@ -487,9 +503,11 @@ class PlacerCore(BaseCore[PlacerState]):
             node.take(pick.positions, a.milli if a.gpus else 0, a.cpu, a.mem)
             for key in (node.node_id, node.leaf, node.rack):
                 self.ctx.gang[key] = self.ctx.gang.get(key, 0) + 1
+            numas = [node.numa[i] for i in pick.positions if i < len(node.numa)]
             allocs.append(ReplicaAllocation(
                 replica=replica, node_id=node.node_id, gpu_indices=tuple(node.gpu_ids[i] for i in pick.positions),
                 cpu_milli=a.cpu, memory_mib=a.mem, gpu_milli=a.milli if a.gpus else MILLI,
+                numa_node=max(set(numas), key=numas.count) if numas else 0,
             ))
         self.ctx.gang = {}
         return tuple(allocs)

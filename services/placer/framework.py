@@ -16,6 +16,7 @@ import random
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import combinations
+from typing import Any
 
 from .frag import MILLI, TaskShape, Typical, fits_gpus, node_frag
 
@@ -179,15 +180,14 @@ def why_not(nodes: Iterable[Node], a: Ask) -> dict[str, int]:
     return counts
 
 
+Positions = tuple[int, ...]
+
 # ---------------------------------------------------------------- score plugins
 #
 # A plugin scores one feasible node (higher is better) and may say which GPUs it would take
 # there; the profile's `chooser` is the plugin whose GPU choice is used. Scores are summed with
 # the profile's weights; a plugin with `normalize` has its scores min-max scaled to 0..100 over
 # the feasible nodes first (kube-scheduler's NormalizeScore).
-
-Positions = tuple[int, ...]
-
 
 @dataclass
 class Context:
@@ -199,6 +199,20 @@ class Context:
     shapes: tuple[TaskShape, ...] = ()  # the workload's job shapes, one per job (policies derive their own typical set)
     rng: random.Random = field(default_factory=lambda: random.Random(0))
     frag_cache: dict[tuple[str, int, tuple[int, ...]], float] = field(default_factory=dict)
+    # (plugin, node) -> ask -> (cpu_left, left, score, positions): a node's score for a kind of ask
+    # holds until the node changes, and most asks are of a few kinds
+    score_cache: dict[tuple[str, str], dict[Any, tuple[int, list[int], float, Positions | None]]] = field(
+        default_factory=dict)
+
+    def cached(self, plugin: str, n: Node, a: Ask) -> tuple[float, Positions | None] | None:
+        hit = self.score_cache.get((plugin, n.node_id), {}).get((a.cpu, a.gpus, a.milli, a.models))
+        if hit is not None and hit[0] == n.cpu_left and hit[1] == n.left:
+            return hit[2], hit[3]
+        return None
+
+    def remember(self, plugin: str, n: Node, a: Ask, score: float, pos: Positions | None) -> None:
+        self.score_cache.setdefault((plugin, n.node_id), {})[(a.cpu, a.gpus, a.milli, a.models)] = (
+            n.cpu_left, list(n.left), score, pos)
 
     def frag(self, model: str, cpu_left: int, left: Sequence[int]) -> float:
         key = (model, cpu_left, tuple(left))
@@ -303,6 +317,14 @@ class FGD(Plugin):
     name = "fgd"
 
     def evaluate(self, n: Node, a: Ask, ctx: Context) -> tuple[float, Positions | None]:
+        hit = ctx.cached(self.name, n, a)
+        if hit is not None:
+            return hit
+        out = self._evaluate(n, a, ctx)
+        ctx.remember(self.name, n, a, *out)
+        return out
+
+    def _evaluate(self, n: Node, a: Ask, ctx: Context) -> tuple[float, Positions | None]:
         before = ctx.frag(n.model, n.cpu_left, n.left)
         cpu_after = n.cpu_left - a.cpu
         if a.gpus == 1 and a.milli < MILLI:
@@ -539,7 +561,8 @@ class FragAware(Plugin):
     name = "fragaware"
 
     def __init__(self, by: str = "count", truncate: bool = True, tiebreak: bool | str = True, cpu_jobs: bool = True,
-                 quantum: float = 1.0, coverage: float = 0.95) -> None:
+                 quantum: float = 1.0, coverage: float = 0.95, affinity: float = 1e-6) -> None:
+        self.affinity = affinity
         self.coverage = coverage
         self.quantum = quantum
         self.by = by
@@ -572,6 +595,15 @@ class FragAware(Plugin):
         return v
 
     def evaluate(self, n: Node, a: Ask, ctx: Context) -> tuple[float, Positions | None]:
+        key = f"{self.name}:{id(self)}"
+        hit = ctx.cached(key, n, a)
+        if hit is not None:
+            return hit
+        out = self._evaluate(n, a, ctx)
+        ctx.remember(key, n, a, *out)
+        return out
+
+    def _evaluate(self, n: Node, a: Ask, ctx: Context) -> tuple[float, Positions | None]:
         before = self.frag(ctx, n.model, n.cpu_left, n.left)
         cpu_after = n.cpu_left - a.cpu
         if a.gpus == 1 and a.milli < MILLI:
@@ -601,13 +633,15 @@ class FragAware(Plugin):
             if not a.gpus and self.cpu_jobs:
                 # stranding: free GPU per free core after the job (0 when the GPUs are all taken)
                 score -= 1e-3 * min(1.0, gpu_left / max(1, cpu_after) * 10)
-            if self.tiebreak in ("affinity", "small-affinity"):
+            if self.tiebreak in ("affinity", "small-affinity", "affinity-tight"):
                 # shares with shares, whole GPUs with whole GPUs (GpuClustering's idea, as a tie-break)
                 shared = any(0 < x < MILLI for x in n.left)
                 if a.gpus:
-                    score += 1e-6 * (1 if shared == (a.milli < MILLI) else 0)
+                    score += self.affinity * (1 if shared == (a.milli < MILLI) else 0)
                 if self.tiebreak == "small-affinity":
                     score -= 1e-7 * (n.gpus_total / 8 + n.cpu_total / 128_000)
+                if self.tiebreak == "affinity-tight":
+                    score -= 1e-7 * (gpu_left / 8000 + cpu_after / 128_000)
             elif self.tiebreak == "small":
                 score -= 1e-6 * (n.gpus_total / 8 + n.cpu_total / 128_000)
             elif self.tiebreak == "large":
