@@ -133,14 +133,18 @@ def test_fgd_chooses_the_gpu_within_the_node_too() -> None:
     assert pos == (1,)  # the 500 hole, not the 700 GPU (which would leave a useless 200)
 
 
-def test_fragaware_breaks_fgd_ties_by_the_tightest_node() -> None:
-    ctx = Context(typical=(Typical(WHOLE2, 1.0),))
-    a = Ask(cpu=1000, gpus=2)
-    emptier, tighter = node("emptier", gpus=8), node("tighter", gpus=8, left=[0, 0, 0, 0, 1000, 1000, 1000, 1000])
+def test_fragaware_keeps_shared_gpus_apart_from_whole_ones() -> None:
+    ctx = Context(typical=(Typical(SHARE, 0.5), Typical(TaskShape(4000, 1, 1000), 0.5)))
+    shared = node("shared", gpus=4, left=[600, 1000, 1000, 1000])  # first in order
+    clean = node("clean", gpus=4)
     fgd = Profile("fgd", ((FGD(), 1.0),), chooser="fgd")
     ours = Profile("ours", ((FragAware(), 1.0),), chooser="fragaware")
-    assert schedule([emptier, tighter], a, fgd, ctx).node is emptier  # type: ignore[union-attr]  # (a tie: first)
-    assert schedule([emptier, tighter], a, ours, ctx).node is tighter  # type: ignore[union-attr]
+    whole = Ask(cpu=1000, gpus=1)
+    assert schedule([shared, clean], whole, fgd, ctx).node is shared  # type: ignore[union-attr]  # a tie: first
+    assert schedule([shared, clean], whole, ours, ctx).node is clean  # type: ignore[union-attr]
+    share = Ask(cpu=1000, gpus=1, milli=500)
+    pick = schedule([clean, shared], share, ours, ctx)
+    assert pick is not None and pick.node is shared and pick.positions == (0,)  # the 600 GPU, not a whole one
 
 
 def test_bestfit_prefers_the_fullest_node_and_normalises() -> None:
