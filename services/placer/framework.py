@@ -370,8 +370,8 @@ class DotProd(Plugin):
 
 
 class GpuPacking(Plugin):
-    """The simulator's GpuPacking: a share goes to a partly used GPU first, then a job to the
-    node whose free GPUs it uses up."""
+    """The simulator's GpuPacking: partly used GPUs first (the fullest node), then nodes with
+    some GPUs free (using the fewest), idle nodes last."""
 
     name = "packing"
 
@@ -379,7 +379,7 @@ class GpuPacking(Plugin):
         if not a.gpus:
             return 0.0, None
         fully_free = sum(1 for x in n.left if x >= MILLI)
-        if fully_free == a.gpus:
+        if fully_free == n.gpus_total:  # an idle node: last
             return float(max(100 // 3 - fully_free, fully_free)), None
         need = a.gpus
         fully_free_used = 0
