@@ -147,6 +147,17 @@ def test_fragaware_keeps_shared_gpus_apart_from_whole_ones() -> None:
     assert pick is not None and pick.node is shared and pick.positions == (0,)  # the 600 GPU, not a whole one
 
 
+def test_packing_prefers_partly_used_gpus_then_partly_used_nodes_then_idle_ones() -> None:
+    idle = node("idle", gpus=4)
+    some = node("some", gpus=4, left=[0, 0, 1000, 1000])
+    shared = node("shared", gpus=4, left=[0, 600, 0, 0])
+    share = Ask(cpu=1000, gpus=1, milli=500)
+    p = profiles()["packing"]
+    assert schedule([idle, some, shared], share, p, Context()).node is shared  # type: ignore[union-attr]
+    assert schedule([idle, some], share, p, Context()).node is some  # type: ignore[union-attr]
+    assert schedule([idle, some], Ask(cpu=1000, gpus=2), p, Context()).node is some  # type: ignore[union-attr]
+
+
 def test_bestfit_prefers_the_fullest_node_and_normalises() -> None:
     a = Ask(cpu=1000, gpus=1)
     nodes = [node("empty"), node("half", left=[0] * 4 + [1000] * 4), node("full-ish", left=[0] * 7 + [1000])]
