@@ -328,6 +328,12 @@ def explain(job_id: str, data_dir: DataDir = None, as_json: JsonOut = False) -> 
                            f"{r.message} [{r.code}]")
         else:
             typer.echo(f"pending: last event {last.type} (seq {hist[-1][0]})")
+        held = [(s, e) for s, e in hist if e.type == "job.backfill_reserved"]
+        if held and not any(e.type == "job.placed" for _, e in hist):
+            seq, env = held[-1]
+            p = env.payload
+            typer.echo(f"backfill reservation (seq {seq}): nodes {', '.join(getattr(p, 'nodes', ()))} held for it from "
+                       f"{getattr(p, 'estimated_start', '?')}; smaller jobs run there only if they end before")
 
 
 def _mesh_config(data_dir: str | None) -> Any:

@@ -204,3 +204,21 @@ def test_queues_and_explain_name_the_quota_a_job_waits_for(tmp_path: Path) -> No
     finally:
         subprocess.run([sys.executable, "-m", "gpufleet.cli", "down", "--data-dir", str(data_dir)],
                        capture_output=True, timeout=120)
+
+
+def test_explain_shows_the_backfill_reservation_a_big_job_waits_with(mesh: Path, tmp_path: Path) -> None:
+    busy = tmp_path / "busy.yaml"
+    busy.write_text("name: busy\ntenant: acme\nmaxRuntime: 1h\nresources: {gpu: 8, gpuModel: H100, cpu: 1, memory: 1Gi}\n"
+                    "sim: {duration: 10m}\n")
+    ids = {json.loads(cli(mesh, "submit", str(busy), "--json").stdout)["job_id"] for _ in range(2)}
+    wait_jobs(mesh, ids, "running")  # both H100 nodes of the 6 are busy
+    big = tmp_path / "big.yaml"
+    big.write_text("name: big\ntenant: acme\nreplicas: 2\nresources: {gpu: 8, gpuModel: H100, cpu: 1, memory: 1Gi}\n")
+    big_id = json.loads(cli(mesh, "submit", str(big), "--json").stdout)["job_id"]
+    deadline = time.monotonic() + 30
+    while "backfill reservation" not in (out := cli(mesh, "explain", big_id).stdout):
+        assert time.monotonic() < deadline, out
+        time.sleep(0.3)
+    assert "pending (placement" in out and "[no_fit]" in out
+    line = next(x for x in out.splitlines() if x.startswith("backfill reservation"))
+    assert line.count("sim-") == 2  # the two H100 nodes, held from when the busy jobs' hour is up
