@@ -189,6 +189,7 @@ def bench(pods_csv: str | Path, nodes_csv: str | Path, policies: Sequence[str], 
         out["policies"][policy] = {
             "alloc_130_mean": round(statistics.mean(allocs), 3),
             "alloc_130_std": round(statistics.pstdev(allocs), 3),
+            "alloc_130_seeds": [round(x, 3) for x in allocs],
             "frag_80_mean": round(statistics.mean(frags), 3),
             "failed_mean": statistics.mean(r.failed for r in results),
             "seconds_per_seed": round(statistics.mean(r.seconds for r in results), 2),
