@@ -232,3 +232,41 @@ def test_an_allocation_names_the_numa_node_of_its_gpus() -> None:
     place(h, make_job().gpus(4), "first")
     (b,) = allocs(place(h, make_job().gpus(4), "second"))
     assert b.numa_node == b.gpu_indices[0] // 4 and {g // 4 for g in b.gpu_indices} == {b.numa_node}
+
+
+async def test_gpu_shares_run_side_by_side_through_the_mesh(bus: Any, nats_url: str) -> None:
+    """Four quarter-GPU jobs on a node with one GPU: all placed at once, on the same GPU."""
+    from gpufleet.services.admission.core import AdmissionCore
+    from gpufleet.services.executor.core import ExecutorCore
+    from gpufleet.services.guardian.core import GuardianCore
+    from gpufleet.services.quota.core import QuotaCore
+    from gpufleet.shared.events import GpuDevice, NodeInventory
+
+    from .helpers import new_id, read_log, running, submit_cmd, wait_until
+
+    fleet = {"one": NodeInventory(cpu_milli=32_000, memory_mib=65_536, gpus=(
+        GpuDevice(index=0, uuid="GPU-one-0", model="A10", memory_mib=24 * 1024),))}
+    spec = {"name": "q", "tenant": "acme", "resources": {"gpu": 0.25, "gpuSharing": "shared", "cpu": 1},
+            "sim": {"duration": "1s"}}
+    ids = [new_id() for _ in range(5)]
+    async with running(nats_url, [AdmissionCore(), QuotaCore(), PlacerCore(), ExecutorCore(fleet), GuardianCore()]):
+        await wait_until(lambda: _registered(bus), timeout_s=10)
+        for job_id in ids:
+            await bus.publish(submit_cmd(spec, job_id=job_id))
+
+        async def done() -> bool:
+            return sum(1 for _, e in await read_log(bus) if e.type == "job.succeeded") == len(ids)
+
+        await wait_until(done, timeout_s=30)
+    log = [e for _, e in await read_log(bus)]
+    placements = [e.payload for e in log if isinstance(e.payload, JobPlaced)]
+    assert all(p.allocations[0].gpu_indices == (0,) and p.allocations[0].gpu_milli == 250 for p in placements)
+    # the first four ran together: each was placed before any of them succeeded
+    first_end = next(i for i, e in enumerate(log) if e.type == "job.succeeded")
+    assert sum(1 for e in log[:first_end] if e.type == "job.placed") == 4
+
+
+async def _registered(bus: Any) -> bool:
+    from .helpers import read_log
+
+    return any(e.type == "node.registered" for _, e in await read_log(bus))
