@@ -210,16 +210,20 @@ def write_plot(docs: Sequence[dict[str, Any]], path: str | Path) -> None:
     cols = min(4, len(docs))
     rows = (len(docs) + cols - 1) // cols
     fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False)
+    colors = {"random": "tab:gray", "dotprod": "tab:olive", "clustering": "tab:purple", "packing": "tab:brown",
+              "bestfit": "tab:green", "fgd": "tab:blue", "fragaware": "tab:red"}
     for ax, doc in zip(axes.flat, docs, strict=False):
         for name, r in doc["policies"].items():
             xs = sorted(int(k) for k in r["curve"])
-            ax.plot(xs, [r["curve"][k] if k in r["curve"] else r["curve"][str(k)] for k in xs], label=name)
+            color = colors.get(name)
+            ax.plot(xs, [r["curve"][k] if k in r["curve"] else r["curve"][str(k)] for k in xs], label=name,
+                    color=color, lw=1.2)
             pub = doc.get("published", {}).get(name)
             if pub and "alloc_130_mean" in pub:
-                ax.axhline(pub["alloc_130_mean"], ls="--", lw=0.6, color=ax.lines[-1].get_color())
-        ax.set_title(doc["workload"].removeprefix("openb_pod_list_"), fontsize=9)
-        ax.set_xlim(60, 131)
-        ax.set_ylim(60, 100)
+                ax.axhline(pub["alloc_130_mean"], ls="--", lw=0.7, color=color)
+        ax.set_title(doc["workload"].removeprefix("openb_pod_list_") + "  (dashed: published)", fontsize=9)
+        ax.set_xlim(85, 131)
+        ax.set_ylim(84, 98)
         ax.set_xlabel("arrived GPU (% of capacity)", fontsize=8)
         ax.set_ylabel("allocated GPU (%)", fontsize=8)
         ax.grid(alpha=0.3)
