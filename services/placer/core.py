@@ -60,6 +60,7 @@ RETRY_PENDING_MAX = 64  # pending jobs retried when capacity frees
 SHAPES_KEPT = 4096  # recent job shapes: the workload the fragmentation-aware profiles aim at
 TYPICAL_EVERY = 256  # recompute the typical shapes every this many new jobs
 RESERVATION_SLACK_S = 60.0  # a new estimate within this of the last is not said again
+RESERVATION_REFRESH_S = 30.0  # the head's estimate is recomputed at most this often (it plans on every node)
 
 
 @dataclass
@@ -76,6 +77,7 @@ class Reservation:
     job_id: str
     nodes: tuple[str, ...]
     start_s: float
+    said_s: float = 0.0  # when it was said: re-estimated at most every RESERVATION_REFRESH_S
 
 
 @dataclass
@@ -95,6 +97,7 @@ class PlacerState:
     shapes: Counter[TaskShape] = field(default_factory=Counter)
     recent: deque[TaskShape] = field(default_factory=deque)
     shapes_seen: int = 0
+    fleet_version: int = 0  # bumped when nodes join, leave, or change health: `ever_fits` holds until then
 
 
 # ---------------------------------------------------------------- node bookkeeping
@@ -231,9 +234,11 @@ class PlacerCore(BaseCore[PlacerState]):
         self.profile: Profile = profiles()[self.placement.profile]
         self.ctx = Context()
         self._typical_at = -1
+        self._fits_memo: dict[tuple[str, int], bool] = {}
 
     def initial_state(self) -> PlacerState:
         self._typical_at = -1
+        self._fits_memo = {}
         return PlacerState()
 
     # ------------------------------------------------------------ evolve
@@ -243,18 +248,21 @@ class PlacerCore(BaseCore[PlacerState]):
         p = env.payload
         if isinstance(p, NodeRegistered):
             _register(state, p.node_id, p.inventory)
+            state.fleet_version += 1
             return state
         if isinstance(p, NodeLost | NodeCordoned):
             node = state.nodes.get(p.node_id)
             if node is not None:
                 _unindex(state, node)
                 node.healthy = False
+                state.fleet_version += 1
             return state
         if isinstance(p, NodeUncordoned):
             node = state.nodes.get(p.node_id)
             if node is not None and not node.healthy:
                 node.healthy = True
                 _reindex(state, node)
+                state.fleet_version += 1
             return state
         if isinstance(p, NodeGpuUnhealthy | NodeGpuZombieDetected):
             # quarantined: the GPU leaves the placer's view (no new work; what runs there keeps going)
@@ -269,6 +277,7 @@ class PlacerCore(BaseCore[PlacerState]):
                         setattr(node, attr, [v for j, v in enumerate(values) if j != i])
                 node.version += 1
                 _reindex(state, node)
+                state.fleet_version += 1
             return state
         if isinstance(p, NodeDatasetsCached):
             node = state.nodes.get(p.node_id)
@@ -303,7 +312,8 @@ class PlacerCore(BaseCore[PlacerState]):
                 state.unschedulable_said[job_id] = "; ".join(r.message for r in p.reasons)
         elif isinstance(p, JobBackfillReserved):
             if job_id in state.pending:
-                state.reservation = Reservation(job_id, p.nodes, p.estimated_start.timestamp())
+                state.reservation = Reservation(job_id, p.nodes, p.estimated_start.timestamp(),
+                                                env.occurred_at.timestamp())
         elif isinstance(p, JobPlaced):
             if job_id in state.ended or job_id in state.allocations:
                 return state
@@ -395,7 +405,7 @@ class PlacerCore(BaseCore[PlacerState]):
             # The runtime evolves this output at once, so the next decision sees the GPUs taken.
             return [ctx.emit(JobPlaced(job_id=job_id, allocations=allocs), tenant=spec.tenant, key=f"placed:{job_id}")]
         out: list[Envelope] = []
-        if state.nodes and not self.ever_fits(state, spec):
+        if state.nodes and not self._ever_fits_cached(state, job_id, spec):
             # Quota and placement must agree: a job no healthy node set could ever hold must not
             # keep its quota (and block others) while it waits; it fails, and says why.
             return [ctx.emit(JobFailed(job_id=job_id, reason=Reason(code="never_fits", message=(
@@ -423,6 +433,8 @@ class PlacerCore(BaseCore[PlacerState]):
         head = next(iter(state.pending), None)
         if head != job_id or (res is not None and res.job_id != job_id and res.job_id in state.pending):
             return []
+        if res is not None and res.job_id == job_id and now - res.said_s < RESERVATION_REFRESH_S:
+            return []  # said lately: planning on every node again on every event would stall the placer
         est = self.estimate(state, spec, now)
         if est is None:
             return []
@@ -573,6 +585,16 @@ class PlacerCore(BaseCore[PlacerState]):
                 if best is None or rank < best[0]:
                     best = (rank, node_id, chosen)
         return (best[1], best[2]) if best is not None else None
+
+    def _ever_fits_cached(self, state: PlacerState, job_id: str, spec: JobSpec) -> bool:
+        """`ever_fits`, remembered per job until the fleet changes (it looks at every node)."""
+        key = (job_id, state.fleet_version)
+        hit = self._fits_memo.get(key)
+        if hit is None:
+            if len(self._fits_memo) > 100_000:
+                self._fits_memo.clear()
+            hit = self._fits_memo[key] = self.ever_fits(state, spec)
+        return hit
 
     def ever_fits(self, state: PlacerState, spec: JobSpec) -> bool:
         """Whether all replicas would fit if every healthy node were empty."""
