@@ -564,8 +564,7 @@ class FragAware(Plugin):
     name = "fragaware"
 
     def __init__(self, by: str = "count", truncate: bool = True, tiebreak: str = "affinity", affinity: float = 2.0,
-                 cpu_jobs: bool = True, coverage: float = 0.95, share_affinity: bool = True) -> None:
-        self.share_affinity = share_affinity
+                 cpu_jobs: bool = True, coverage: float = 0.95) -> None:
         self.by = by
         self.truncate = truncate
         self.tiebreak = tiebreak
@@ -633,7 +632,7 @@ class FragAware(Plugin):
             if self.truncate:
                 score = float(int(score))
         gpu_left = sum(n.left) - a.gpu_milli_total
-        if self.tiebreak == "affinity" and a.gpus and (self.share_affinity or a.milli >= MILLI):
+        if self.tiebreak == "affinity" and a.gpus:
             shared = any(0 < x < MILLI for x in n.left)
             if shared == (a.milli < MILLI):
                 score += self.affinity
