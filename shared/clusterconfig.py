@@ -121,7 +121,8 @@ class PlacementConfig(BaseModel):
 
     # default: best fit + topology + gang locality + data locality; fragaware / fgd: fragmentation
     # aware (the FGD paper's gradient); bestfit; topology
-    profile: Literal["default", "fragaware", "fgd", "bestfit", "topology"] = "default"
+    profile: Literal["default", "fragaware", "fgd", "bestfit", "topology", "packing", "dotprod", "clustering",
+                     "random"] = "default"
     candidates: int = Field(default=64, ge=1, le=100_000)  # feasible nodes scored per replica
     backfill: bool = True  # EASY backfill with a reservation for the head job
 

@@ -279,3 +279,19 @@ def test_bench_decide_times_decisions_against_scoring_every_node() -> None:
         r = doc["profiles"][name]
         assert r["decisions"] == 30 and 0 < r["median_ms"] <= r["p99_ms"]
     assert doc["profiles"]["default"]["speedup_vs_every_node"] > 0
+
+
+def test_every_profile_the_config_accepts_exists_and_a_bad_one_names_the_field() -> None:
+    from typing import get_args
+
+    from gpufleet.services.placer.core import PlacerCore
+    from gpufleet.shared.clusterconfig import PlacementConfig, parse_config
+    from gpufleet.shared.errors import SpecError
+
+    names = get_args(PlacementConfig.model_fields["profile"].annotation)
+    assert set(names) <= set(profiles())
+    for name in names:
+        assert PlacerCore(parse_config({"placement": {"profile": name}})).profile.name == name
+    with pytest.raises(SpecError) as err:
+        parse_config({"placement": {"profile": "magic"}})
+    assert err.value.field == "placement.profile"
