@@ -211,8 +211,10 @@ class Context:
         return None
 
     def remember(self, plugin: str, n: Node, a: Ask, score: float, pos: Positions | None) -> None:
-        self.score_cache.setdefault((plugin, n.node_id), {})[(a.cpu, a.gpus, a.milli, a.models)] = (
-            n.cpu_left, list(n.left), score, pos)
+        kinds = self.score_cache.setdefault((plugin, n.node_id), {})
+        if len(kinds) >= 256:  # bounded: a service sees ever new kinds of asks
+            kinds.clear()
+        kinds[(a.cpu, a.gpus, a.milli, a.models)] = (n.cpu_left, list(n.left), score, pos)
 
     def frag(self, model: str, cpu_left: int, left: Sequence[int]) -> float:
         key = (model, cpu_left, tuple(left))
