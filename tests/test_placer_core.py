@@ -270,3 +270,56 @@ async def _registered(bus: Any) -> bool:
     from .helpers import read_log
 
     return any(e.type == "node.registered" for _, e in await read_log(bus))
+
+
+# ---------------------------------------------------------------- random histories
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(steps=st.lists(st.one_of(
+    st.tuples(st.just("job"), st.sampled_from([1, 2, 4, 8, 0.25, 0.5, 0.75, 0]), st.integers(1, 3)),
+    st.tuples(st.just("end"), st.integers(0, 40), st.just(0)),
+    st.tuples(st.just("cordon"), st.integers(0, 3), st.just(0)),
+), min_size=1, max_size=40))
+def test_no_gpu_is_ever_given_beyond_its_capacity(steps: list[tuple[str, Any, int]]) -> None:
+    """Random jobs (whole GPUs, shares, CPU-only, gangs), ends and cordons on 4 nodes: the milli
+    handed out per GPU never exceeds 1000, CPU and memory never go below zero, and the placer's
+    free resources always equal capacity minus what the live allocations hold."""
+    from gpufleet.shared.events import JobSucceeded
+
+    h = Harness(PlacerCore()).given(dgx("d0"), dgx("d1"), node("n2", gpus=2), node("n3", gpus=4, model="A100"))
+    live: list[str] = []
+    for i, (kind, value, replicas) in enumerate(steps):
+        if kind == "job":
+            res: dict[str, Any] = {"cpu": 8, "memory": "64Gi"}
+            if value and value < 1:
+                res |= {"gpu": value, "gpuSharing": "shared"}
+            else:
+                res["gpu"] = value
+            job = make_job().set("resources", res).replicas(replicas if value and value >= 1 else 1)
+            out = place(h, job, f"j{i}", at_s=i)
+            if any(isinstance(e.payload, JobPlaced) for e in out):
+                live.append(f"j{i}")
+        elif kind == "end" and live:
+            gone = live.pop(value % len(live))
+            out = h.when(event(JobSucceeded(job_id=gone)), T0 + timedelta(seconds=i))
+            live += [e.job_id for e in out if isinstance(e.payload, JobPlaced)]
+        elif kind == "cordon":
+            from .builders import cordoned
+
+            h.given(cordoned(["d0", "d1", "n2", "n3"][value]))
+        # invariants, recomputed from the allocations
+        held: dict[tuple[str, int], int] = {}
+        cpu: dict[str, int] = {}
+        for allocs_ in h.state.allocations.values():
+            for a in allocs_:
+                for g in a.gpu_indices:
+                    held[(a.node_id, g)] = held.get((a.node_id, g), 0) + a.gpu_milli
+                cpu[a.node_id] = cpu.get(a.node_id, 0) + a.cpu_milli
+        assert all(v <= 1000 for v in held.values()), held
+        for node_id, n in h.state.nodes.items():
+            assert n.cpu_left == n.cpu_total - cpu.get(node_id, 0) >= 0
+            assert n.mem_left >= 0
+            for g, left in zip(n.gpu_ids, n.left, strict=True):
+                assert left == 1000 - held.get((node_id, g), 0), (node_id, g, left, held)
+        assert set(h.state.allocations) == set(live)  # every placed, unended job holds, and no other
