@@ -311,6 +311,46 @@ def _sigmoid(x: float) -> float:
     return 1.0 / (1.0 + math.exp(-x))
 
 
+def frag_gradient(n: Node, a: Ask, frag: Callable[[str, int, Sequence[int]], float], truncate: bool,
+                  tight_ties: bool) -> tuple[float, Positions]:
+    """sigmoid((F_before - F_after) / 1000) * 100 (truncated to an integer, as FGD scores) and the
+    GPUs: for a share, the GPU with the best score (ties: the lowest index, or the tightest GPU);
+    whole GPUs: the lowest-index free ones."""
+    before = frag(n.model, n.cpu_left, n.left)
+    cpu_after = n.cpu_left - a.cpu
+    if a.gpus == 1 and a.milli < MILLI:
+        best: tuple[float, int] | None = None
+        left = list(n.left)
+        for i, x in enumerate(n.left):
+            if x >= a.milli:
+                left[i] = x - a.milli
+                s = _sigmoid((before - frag(n.model, cpu_after, left)) / 1000) * 100
+                left[i] = x
+                if truncate:
+                    s = float(int(s))
+                if best is None or s > best[0] or (tight_ties and s == best[0] and x < n.left[best[1]]):
+                    best = (s, i)
+        assert best is not None  # (the node passed the GPU filter)
+        return best[0], (best[1],)
+    positions = whole_gpus_lowest(n, a)
+    left = list(n.left)
+    for i in positions:
+        left[i] -= a.milli
+    s = _sigmoid((before - frag(n.model, cpu_after, left)) / 1000) * 100
+    return (float(int(s)) if truncate else s), positions
+
+
+def cached_score(plugin: Plugin, n: Node, a: Ask, ctx: Context,
+                 compute: Callable[[], tuple[float, Positions | None]]) -> tuple[float, Positions | None]:
+    """The plugin's score of the node for this kind of ask, computed once per state of the node."""
+    key = f"{plugin.name}:{id(plugin)}"
+    hit = ctx.cached(key, n, a)
+    if hit is None:
+        hit = compute()
+        ctx.remember(key, n, a, *hit)
+    return hit
+
+
 class FGD(Plugin):
     """Fragmentation gradient descent (Weng et al., ATC '23), as the published simulator scores:
     int(sigmoid((F_before - F_after) / 1000) * 100); for a share, the GPU with the best
@@ -319,33 +359,7 @@ class FGD(Plugin):
     name = "fgd"
 
     def evaluate(self, n: Node, a: Ask, ctx: Context) -> tuple[float, Positions | None]:
-        hit = ctx.cached(self.name, n, a)
-        if hit is not None:
-            return hit
-        out = self._evaluate(n, a, ctx)
-        ctx.remember(self.name, n, a, *out)
-        return out
-
-    def _evaluate(self, n: Node, a: Ask, ctx: Context) -> tuple[float, Positions | None]:
-        before = ctx.frag(n.model, n.cpu_left, n.left)
-        cpu_after = n.cpu_left - a.cpu
-        if a.gpus == 1 and a.milli < MILLI:
-            best_score = -1
-            best_pos = -1
-            left = list(n.left)
-            for i, x in enumerate(n.left):
-                if x >= a.milli:
-                    left[i] = x - a.milli
-                    s = int(_sigmoid((before - ctx.frag(n.model, cpu_after, left)) / 1000) * 100)
-                    left[i] = x
-                    if best_pos < 0 or s > best_score:
-                        best_score, best_pos = s, i
-            return float(best_score), (best_pos,)
-        positions = whole_gpus_lowest(n, a)
-        left = list(n.left)
-        for i in positions:
-            left[i] -= a.milli
-        return float(int(_sigmoid((before - ctx.frag(n.model, cpu_after, left)) / 1000) * 100)), positions
+        return cached_score(self, n, a, ctx, lambda: frag_gradient(n, a, ctx.frag, truncate=True, tight_ties=False))
 
 
 class BestFit(Plugin):
@@ -599,40 +613,12 @@ class FragAware(Plugin):
         return v
 
     def evaluate(self, n: Node, a: Ask, ctx: Context) -> tuple[float, Positions | None]:
-        key = f"{self.name}:{id(self)}"
-        hit = ctx.cached(key, n, a)
-        if hit is not None:
-            return hit
-        out = self._evaluate(n, a, ctx)
-        ctx.remember(key, n, a, *out)
-        return out
+        return cached_score(self, n, a, ctx, lambda: self._evaluate(n, a, ctx))
 
     def _evaluate(self, n: Node, a: Ask, ctx: Context) -> tuple[float, Positions | None]:
-        before = self.frag(ctx, n.model, n.cpu_left, n.left)
+        score, pos = frag_gradient(n, a, lambda m, c, left: self.frag(ctx, m, c, left), self.truncate,
+                                   tight_ties=True)
         cpu_after = n.cpu_left - a.cpu
-        if a.gpus == 1 and a.milli < MILLI:
-            best: tuple[float, int] | None = None
-            left = list(n.left)
-            for i, x in enumerate(n.left):
-                if x >= a.milli:
-                    left[i] = x - a.milli
-                    d = _sigmoid((before - self.frag(ctx, n.model, cpu_after, left)) / 1000) * 100
-                    if self.truncate:
-                        d = float(int(d))
-                    left[i] = x
-                    if best is None or d > best[0] or (d == best[0] and x < n.left[best[1]]):
-                        best = (d, i)  # (the tightest GPU among equals)
-            assert best is not None
-            score = best[0]
-            pos: Positions = (best[1],)
-        else:
-            pos = whole_gpus_lowest(n, a)
-            left = list(n.left)
-            for i in pos:
-                left[i] -= a.milli
-            score = _sigmoid((before - self.frag(ctx, n.model, cpu_after, left)) / 1000) * 100
-            if self.truncate:
-                score = float(int(score))
         gpu_left = sum(n.left) - a.gpu_milli_total
         if self.tiebreak == "affinity" and a.gpus:
             shared = any(0 < x < MILLI for x in n.left)
