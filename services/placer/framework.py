@@ -11,6 +11,7 @@ and the tests all run this same code.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from collections.abc import Callable, Iterable, Sequence
@@ -61,9 +62,7 @@ class Node:
 
     def copy(self) -> Node:
         """A copy to plan on (lists copied; the rest shared, as it does not change in a plan)."""
-        return Node(self.node_id, self.model, self.gpu_ids, list(self.left), self.cpu_left, self.mem_left,
-                    self.cpu_total, self.mem_total, self.gpu_mem_mib, self.island, self.switch, self.numa,
-                    self.labels, self.taints, self.healthy, self.datasets, self.version)
+        return dataclasses.replace(self, left=list(self.left))
 
     @property
     def rack(self) -> str:
