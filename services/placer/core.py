@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
-from datetime import datetime
 
 from gpufleet.shared.clusterconfig import ClusterConfig
 from gpufleet.shared.events import (
@@ -416,7 +415,7 @@ class PlacerCore(BaseCore[PlacerState]):
             out += self._reserve(state, job_id, spec, ctx, now)
         if not say_unschedulable:
             return out  # a retry that still does not fit: the reason was said when it first failed
-        reasons = self._reasons(state, spec)
+        reasons = self._reasons(state, job_id, spec)
         filtered = self._filtered(state, spec)
         message = "; ".join(r.message for r in reasons)
         if state.unschedulable_said.get(job_id) == message:
@@ -637,23 +636,19 @@ class PlacerCore(BaseCore[PlacerState]):
                 counts[why] = counts.get(why, 0) + 1
         return counts
 
-    def _reasons(self, state: PlacerState, spec: JobSpec) -> list[Reason]:
+    def _reasons(self, state: PlacerState, job_id: str, spec: JobSpec) -> list[Reason]:
         if not state.nodes:
             return [Reason(code="no_nodes", message="no nodes registered")]
         filtered = self._filtered(state, spec)
         parts = ", ".join(f"{v} {k}" for k, v in filtered.items()) or "replicas do not fit together"
         res = state.reservation
         held = ""
-        if res is not None and res.job_id in state.pending and res.job_id != spec_job_id(state, spec):
+        if res is not None and res.job_id in state.pending and res.job_id != job_id:
             held = f"; job {res.job_id} holds {len(res.nodes)} node(s) from {utc(res.start_s).isoformat()}"
         return [Reason(
             code="no_fit",
             message=f"{spec.replicas} x {_ask(spec)}: no fit on {len(state.nodes)} nodes ({parts}){held}",
         )]
-
-
-def spec_job_id(state: PlacerState, spec: JobSpec) -> str | None:
-    return next((j for j, s in state.specs.items() if s is spec), None)
 
 
 def _ask(spec: JobSpec) -> str:
@@ -664,8 +659,3 @@ def _ask(spec: JobSpec) -> str:
     if r.gpu and r.gpu_milli < MILLI:
         return f"{r.gpu_milli / MILLI:g} GPU"
     return f"{r.gpu} GPU"
-
-
-def estimated(state: PlacerState) -> dict[str, datetime]:
-    """Each placed job's expected end (placement + max runtime): what backfill plans with."""
-    return {j: utc(s) for j, s in state.ends_at.items()}
