@@ -16,7 +16,6 @@ from __future__ import annotations
 import csv
 import random
 import statistics
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -233,29 +232,6 @@ def write_plot(docs: Sequence[dict[str, Any]], path: str | Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-def main(argv: Sequence[str] | None = None) -> None:  # python -m gpufleet.bench_placement
-    import argparse
-    import json
-
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--pods", required=True)
-    ap.add_argument("--nodes", required=True)
-    ap.add_argument("--policies", default="fgd")
-    ap.add_argument("--seeds", default="42")
-    args = ap.parse_args(argv)
-    a, _, b = args.seeds.partition("-")
-    seeds = list(range(int(a), int(b or a) + 1))
-    doc = bench(args.pods, args.nodes, args.policies.split(","), seeds,
-                progress=lambda m: print(m, file=sys.stderr, flush=True))
-    for p in doc["policies"].values():
-        p.pop("curve")
-    print(json.dumps(doc, indent=2))
-
-
-if __name__ == "__main__":
-    main()
 
 
 # ---------------------------------------------------------------- decision speed at scale
