@@ -103,3 +103,18 @@ def node_frag(model: str, cpu_left: int, left: Sequence[int], typical: Sequence[
         else:
             out += ty.weight * total
     return out
+
+
+FragKey = tuple[str, int, tuple[int, ...]]
+
+
+def memo_frag(cache: dict[FragKey, float], typical: Sequence[Typical], model: str, cpu_left: int,
+              left: Sequence[int]) -> float:
+    """`node_frag`, remembered in `cache` by node state (cleared past a million states)."""
+    key = (model, cpu_left, tuple(left))
+    v = cache.get(key)
+    if v is None:
+        if len(cache) > 1_000_000:
+            cache.clear()
+        v = cache[key] = node_frag(model, cpu_left, left, typical)
+    return v

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from itertools import combinations
 from typing import Any
 
-from .frag import MILLI, TaskShape, Typical, fits_gpus, node_frag
+from .frag import MILLI, FragKey, TaskShape, Typical, fits_gpus, memo_frag
 
 # ---------------------------------------------------------------- the model
 
@@ -197,7 +197,7 @@ class Context:
     gang: dict[str, int] = field(default_factory=dict)  # where a gang's placed replicas are: node, leaf, rack -> count
     shapes: tuple[TaskShape, ...] = ()  # the workload's job shapes, one per job (policies derive their own typical set)
     rng: random.Random = field(default_factory=lambda: random.Random(0))
-    frag_cache: dict[tuple[str, int, tuple[int, ...]], float] = field(default_factory=dict)
+    frag_cache: dict[FragKey, float] = field(default_factory=dict)
     # (plugin, node) -> ask -> (cpu_left, left, score, positions): a node's score for a kind of ask
     # holds until the node changes, and most asks are of a few kinds
     score_cache: dict[tuple[str, str], dict[Any, tuple[int, list[int], float, Positions | None]]] = field(
@@ -216,13 +216,7 @@ class Context:
         kinds[(a.cpu, a.gpus, a.milli, a.models)] = (n.cpu_left, list(n.left), score, pos)
 
     def frag(self, model: str, cpu_left: int, left: Sequence[int]) -> float:
-        key = (model, cpu_left, tuple(left))
-        v = self.frag_cache.get(key)
-        if v is None:
-            if len(self.frag_cache) > 1_000_000:
-                self.frag_cache.clear()
-            v = self.frag_cache[key] = node_frag(model, cpu_left, left, self.typical)
-        return v
+        return memo_frag(self.frag_cache, self.typical, model, cpu_left, left)
 
 
 def whole_gpus_lowest(n: Node, a: Ask) -> Positions:
@@ -588,7 +582,7 @@ class FragAware(Plugin):
         self.coverage = coverage
         self._typical: tuple[Typical, ...] | None = None
         self._source: tuple[Typical, ...] | None = None
-        self._cache: dict[tuple[str, int, tuple[int, ...]], float] = {}
+        self._cache: dict[FragKey, float] = {}
 
     def typical(self, ctx: Context) -> tuple[Typical, ...]:
         if self._typical is None or self._source is not ctx.typical:
@@ -603,13 +597,7 @@ class FragAware(Plugin):
         return self._typical
 
     def frag(self, ctx: Context, model: str, cpu_left: int, left: Sequence[int]) -> float:
-        key = (model, cpu_left, tuple(left))
-        v = self._cache.get(key)
-        if v is None:
-            if len(self._cache) > 1_000_000:
-                self._cache.clear()
-            v = self._cache[key] = node_frag(model, cpu_left, left, self.typical(ctx))
-        return v
+        return memo_frag(self._cache, self.typical(ctx), model, cpu_left, left)
 
     def evaluate(self, n: Node, a: Ask, ctx: Context) -> tuple[float, Positions | None]:
         return cached_score(self, n, a, ctx, lambda: self._evaluate(n, a, ctx))
