@@ -51,7 +51,7 @@ from gpufleet.shared.runtime import BaseCore, Ctx
 from gpufleet.shared.spec import JobSpec
 
 from .frag import MILLI, TaskShape, typical_tasks
-from .framework import Ask, Context, Node, Profile, feasible, profiles, schedule, why_not
+from .framework import NODE_CONSTRAINTS, Ask, Context, Node, Profile, feasible, profiles, schedule, why_not
 
 CPU_ONLY = ""  # the model key of nodes without GPUs
 SCAN_NODES_MAX = 2048  # per replica: bound the work of one decision
@@ -601,8 +601,7 @@ class PlacerCore(BaseCore[PlacerState]):
         r = spec.resources
         room = 0
         for node in state.nodes.values():
-            if not node.healthy or (node.taints and not node.taints <= a.tolerations) or (
-                    a.selector and any(node.labels.get(k) != v for k, v in a.selector)):
+            if not all(ok(node, a) for ok in NODE_CONSTRAINTS):
                 continue
             if (a.gpus or r.mig) and a.models and node.model not in a.models:
                 continue

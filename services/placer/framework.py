@@ -162,6 +162,10 @@ FILTERS: tuple[tuple[str, FilterFn], ...] = (
 )
 
 
+# what a node must be for a job, whatever is free on it (the never-fits check uses these)
+NODE_CONSTRAINTS: tuple[FilterFn, ...] = (_healthy, _taints, _labels)
+
+
 def feasible(n: Node, a: Ask) -> bool:
     """All filters at once (the hot path; `why_not` says which one failed)."""
     return (n.healthy and n.cpu_left >= a.cpu and n.mem_left >= a.mem and _gpu_model(n, a)
