@@ -385,8 +385,7 @@ def queues(data_dir: DataDir = None, as_json: JsonOut = False) -> None:
         rows.append({
             "queue": name, "cohort": node.parent.removeprefix("cohort:") if node and node.parent else None,
             "limited": node is not None, "usage": use, "nominal": dict(node.nominal) if node else {},
-            "borrowed": {r: v for r in resources if (v := max(0, used(name, r) - node.nominal.get(r, 0))) > 0}
-            if node else {},
+            "borrowed": {r: v for r in resources if (v := tree.borrowed(key, r, used))} if node else {},
             "lendable": {r: tree.lent(key, r, used) for r in resources if r in node.nominal} if node else {},
             "pending": pending_in.get(name, 0),
             "reserved_jobs": sum(1 for held in state.reserved.values() if held[0] == name),
