@@ -80,6 +80,11 @@ async def read_log(bus: Bus) -> list[tuple[int, Envelope]]:
     return out
 
 
+async def nodes_registered(bus: Bus, n: int = 1) -> bool:
+    """Whether at least `n` nodes have registered (so cluster checks and placement apply)."""
+    return sum(1 for _, e in await read_log(bus) if e.type == "node.registered") >= n
+
+
 async def fold_log(bus: Bus) -> ClusterView:
     view = ClusterView()
     for seq, env in await read_log(bus):

@@ -20,8 +20,8 @@ from gpufleet.shared.errors import SpecError
 from gpufleet.shared.events import JobPlaced, JobQueued, JobQuotaReserved
 from gpufleet.shared.spec import parse_spec
 
-from .builders import Harness, exited, make_job, mig_node, node, reserved, submit, submitted, types
-from .helpers import new_id, read_log, running, submit_cmd, wait_until
+from .builders import Harness, admitted, exited, make_job, mig_node, node, reserved, submit, submitted, types
+from .helpers import new_id, nodes_registered, read_log, running, submit_cmd, wait_until
 
 # h100mig: GPUs 0-3 whole; 4 and 5 as 7 x 1g.10gb; 6 as 2 x 3g.40gb; 7 as 3 x 2g.20gb
 LAYOUT = MIG_LAYOUTS["h100mig"]
@@ -102,26 +102,20 @@ def test_a_queue_limits_mig_instances_by_profile() -> None:
 
     for i in (1, 2):
         h.given(submitted(job, f"j{i}"))
-        out = h.when(_admitted(f"j{i}"))
+        out = h.when(admitted(f"j{i}"))
         (p,) = [e.payload for e in out if isinstance(e.payload, JobQuotaReserved)]
         assert p.mig == {"1g.10gb": 2} and p.gpus == 0
     h.given(submitted(job, "j3"))
-    out = h.when(_admitted("j3"))
+    out = h.when(admitted("j3"))
     (q,) = [e.payload for e in out if isinstance(e.payload, JobQueued)]
     assert q.reason is not None and q.reason.code == "queue_limit"
     assert "mig/1g.10gb 4 used + 2 requested > nominal 4" in q.reason.message
     # another profile, and whole GPUs, are limited on their own
     h.given(submitted(make_job().queue("a").mig("3g.40gb", 2), "j4"))
-    assert any(isinstance(e.payload, JobQuotaReserved) for e in h.when(_admitted("j4")))
+    assert any(isinstance(e.payload, JobQuotaReserved) for e in h.when(admitted("j4")))
     assert h.state.usage["a"]["mig/1g.10gb"] == 4 and h.state.usage["a"]["mig/3g.40gb"] == 2
     h.when(exited("j1", "m1"))  # (an exit of one replica does not release quota: the job's end does)
     assert h.state.usage["a"]["mig/1g.10gb"] == 4
-
-
-def _admitted(job_id: str) -> Any:
-    from .builders import admitted
-
-    return admitted(job_id)
 
 
 def test_a_bad_mig_quota_names_the_field() -> None:
@@ -205,7 +199,7 @@ async def test_mig_jobs_run_through_the_mesh_with_quota_per_profile(bus: Bus, na
             "sim": {"duration": "0.3s"}}
     ids = [new_id() for _ in range(5)]
     async with running(nats_url, cores):
-        await wait_until(lambda: _registered(bus, 2), timeout_s=10)
+        await wait_until(lambda: nodes_registered(bus, 2), timeout_s=10)
         for job_id in ids:
             await bus.publish(submit_cmd(spec, job_id=job_id))
 
@@ -228,7 +222,3 @@ async def test_mig_jobs_run_through_the_mesh_with_quota_per_profile(bus: Bus, na
         elif e.type == "job.succeeded":
             running_now -= 1
     assert most == 2
-
-
-async def _registered(bus: Bus, n: int) -> bool:
-    return sum(1 for _, e in await read_log(bus) if e.type == "node.registered") >= n

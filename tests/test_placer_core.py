@@ -242,7 +242,7 @@ async def test_gpu_shares_run_side_by_side_through_the_mesh(bus: Any, nats_url: 
     from gpufleet.services.quota.core import QuotaCore
     from gpufleet.shared.events import GpuDevice, NodeInventory
 
-    from .helpers import new_id, read_log, running, submit_cmd, wait_until
+    from .helpers import new_id, nodes_registered, read_log, running, submit_cmd, wait_until
 
     fleet = {"one": NodeInventory(cpu_milli=32_000, memory_mib=65_536, gpus=(
         GpuDevice(index=0, uuid="GPU-one-0", model="A10", memory_mib=24 * 1024),))}
@@ -250,7 +250,7 @@ async def test_gpu_shares_run_side_by_side_through_the_mesh(bus: Any, nats_url: 
             "sim": {"duration": "1s"}}
     ids = [new_id() for _ in range(5)]
     async with running(nats_url, [AdmissionCore(), QuotaCore(), PlacerCore(), ExecutorCore(fleet), GuardianCore()]):
-        await wait_until(lambda: _registered(bus), timeout_s=10)
+        await wait_until(lambda: nodes_registered(bus), timeout_s=10)
         for job_id in ids:
             await bus.publish(submit_cmd(spec, job_id=job_id))
 
@@ -264,12 +264,6 @@ async def test_gpu_shares_run_side_by_side_through_the_mesh(bus: Any, nats_url: 
     # the first four ran together: each was placed before any of them ended
     first_end = next(i for i, e in enumerate(log) if e.type == "job.exited")
     assert sum(1 for e in log[:first_end] if e.type == "job.placed") == 4
-
-
-async def _registered(bus: Any) -> bool:
-    from .helpers import read_log
-
-    return any(e.type == "node.registered" for _, e in await read_log(bus))
 
 
 # ---------------------------------------------------------------- random histories
