@@ -505,7 +505,7 @@ class PlacerCore(BaseCore[PlacerState]):
                                                 memory_mib=a.mem, mig_devices=tuple(uuids)))
                 continue
             cands = self.candidates(state, a, plan, avoid, full_scan)
-            pick = schedule(cands, a, self.profile, self.ctx)
+            pick = schedule(cands, a, self.profile, self.ctx, filtered=True)  # (candidates() filtered them)
             if pick is None:
                 return None
             if pick.node.node_id not in plan.nodes:

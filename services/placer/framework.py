@@ -513,9 +513,11 @@ def choose_gpus(n: Node, a: Ask, how: str, ctx: Context) -> Positions:
     return whole_gpus_lowest(n, a)
 
 
-def schedule(nodes: Iterable[Node], a: Ask, profile: Profile, ctx: Context) -> Pick | None:
-    """The best feasible node and the GPUs to take there, or None when no node is feasible."""
-    cands = [n for n in nodes if feasible(n, a)]
+def schedule(nodes: Iterable[Node], a: Ask, profile: Profile, ctx: Context, *, filtered: bool = False,
+             ) -> Pick | None:
+    """The best feasible node and the GPUs to take there, or None when no node is feasible.
+    `filtered`: the caller passes only nodes that passed the filters already."""
+    cands = list(nodes) if filtered else [n for n in nodes if feasible(n, a)]
     if not cands:
         return None
     totals = [0.0] * len(cands)
