@@ -167,6 +167,8 @@ class JobStarted(_JobPayload):
     replica: int = 0
     driver: str = "sim"
     attempt: int = 1
+    pid: int | None = None  # process driver: the process group (its leader's pid)
+    container_id: str | None = None  # docker driver
 
 
 class JobHeartbeat(_JobPayload):
@@ -233,6 +235,9 @@ class JobExited(_JobPayload):
     exit_code: int
     reason: ExitReason = "completed"
     runtime_s: float = 0.0
+    # GPUs where a process of the replica still held memory after it was stopped: they are not
+    # free until telemetry's occupancy check passes (`node.gpu_cleared`)
+    unclean_gpus: tuple[int, ...] = ()
 
 
 class JobSucceeded(_JobPayload):
@@ -271,6 +276,22 @@ class JobIdleDetected(_JobPayload):
     type: Literal["job.idle_detected"] = "job.idle_detected"
     gpu_util_pct: float
     idle_s: float
+    node_id: str | None = None
+    threshold_pct: float | None = None
+
+
+class JobGpuStarved(_JobPayload):
+    """The job's GPUs are underused while its CPUs are saturated (`cause: cpu`) or it waits on
+    I/O (`cause: io`): its input pipeline cannot feed the GPUs."""
+
+    type: Literal["job.gpu_starved"] = "job.gpu_starved"
+    node_id: str
+    cause: Literal["cpu", "io"]
+    gpu_util_pct: float
+    cpu_util_pct: float  # of the CPUs the job asked for (100 = all of them busy)
+    iowait_pct: float = 0.0  # share of the window its processes waited on block I/O
+    window_s: float
+    message: str = ""
 
 
 # ---------------------------------------------------------------- nodes
@@ -320,6 +341,8 @@ class NodeHeartbeat(_NodePayload):
 
     type: Literal["node.heartbeat"] = "node.heartbeat"
     running_jobs: tuple[str, ...] = ()
+    # one executor hosting many (sim) nodes beats for all of them in one message
+    also_nodes: tuple[str, ...] = ()
 
 
 class NodeLost(_NodePayload):
@@ -355,6 +378,17 @@ class NodeGpuUnhealthy(_NodePayload):
     type: Literal["node.gpu_unhealthy"] = "node.gpu_unhealthy"
     gpu_index: int
     reason: str
+    xid: int | None = None
+    ecc_uncorrected: int | None = None
+
+
+class NodeGpuCleared(_NodePayload):
+    """An occupancy check passed on a quarantined GPU: no process outside a running job holds
+    its memory any more, so it takes new work again."""
+
+    type: Literal["node.gpu_cleared"] = "node.gpu_cleared"
+    gpu_index: int
+    reason: str = "occupancy check passed"
 
 
 class NodeGpuZombieDetected(_NodePayload):
@@ -364,6 +398,8 @@ class NodeGpuZombieDetected(_NodePayload):
     gpu_index: int
     pid: int
     used_mib: int
+    process_name: str = ""
+    last_job_id: str | None = None  # the job whose process it was, when known (left after a kill)
 
 
 class DeadLetter(_Payload):
@@ -383,9 +419,9 @@ Payload = Annotated[
         JobSubmitted, JobAdmitted, JobRejected, JobQueued, JobQuotaReserved, JobUnschedulable, JobPlaced,
         JobStarted, JobHeartbeat, JobCheckpointSaved, JobPreemptionRequested, JobPreempted,
         JobRequestRefused, JobCancelRequested, JobExited, JobSucceeded, JobFailed, JobCancelled, JobResumeRequested,
-        JobIdleDetected, JobBackfillReserved,
+        JobIdleDetected, JobGpuStarved, JobBackfillReserved,
         NodeRegistered, NodeHeartbeat, NodeLost, NodeCordoned, NodeUncordoned, NodeGpuUnhealthy, NodeDatasetsCached,
-        NodeGpuZombieDetected,
+        NodeGpuZombieDetected, NodeGpuCleared,
         DeadLetter,
     ],
     Field(discriminator="type"),

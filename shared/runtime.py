@@ -369,6 +369,11 @@ class ServiceRuntime(Generic[S]):
         if handled and self.group is None:
             await max(handled, key=lambda m: m.metadata.sequence.stream).ack()
 
+    async def publish_local(self, outputs: list[Envelope]) -> None:
+        """Publish outputs a shell decided from what it observed (a driver, NVML, heartbeats), not
+        from a consumed message: they are evolved into the state like any decision's outputs."""
+        await self._publish_and_apply(outputs, evolved=False)
+
     async def _publish_and_apply(self, outputs: list[Envelope], evolved: bool) -> None:
         """Outputs not caused by a consumed message (start-up, ticks)."""
         if not outputs:

@@ -37,6 +37,7 @@ from gpufleet.shared.events import (
     JobQuotaReserved,
     JobRejected,
     JobRequestRefused,
+    JobGpuStarved,
     JobResumeRequested,
     JobStarted,
     JobSubmitted,
@@ -44,6 +45,7 @@ from gpufleet.shared.events import (
     JobUnschedulable,
     NodeCordoned,
     NodeDatasetsCached,
+    NodeGpuCleared,
     NodeGpuUnhealthy,
     NodeGpuZombieDetected,
     NodeHeartbeat,
@@ -108,6 +110,8 @@ EXAMPLES: dict[str, Any] = {
         job_id=JOB, checkpoint_uri="file:///ckpt/resnet50/step-100", reason=OOM, lost_work_s=30.0,
     ),
     "job.idle_detected": JobIdleDetected(job_id=JOB, gpu_util_pct=1.5, idle_s=900.0),
+    "job.gpu_starved": JobGpuStarved(job_id=JOB, node_id=NODE, cause="cpu", gpu_util_pct=12.0,
+                                     cpu_util_pct=98.0, window_s=60.0),
     "node.registered": NodeRegistered(node_id=NODE, inventory=NodeInventory(
         cpu_milli=128000, memory_mib=1048576, numa_nodes=2, labels={"zone": "a"},
         gpus=tuple(GpuDevice(index=i, uuid=f"GPU-{i}", model="H100", memory_mib=81920, nvlink_island=0,
@@ -120,6 +124,7 @@ EXAMPLES: dict[str, Any] = {
     "node.uncordoned": NodeUncordoned(node_id=NODE),
     "node.gpu_unhealthy": NodeGpuUnhealthy(node_id=NODE, gpu_index=3, reason="XID 79"),
     "node.gpu_zombie_detected": NodeGpuZombieDetected(node_id=NODE, gpu_index=3, pid=4242, used_mib=2048),
+    "node.gpu_cleared": NodeGpuCleared(node_id=NODE, gpu_index=3),
     "sys.dead_letter": DeadLetter(
         service="placer", subject="fleet.evt.acme.job.job-0001.submitted", stream_seq=17, reason="bad json",
         data_excerpt="{not json",
