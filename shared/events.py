@@ -235,6 +235,7 @@ class JobExited(_JobPayload):
     exit_code: int
     reason: ExitReason = "completed"
     runtime_s: float = 0.0
+    attempt: int = 1
     # GPUs where a process of the replica still held memory after it was stopped: they are not
     # free until telemetry's occupancy check passes (`node.gpu_cleared`)
     unclean_gpus: tuple[int, ...] = ()

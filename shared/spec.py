@@ -115,10 +115,11 @@ def parse_duration_s(value: Any) -> float:
 
 def _canonical_to_quantities(data: dict[str, Any]) -> dict[str, Any]:
     """Accept the canonical wire names (cpu_milli, memory_mib, ...) as the quantities they are."""
-    if not any(k in data for k in ("cpu_milli", "memory_mib", "gpu_memory_mib")):
+    names = (("cpu_milli", "m"), ("memory_mib", "Mi"), ("gpu_memory_mib", "Mi"), ("gpu_mem_used_mib", "Mi"))
+    if not any(k in data for k, _ in names):
         return data
     data = dict(data)
-    for name, unit in (("cpu_milli", "m"), ("memory_mib", "Mi"), ("gpu_memory_mib", "Mi")):
+    for name, unit in names:
         if name in data and isinstance(data[name], int) and not isinstance(data[name], bool):
             data[name] = f"{data[name]}{unit}"
     return data
@@ -229,6 +230,17 @@ class SimSpec(_Spec):
 
     duration_s: DurationS = Field(default=10.0, alias="duration")
     exit_code: int = Field(default=0, alias="exitCode", ge=0, le=255)
+    # what the simulated GPUs and CPUs show while it runs (telemetry's sim backend)
+    gpu_util_pct: float = Field(default=90.0, alias="gpuUtil", ge=0, le=100)
+    cpu_util_pct: float = Field(default=50.0, alias="cpuUtil", ge=0, le=100)  # of the CPUs it asked for
+    iowait_pct: float = Field(default=0.0, alias="ioWait", ge=0, le=100)
+    gpu_mem_used_mib: MemoryMiB = Field(default=2048, alias="gpuMemoryUsed", ge=0)
+    leave_zombie: bool = Field(default=False, alias="leaveZombie")  # its GPU process outlives it
+
+    @model_validator(mode="before")
+    @classmethod
+    def _wire(cls, data: Any) -> Any:
+        return _canonical_to_quantities(data) if isinstance(data, dict) else data
 
 
 class JobSpec(_Spec):
@@ -242,6 +254,8 @@ class JobSpec(_Spec):
     replicas: int = Field(default=1, ge=1, le=4096)
     resources: Resources = Resources()
     max_runtime_s: DurationS = Field(default=86400.0, alias="maxRuntime", gt=0)
+    # how often the job is run again after its node was lost or its GPU failed under it
+    max_retries: int = Field(default=3, alias="maxRetries", ge=0, le=100)
     image: str | None = Field(default=None, max_length=512)
     command: tuple[str, ...] = Field(default=(), max_length=256)
     env: dict[str, str] = Field(default_factory=dict)
@@ -280,7 +294,9 @@ def _field_path(loc: tuple[int | str, ...]) -> str:
         "cpu_milli": "cpu", "memory_mib": "memory", "gpu_models": "gpuModels", "gpu_memory_mib": "gpuMemory",
         "gpu_sharing": "gpuSharing", "gpu_milli": "gpuMilli", "node_selector": "nodeSelector",
         "max_runtime_s": "maxRuntime", "interval_s": "interval", "duration_s": "duration", "exit_code": "exitCode",
-        "priority_class": "priorityClass",
+        "priority_class": "priorityClass", "max_retries": "maxRetries", "gpu_util_pct": "gpuUtil",
+        "cpu_util_pct": "cpuUtil", "iowait_pct": "ioWait", "gpu_mem_used_mib": "gpuMemoryUsed",
+        "leave_zombie": "leaveZombie",
     }
     parts = [str(aliases.get(str(p), p)) for p in loc if not str(p).startswith("function-")]
     return ".".join(parts) or "spec"

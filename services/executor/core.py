@@ -2,8 +2,11 @@
 
 folds: its nodes, job specs, running replicas     decides: node.registered, job.started,
                                                            job.exited (end, cancel, timeout)
-This core is the `sim` driver: a replica "runs" for `spec.sim.duration` (or until its max
-runtime) and exits with `spec.sim.exitCode`; one process can host thousands of sim nodes.
+On `sim` nodes this core is the driver: a replica "runs" for `spec.sim.duration` (or until its
+max runtime) and exits with `spec.sim.exitCode`; one process can host thousands of sim nodes.
+On `process` / `docker` nodes it folds what *should* run there (`desired`), and the pure
+`reconcile` compares that with what the driver sees, kubelet-style (services/executor/agent.py
+does the I/O). A node the log says was lost registers again once its executor is back.
 """
 
 from __future__ import annotations
@@ -18,17 +21,25 @@ from gpufleet.shared.events import (
     ExitReason,
     JobExited,
     JobPlaced,
+    JobResumeRequested,
     JobStarted,
     JobSubmitted,
     NodeInventory,
+    NodeLost,
     NodeRegistered,
+    ReplicaAllocation,
 )
 from gpufleet.shared.runtime import BaseCore, Ctx
+from gpufleet.shared.spec import JobSpec
+
+from .drivers import Launch, Workload, workload_key
 
 EXIT_TIMEOUT = 124
 EXIT_KILLED = 137
 _KILL_REASONS: dict[str, ExitReason] = {
-    "job.preempted": "preempted", "job.preemption_requested": "preempted", "job.failed": "killed"}
+    "job.preempted": "preempted", "job.preemption_requested": "preempted", "job.failed": "killed",
+    "job.cancel_requested": "cancelled", "job.cancelled": "cancelled", "job.resume_requested": "killed",
+    "job.succeeded": "killed"}
 
 
 @dataclass(frozen=True)
@@ -47,6 +58,17 @@ class Running:
     started_at_s: float
     started_event_id: str
     plan: RunPlan
+    attempt: int = 1
+
+
+@dataclass(frozen=True)
+class Desired:
+    """A replica placed on one of this executor's driver (non-sim) nodes, not yet ended."""
+
+    alloc: ReplicaAllocation
+    attempt: int
+    tenant: str
+    placed_event_id: str
 
 
 @dataclass
@@ -61,6 +83,13 @@ class ExecutorState:
     cancelling: set[str] = field(default_factory=set)  # asked to stop: a late placement does not run
     # job_id -> (replica, attempt) started here: a placement redelivered after its replica exited starts nothing
     started: dict[str, set[tuple[int, int]]] = field(default_factory=dict)
+    # driver nodes: what should run, why a job must stop, which exits the log already has
+    desired: dict[tuple[str, int], Desired] = field(default_factory=dict)
+    specs: dict[str, JobSpec] = field(default_factory=dict)
+    stop_reason: dict[str, ExitReason] = field(default_factory=dict)
+    exits_logged: set[str] = field(default_factory=set)  # workload keys
+    attempt: dict[str, int] = field(default_factory=dict)  # job -> its current attempt (resumes)
+    lost: dict[str, int] = field(default_factory=dict)  # node -> times the log said it was lost
 
 
 class ExecutorCore(BaseCore[ExecutorState]):
@@ -71,12 +100,13 @@ class ExecutorCore(BaseCore[ExecutorState]):
         "fleet.evt.*.job.*.exited", "fleet.evt.*.job.*.cancel_requested",
         "fleet.evt.*.job.*.preemption_requested",
         "fleet.evt.*.job.*.succeeded", "fleet.evt.*.job.*.failed", "fleet.evt.*.job.*.cancelled",
-        "fleet.evt.*.job.*.preempted",
+        "fleet.evt.*.job.*.preempted", "fleet.evt.*.job.*.resume_requested", "fleet.evt.sys.node.*.lost",
     )
     tick_s = 0.2
 
     def __init__(self, nodes: dict[str, NodeInventory]) -> None:
         self.nodes = nodes
+        self.driver_nodes = {n for n, inv in nodes.items() if inv.driver != "sim"}
 
     def initial_state(self) -> ExecutorState:
         return ExecutorState()
@@ -87,19 +117,35 @@ class ExecutorCore(BaseCore[ExecutorState]):
             if p.node_id in self.nodes:
                 state.registered[p.node_id] = inventory_digest(p.inventory)
             return state
+        if isinstance(p, NodeLost):
+            if p.node_id in self.nodes:
+                state.registered.pop(p.node_id, None)  # registers again (tick): the node is back
+                state.lost[p.node_id] = state.lost.get(p.node_id, 0) + 1
+            return state
         job_id = env.job_id
         if job_id is None:
             return state
         if isinstance(p, JobSubmitted):
             spec = p.spec
             state.plans[job_id] = RunPlan(spec.sim.duration_s, spec.sim.exit_code, spec.max_runtime_s)
+            if self.driver_nodes:
+                state.specs[job_id] = spec
+        elif isinstance(p, JobPlaced):
+            if job_id not in state.ended and self.driver_nodes and p.attempt >= state.attempt.get(job_id, 1):
+                for a in p.allocations:
+                    if a.node_id in self.driver_nodes:
+                        state.desired[(job_id, a.replica)] = Desired(a, p.attempt, env.tenant, env.event_id)
+        elif isinstance(p, JobResumeRequested):
+            state.attempt[job_id] = state.attempt.get(job_id, 1) + 1
+            for key in [k for k, d in state.desired.items() if k[0] == job_id and d.attempt < state.attempt[job_id]]:
+                del state.desired[key]
         elif isinstance(p, JobStarted):
             if p.node_id in self.nodes and job_id not in state.ended:
                 plan = state.plans.get(job_id, RunPlan(0.0, 0, 86400.0))
                 state.started.setdefault(job_id, set()).add((p.replica, p.attempt))
                 run = Running(
                     job_id, env.tenant, p.replica, p.node_id,
-                    env.occurred_at.timestamp(), env.event_id, plan,
+                    env.occurred_at.timestamp(), env.event_id, plan, p.attempt,
                 )
                 if (job_id, run.replica) not in state.running:
                     state.running[(job_id, run.replica)] = run
@@ -107,6 +153,14 @@ class ExecutorCore(BaseCore[ExecutorState]):
                     ends = run.started_at_s + min(plan.duration_s, plan.max_runtime_s)
                     heapq.heappush(state.deadlines, (ends, job_id, run.replica))
         elif isinstance(p, JobExited):
+            if p.node_id in self.driver_nodes:
+                state.exits_logged.add(workload_key(job_id, p.replica, p.attempt))
+                d = state.desired.get((job_id, p.replica))
+                if d is not None and d.attempt == p.attempt:
+                    del state.desired[(job_id, p.replica)]
+            run = state.running.get((job_id, p.replica))
+            if run is not None and run.attempt != p.attempt:
+                return state  # the exit of an earlier attempt of this replica
             if state.running.pop((job_id, p.replica), None) is not None:
                 while state.deadlines and (state.deadlines[0][1], state.deadlines[0][2]) not in state.running:
                     heapq.heappop(state.deadlines)  # entries of ended replicas, now at the top
@@ -117,11 +171,19 @@ class ExecutorCore(BaseCore[ExecutorState]):
                     state.replicas_of.pop(job_id, None)
         elif t == "job.cancel_requested":
             state.cancelling.add(job_id)
+            state.stop_reason.setdefault(job_id, "cancelled")
+        elif t == "job.preemption_requested":
+            state.stop_reason.setdefault(job_id, "preempted")
         elif t in ("job.succeeded", "job.failed", "job.cancelled", "job.preempted"):
             state.ended.add(job_id)
             state.cancelling.discard(job_id)
             state.plans.pop(job_id, None)
             state.started.pop(job_id, None)
+            state.specs.pop(job_id, None)
+            state.attempt.pop(job_id, None)
+            state.stop_reason.setdefault(job_id, _KILL_REASONS.get(t, "killed"))
+            for key in [k for k in state.desired if k[0] == job_id]:
+                del state.desired[key]
         return state
 
     def on_start(self, state: ExecutorState, ctx: Ctx) -> list[Envelope]:
@@ -129,8 +191,9 @@ class ExecutorCore(BaseCore[ExecutorState]):
         for node_id, inv in self.nodes.items():
             digest = inventory_digest(inv)
             if state.registered.get(node_id) != digest:
+                n_lost = state.lost.get(node_id, 0)
                 out.append(ctx.emit(NodeRegistered(node_id=node_id, inventory=inv), tenant=SYS_TENANT,
-                                    key=f"register:{node_id}:{digest}"))
+                                    key=f"register:{node_id}:{digest}" + (f":{n_lost}" if n_lost else "")))
         return out
 
     def decide(self, state: ExecutorState, env: Envelope, ctx: Ctx) -> list[Envelope]:
@@ -143,13 +206,15 @@ class ExecutorCore(BaseCore[ExecutorState]):
                 return []
             out = []
             for a in p.allocations:
+                if a.node_id in self.driver_nodes:
+                    continue  # started by the agent once its driver has it running (reconcile)
                 if (a.node_id in self.nodes and (job_id, a.replica) not in state.running
                         and (a.replica, p.attempt) not in state.started.get(job_id, ())):
                     if job_id in state.cancelling:
                         # the cancel overtook this placement: never start it, free what it holds
                         out.append(ctx.emit(JobExited(
                             job_id=job_id, node_id=a.node_id, replica=a.replica, exit_code=EXIT_KILLED,
-                            reason="cancelled",
+                            reason="cancelled", attempt=p.attempt,
                         ), key=f"start:{a.replica}"))
                         continue
                     out.append(ctx.emit(JobStarted(
@@ -159,18 +224,27 @@ class ExecutorCore(BaseCore[ExecutorState]):
             return out
         # (the grace period of a preemption is the guardian's to use for a checkpoint; the sim
         # driver has nothing to save and stops at once)
-        if t in ("job.cancel_requested", "job.cancelled", "job.preempted", "job.failed", "job.preemption_requested"):
-            # a cancelled / preempted job, or the rest of a gang one of whose replicas failed
+        if t in ("job.cancel_requested", "job.cancelled", "job.preempted", "job.failed", "job.preemption_requested",
+                 "job.resume_requested"):
+            # a cancelled / preempted job, the rest of a gang one of whose replicas failed, or
+            # replicas of an attempt that is started again elsewhere (driver nodes: reconcile stops them)
             reason = _KILL_REASONS.get(t, "cancelled")
             return [
                 self._exit(r, ctx, EXIT_KILLED, reason, "kill")
                 for r in self._replicas(state, job_id)
+                if r.node_id not in self.driver_nodes
+                and (t != "job.resume_requested" or r.attempt < state.attempt.get(job_id, 1))
             ]
         return []
 
     def tick(self, state: ExecutorState, ctx: Ctx) -> list[Envelope]:
         now = ctx.now.timestamp()
         out = []
+        for node_id, n_lost in state.lost.items():
+            if node_id not in state.registered:  # the log says this node was lost, but here it is
+                inv = self.nodes[node_id]
+                out.append(ctx.emit(NodeRegistered(node_id=node_id, inventory=inv), tenant=SYS_TENANT,
+                                    key=f"register:{node_id}:{inventory_digest(inv)}:{n_lost}"))
         due: list[Running] = []
         # walk the heap down from its root to every entry that is due, without changing it
         # (tick is pure; evolve drops the entries of replicas that ended)
@@ -182,7 +256,7 @@ class ExecutorCore(BaseCore[ExecutorState]):
             if ends > now:
                 continue
             run = state.running.get((job_id, replica))
-            if run is not None and ends == run.started_at_s + min(run.plan.duration_s, run.plan.max_runtime_s):
+            if run is not None and run.node_id not in self.driver_nodes and ends == run.started_at_s + min(run.plan.duration_s, run.plan.max_runtime_s):
                 due.append(run)  # (an entry of an earlier run of the same replica does not count)
             stack.extend(c for c in (2 * i + 1, 2 * i + 2) if c < len(heap))
         due.sort(key=lambda r: (r.started_at_s, r.job_id, r.replica))
@@ -203,6 +277,155 @@ class ExecutorCore(BaseCore[ExecutorState]):
         runtime = max(0.0, ctx.now.timestamp() - r.started_at_s)
         return ctx.emit(
             JobExited(job_id=r.job_id, node_id=r.node_id, replica=r.replica, exit_code=code,
-                      reason=reason, runtime_s=round(runtime, 3)),
+                      reason=reason, runtime_s=round(runtime, 3), attempt=r.attempt),
             tenant=r.tenant, cause_id=r.started_event_id, key=key,
         )
+
+
+# ---------------------------------------------------------------- driver nodes: reconcile
+
+
+@dataclass(frozen=True)
+class Start:
+    launch: Launch
+    desired: Desired
+
+
+@dataclass(frozen=True)
+class Stop:
+    key: str
+    reason: ExitReason
+    grace_s: float
+
+
+@dataclass(frozen=True)
+class ReportExit:
+    """The workload ended: report it (checking its GPUs first), then clean it up."""
+
+    workload: Workload
+    reason: ExitReason
+    run: Running | None  # its started event, if the log has one
+    desired: Desired | None
+
+
+@dataclass(frozen=True)
+class Cleanup:
+    key: str
+
+
+@dataclass(frozen=True)
+class Adopt:
+    """Running, but its start is not in the log (the executor died between the two): say it."""
+
+    workload: Workload
+    desired: Desired
+
+
+Action = Start | Stop | ReportExit | Cleanup | Adopt
+LOST_EXIT = 137
+
+
+def launch_for(state: ExecutorState, job_id: str, d: Desired, node: NodeInventory,
+               checkpoint_root: str | None = None) -> Launch:
+    spec = state.specs.get(job_id)
+    a = d.alloc
+    uuids = {g.index: g.uuid for g in node.gpus}
+    gpu_uuids = a.mig_devices or tuple(uuids[i] for i in a.gpu_indices if i in uuids)
+    ckpt = None
+    if checkpoint_root and spec is not None and spec.type in ("training", "finetune"):
+        ckpt = f"{checkpoint_root.rstrip('/')}/{d.tenant}/{job_id}"
+    return Launch(
+        job_id=job_id, tenant=d.tenant, replica=a.replica, attempt=d.attempt, node_id=a.node_id,
+        command=spec.command if spec else (), image=spec.image if spec else None,
+        env=dict(spec.env) if spec else {}, gpu_indices=a.gpu_indices, gpu_uuids=gpu_uuids,
+        cpu_milli=a.cpu_milli, memory_mib=a.memory_mib,
+        max_runtime_s=spec.max_runtime_s if spec else 86400.0, checkpoint_dir=ckpt,
+        placed_event_id=d.placed_event_id,
+    )
+
+
+def reconcile(state: ExecutorState, nodes: dict[str, NodeInventory], observed: list[Workload], now: float,
+              grace_s: float = 10.0, checkpoint_root: str | None = None) -> list[Action]:
+    """What to do so that what runs on the driver nodes is what the log says should run there.
+
+    Pure: the agent calls it with the folded state and what its driver sees, then does the actions.
+    """
+    actions: list[Action] = []
+    seen: set[tuple[str, int]] = set()
+    for w in observed:
+        if w.node_id not in nodes:
+            continue
+        d = state.desired.get((w.job_id, w.replica))
+        current = d is not None and d.attempt == w.attempt
+        run = state.running.get((w.job_id, w.replica))
+        run = run if run is not None and run.attempt == w.attempt else None
+        if current:
+            seen.add((w.job_id, w.replica))
+        logged_exit = w.key in state.exits_logged
+        if w.running:
+            if current and run is None and not logged_exit and d is not None:
+                actions.append(Adopt(w, d))
+            spec = state.specs.get(w.job_id)
+            if not current or logged_exit or w.job_id in state.stop_reason or w.job_id in state.ended:
+                actions.append(Stop(w.key, state.stop_reason.get(w.job_id, "killed"), grace_s))
+            elif spec is not None and now - w.started_at >= spec.max_runtime_s:
+                actions.append(Stop(w.key, "timeout", grace_s))
+        elif logged_exit or (not current and run is None):
+            actions.append(Cleanup(w.key))
+        else:
+            actions.append(ReportExit(w, exit_reason(state, w, now), run, d if current else None))
+    for (job_id, replica), d in sorted(state.desired.items()):
+        if (job_id, replica) in seen or d.alloc.node_id not in nodes:
+            continue
+        key = workload_key(job_id, replica, d.attempt)
+        if key in state.exits_logged:
+            continue
+        run = state.running.get((job_id, replica))
+        if run is not None and run.attempt == d.attempt:
+            # started, and now the driver has no trace of it (the node rebooted, its data was lost)
+            gone = Workload(job_id, replica, d.attempt, d.alloc.node_id, handle="", running=False,
+                            exit_code=LOST_EXIT, started_at=run.started_at_s)
+            actions.append(ReportExit(gone, "node_lost", run, d))
+        elif job_id in state.stop_reason or job_id in state.ended:
+            never = Workload(job_id, replica, d.attempt, d.alloc.node_id, handle="", running=False,
+                             exit_code=EXIT_KILLED, started_at=now)
+            actions.append(ReportExit(never, state.stop_reason.get(job_id, "cancelled"), None, d))
+        else:
+            actions.append(Start(launch_for(state, job_id, d, nodes[d.alloc.node_id], checkpoint_root), d))
+    return actions
+
+
+def exit_reason(state: ExecutorState, w: Workload, now: float) -> ExitReason:
+    spec = state.specs.get(w.job_id)
+    if w.stopped_by_us:
+        if w.job_id in state.stop_reason:
+            return state.stop_reason[w.job_id]
+        if spec is not None and now - w.started_at >= spec.max_runtime_s:
+            return "timeout"
+        return "killed"
+    if w.exit_code is None:
+        return "killed"
+    return "completed" if w.exit_code == 0 else "error"
+
+
+def started_event(ctx: Ctx, w: Workload, d: Desired, driver: str) -> Envelope:
+    """`job.started` for a workload the driver runs (the same id however often it is said)."""
+    return ctx.emit(JobStarted(job_id=w.job_id, node_id=w.node_id, replica=w.replica, driver=driver,
+                               attempt=w.attempt, pid=w.pid, container_id=w.container_id),
+                    tenant=d.tenant, cause_id=d.placed_event_id, key=f"start:{w.replica}")
+
+
+def exited_event(ctx: Ctx, a: ReportExit, unclean: tuple[int, ...] = ()) -> Envelope:
+    w = a.workload
+    code = w.exit_code if w.exit_code is not None else EXIT_KILLED
+    if a.reason == "timeout":
+        code = EXIT_TIMEOUT
+    tenant = a.run.tenant if a.run else (a.desired.tenant if a.desired else SYS_TENANT)
+    cause = a.run.started_event_id if a.run else (a.desired.placed_event_id if a.desired else None)
+    started = a.run.started_at_s if a.run else w.started_at
+    payload = JobExited(job_id=w.job_id, node_id=w.node_id, replica=w.replica, exit_code=code, reason=a.reason,
+                        runtime_s=round(max(0.0, ctx.now.timestamp() - started), 3), attempt=w.attempt,
+                        unclean_gpus=unclean)
+    if a.run is None and a.desired is not None:  # never started: the exit takes the start's slot
+        return ctx.emit(payload, tenant=tenant, cause_id=cause, key=f"start:{w.replica}")
+    return ctx.emit(payload, tenant=tenant, cause_id=cause, key=f"exit:{w.attempt}")
