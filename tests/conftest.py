@@ -77,3 +77,4 @@ async def pg_pool(pg: EmbeddedPostgres) -> AsyncIterator[asyncpg.Pool]:
         yield pool
     finally:
         pool.terminate()
+from .dockerd import docker_engine  # noqa: E402,F401
