@@ -26,6 +26,7 @@ from gpufleet.shared.events import (
     JobRequestRefused,
     JobSubmitted,
     NodeInventory,
+    NodeRegistered,
     Reason,
     SubmitRequested,
 )
@@ -132,8 +133,8 @@ class AdmissionCore(BaseCore[AdmissionState]):
     def evolve(self, state: AdmissionState, env: Envelope) -> AdmissionState:
         t = env.type
         p = env.payload
-        if t == "node.registered":
-            state.nodes[p.node_id] = p.inventory  # type: ignore[union-attr]
+        if isinstance(p, NodeRegistered):
+            state.nodes[p.node_id] = p.inventory
             self._capacity = None
             return state
         job_id = env.job_id

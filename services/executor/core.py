@@ -158,8 +158,8 @@ class ExecutorCore(BaseCore[ExecutorState]):
                 d = state.desired.get((job_id, p.replica))
                 if d is not None and d.attempt == p.attempt:
                     del state.desired[(job_id, p.replica)]
-            run = state.running.get((job_id, p.replica))
-            if run is not None and run.attempt != p.attempt:
+            current = state.running.get((job_id, p.replica))
+            if current is not None and current.attempt != p.attempt:
                 return state  # the exit of an earlier attempt of this replica
             if state.running.pop((job_id, p.replica), None) is not None:
                 while state.deadlines and (state.deadlines[0][1], state.deadlines[0][2]) not in state.running:

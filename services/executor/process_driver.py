@@ -23,6 +23,7 @@ import os
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 from .drivers import GRACE_S, DriverError, Launch, Workload
 
@@ -105,9 +106,7 @@ class ProcessDriver:
         d.mkdir(parents=True, exist_ok=True)
         exit_file = d / "exit"
         env = {**self.base_env, **launch.job_env(), "GPUFLEET_EXIT_FILE": str(exit_file)}
-        if launch.checkpoint_dir:
-            Path(launch.checkpoint_dir).mkdir(parents=True, exist_ok=True)
-        with open(self.logs / f"{launch.key}.log", "ab") as out:
+        with self._log_file(launch) as out:
             proc = await asyncio.create_subprocess_exec(
                 "/bin/sh", "-c", WRAPPER, "gpufleet-job", *launch.command,
                 stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=asyncio.subprocess.STDOUT,
@@ -149,6 +148,9 @@ class ProcessDriver:
         self._stopping[key] = asyncio.create_task(self._escalate(key, pgid, grace_s))
 
     async def pids(self, key: str) -> set[int]:
+        return self._pids(key)
+
+    def _pids(self, key: str) -> set[int]:
         meta = self._meta(self.jobs / key)
         if meta is None:
             return set()
@@ -165,6 +167,9 @@ class ProcessDriver:
         task = self._stopping.pop(key, None)
         if task is not None:
             task.cancel()
+        meta = self._meta(d)
+        if meta is not None and group_pids(int(str(meta["pid"]))):
+            self._signal(int(str(meta["pid"])), signal.SIGKILL)  # what the command left in its group
         self._children.pop(key, None)
         for f in ("meta.json", "exit", "stopped", "meta.json.tmp"):
             with contextlib.suppress(FileNotFoundError):
@@ -177,6 +182,11 @@ class ProcessDriver:
             task.cancel()
 
     # ------------------------------------------------------------ inside
+
+    def _log_file(self, launch: Launch) -> Any:
+        if launch.checkpoint_dir:
+            Path(launch.checkpoint_dir).mkdir(parents=True, exist_ok=True)
+        return open(self.logs / f"{launch.key}.log", "ab")  # noqa: SIM115 - the caller closes it
 
     async def _escalate(self, key: str, pgid: int, grace_s: float) -> None:
         deadline = time.monotonic() + grace_s
@@ -196,9 +206,9 @@ class ProcessDriver:
             os.killpg(pgid, sig)
 
     @staticmethod
-    def _meta(d: Path) -> dict[str, object] | None:
+    def _meta(d: Path) -> dict[str, Any] | None:
         try:
-            meta: dict[str, object] = json.loads((d / "meta.json").read_text())
+            meta: dict[str, Any] = json.loads((d / "meta.json").read_text())
         except (FileNotFoundError, NotADirectoryError, json.JSONDecodeError):
             return None
         return meta
@@ -209,21 +219,22 @@ class ProcessDriver:
             return None
         pid = int(str(meta["pid"]))
         start_time = meta.get("start_time")
-        running = alive(pid, int(str(start_time)) if start_time is not None else None)
         stopped_sig: int | None = None
         with contextlib.suppress(FileNotFoundError, ValueError):
             stopped_sig = int((d / "stopped").read_text())
         exit_code: int | None = None
-        if not running:
-            with contextlib.suppress(FileNotFoundError, ValueError):
-                exit_code = int((d / "exit").read_text())
-            if exit_code is None:
+        with contextlib.suppress(FileNotFoundError, ValueError):
+            exit_code = int((d / "exit").read_text())  # the command ended by itself
+        running = exit_code is None and (
+            alive(pid, int(str(start_time)) if start_time is not None else None) or bool(group_pids(pid)))
+        if not running and exit_code is None:
+            if stopped_sig is not None:
+                exit_code = 128 + stopped_sig
+            else:
                 child = self._children.get(d.name)
                 if child is not None and child.returncode is not None:
                     rc = child.returncode  # the wrapper itself was signalled: -N
                     exit_code = 128 - rc if rc < 0 else rc
-                elif stopped_sig is not None:
-                    exit_code = 128 + stopped_sig
         return Workload(
             job_id=str(meta["job_id"]), replica=int(str(meta["replica"])), attempt=int(str(meta["attempt"])),
             node_id=str(meta["node_id"]), handle=str(pid), running=running, exit_code=exit_code,

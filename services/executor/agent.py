@@ -1,0 +1,191 @@
+"""The executor as a process: the runtime (fold, consume, decide) plus what only a shell can do.
+
+- heartbeats for every node it hosts, to FLEET_TELEMETRY (telemetry holds the lease);
+- on driver nodes (`process`, `docker`), a reconcile loop: the pure `reconcile` compares what
+  the log says should run with what the driver sees, and this loop starts, stops, reports and
+  cleans up. A restarted executor folds the log, lists the driver's workloads (pid files,
+  container labels) and so re-adopts what still runs instead of losing or duplicating it;
+- after a workload ended, the GPU cleanliness check: a process of the job still holding memory
+  on one of its GPUs (NVML) marks that GPU unclean in `job.exited`, so it is not handed out
+  again until telemetry's occupancy check passes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from gpufleet.shared.bus import Bus
+from gpufleet.shared.events import SYS_TENANT, Envelope, NodeHeartbeat, utc
+from gpufleet.shared.gpu import GpuBackend
+from gpufleet.shared.ids import derive_id
+from gpufleet.shared.runtime import ServiceRuntime
+
+from .core import (
+    Adopt,
+    Cleanup,
+    ExecutorCore,
+    ExecutorState,
+    ReportExit,
+    Start,
+    Stop,
+    exited_event,
+    reconcile,
+    started_event,
+)
+from .drivers import Driver, DriverError, Workload
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_S = 5.0
+RECONCILE_S = 0.5
+HEARTBEAT_CHUNK = 500  # node ids per heartbeat message (one executor may host thousands of sim nodes)
+EXIT_CANNOT_RUN = 126
+
+
+class ExecutorAgent:
+    def __init__(self, core: ExecutorCore, bus: Bus, driver: Driver | None = None, gpu: GpuBackend | None = None,
+                 instance: str = "0", heartbeat_s: float = HEARTBEAT_S, reconcile_s: float = RECONCILE_S,
+                 grace_s: float = 10.0, checkpoint_root: str | None = None,
+                 clock: Callable[[], float] = time.time, batch: int = 256) -> None:
+        self.core = core
+        self.bus = bus
+        self.driver = driver
+        self.gpu = gpu
+        self.heartbeat_s = heartbeat_s
+        self.reconcile_s = reconcile_s
+        self.grace_s = grace_s
+        self.checkpoint_root = checkpoint_root
+        self.clock = clock
+        self.runtime: ServiceRuntime[ExecutorState] = ServiceRuntime(core, bus, instance=instance, batch=batch,
+                                                                     clock=clock)
+        self._stop = asyncio.Event()
+        self._stopping: set[str] = set()
+        self.beating = True  # tests turn heartbeats off to play a lost node
+        self.heartbeats_sent = 0
+
+    @property
+    def state(self) -> ExecutorState:
+        return self.runtime.state
+
+    async def start(self) -> None:
+        await self.runtime.start()
+        if self.driver is not None:
+            await self.reconcile_once()  # re-adopt / report what happened while we were away
+        await self.heartbeat()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.runtime.stop()
+
+    async def run(self) -> None:
+        tasks = [asyncio.create_task(self.runtime.run()), asyncio.create_task(self._every(self.heartbeat_s, self.heartbeat))]
+        if self.driver is not None:
+            tasks.append(asyncio.create_task(self._every(self.reconcile_s, self.reconcile_once)))
+        try:
+            await self._stop.wait()
+        finally:
+            self.runtime.stop()
+            for t in tasks[1:]:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            if self.driver is not None:
+                await self.driver.close()
+
+    async def _every(self, period_s: float, fn: Callable[[], Any]) -> None:
+        while not self._stop.is_set():
+            try:
+                await fn()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - a failed round is retried on the next one
+                log.exception("%s failed; retrying in %.1fs", getattr(fn, "__name__", fn), period_s)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), period_s)
+
+    # ------------------------------------------------------------ heartbeats
+
+    async def heartbeat(self) -> None:
+        if not self.beating:
+            return
+        nodes = sorted(self.core.nodes)
+        running: dict[str, list[str]] = {}
+        for (job_id, _), r in self.state.running.items():
+            if r.node_id in self.core.driver_nodes:
+                running.setdefault(r.node_id, []).append(job_id)
+        now = self.clock()
+        for i in range(0, len(nodes), HEARTBEAT_CHUNK):
+            chunk = nodes[i:i + HEARTBEAT_CHUNK]
+            payload = NodeHeartbeat(node_id=chunk[0], also_nodes=tuple(chunk[1:]),
+                                    running_jobs=tuple(sorted(j for n in chunk for j in running.get(n, ()))))
+            env = Envelope(event_id=derive_id(f"hb:{chunk[0]}", 0, time_ms=int(now * 1000)), type=payload.type,
+                           occurred_at=utc(now), tenant=SYS_TENANT, actor=self.runtime.actor, payload=payload)
+            await self.bus.publish_telemetry(env.subject(), env.to_json())
+        self.heartbeats_sent += 1
+
+    # ------------------------------------------------------------ reconcile
+
+    async def reconcile_once(self) -> int:
+        """One round; returns how many actions it took."""
+        assert self.driver is not None
+        observed = await self.driver.list()
+        nodes = {n: self.core.nodes[n] for n in self.core.driver_nodes}
+        now = self.clock()
+        actions = reconcile(self.state, nodes, observed, now, self.grace_s, self.checkpoint_root)
+        ctx = self.runtime.ctx()
+        out: list[Envelope] = []
+        cleanups: list[str] = []
+        for a in actions:
+            if isinstance(a, Start):
+                try:
+                    w = await self.driver.start(a.launch)
+                except DriverError as exc:
+                    log.warning("%s: cannot start: %s", a.launch.key, exc.message)
+                    never = Workload(a.launch.job_id, a.launch.replica, a.launch.attempt, a.launch.node_id, handle="",
+                                     running=False, exit_code=EXIT_CANNOT_RUN, started_at=now)
+                    out.append(exited_event(ctx, ReportExit(never, "error", None, a.desired)))
+                    continue
+                out.append(started_event(ctx, w, a.desired, self.driver.name))
+            elif isinstance(a, Adopt):
+                log.info("re-adopted %s (pid %s, container %s)", a.workload.key, a.workload.pid, a.workload.container_id)
+                out.append(started_event(ctx, a.workload, a.desired, self.driver.name))
+            elif isinstance(a, Stop):
+                if a.key not in self._stopping:
+                    log.info("stopping %s (%s), grace %.1fs", a.key, a.reason, a.grace_s)
+                    self._stopping.add(a.key)
+                    await self.driver.stop(a.key, a.grace_s)
+            elif isinstance(a, ReportExit):
+                unclean = await self.unclean_gpus(a)
+                if unclean:
+                    log.warning("%s exited but still holds memory on GPU(s) %s", a.workload.key, unclean)
+                out.append(exited_event(ctx, a, unclean))
+                if a.workload.handle:
+                    cleanups.append(a.workload.key)
+            elif isinstance(a, Cleanup):
+                cleanups.append(a.key)
+        if out:
+            await self.runtime.publish_local(out)  # published (and folded) before anything is removed
+        for key in cleanups:
+            await self.driver.cleanup(key)
+            self._stopping.discard(key)
+        return len(actions)
+
+    async def unclean_gpus(self, a: ReportExit) -> tuple[int, ...]:
+        """GPUs of the allocation on which a process of this workload still holds memory."""
+        if self.gpu is None or self.driver is None or a.desired is None or not a.workload.handle:
+            return ()
+        from .process_driver import job_of_pid
+
+        w = a.workload
+        mine = await self.driver.pids(w.key)
+        ident = (w.job_id, w.replica, w.attempt)
+        unclean = []
+        for index in a.desired.alloc.gpu_indices:
+            procs = await asyncio.to_thread(self.gpu.processes, index)
+            if any(p.pid in mine or job_of_pid(p.pid) == ident for p in procs):
+                unclean.append(index)
+        return tuple(unclean)
