@@ -33,10 +33,12 @@ from gpufleet.shared.events import (
     JobPreempted,
     JobPreemptionRequested,
     JobQuotaReserved,
+    JobResumeRequested,
     JobSubmitted,
     JobUnschedulable,
     NodeCordoned,
     NodeDatasetsCached,
+    NodeGpuCleared,
     NodeGpuUnhealthy,
     NodeGpuZombieDetected,
     NodeInventory,
@@ -51,7 +53,7 @@ from gpufleet.shared.runtime import BaseCore, Ctx
 from gpufleet.shared.spec import JobSpec
 
 from .frag import MILLI, TaskShape, typical_tasks
-from .framework import NODE_CONSTRAINTS, Ask, Context, Node, Profile, feasible, profiles, schedule, why_not
+from .framework import LASTING_CONSTRAINTS, Ask, Context, Node, Profile, feasible, profiles, schedule, why_not
 
 CPU_ONLY = ""  # the model key of nodes without GPUs
 SCAN_NODES_MAX = 2048  # per replica: bound the work of one decision
@@ -97,6 +99,12 @@ class PlacerState:
     recent: deque[TaskShape] = field(default_factory=deque)
     shapes_seen: int = 0
     fleet_version: int = 0  # bumped when nodes join, leave, or change health: `ever_fits` holds until then
+    inventories: dict[str, NodeInventory] = field(default_factory=dict)
+    # node -> GPU index -> why it takes no new work (unhealthy, zombie memory, left unclean by a job)
+    quarantined: dict[str, dict[int, str]] = field(default_factory=dict)
+    lost: set[str] = field(default_factory=set)
+    cordoned: set[str] = field(default_factory=set)
+    attempts: dict[str, int] = field(default_factory=dict)  # job -> attempt (resumed jobs run again)
 
 
 # ---------------------------------------------------------------- node bookkeeping
@@ -158,7 +166,9 @@ def _register(state: PlacerState, node_id: str, inv: NodeInventory) -> None:
     old = state.nodes.get(node_id)
     if old is not None:
         _unindex(state, old)
-    whole = [g for g in inv.gpus if not g.mig_enabled]
+    state.inventories[node_id] = inv
+    held = state.quarantined.get(node_id, {})
+    whole = [g for g in inv.gpus if not g.mig_enabled and g.index not in held]
     models = sorted({g.model for g in inv.gpus})
     node = Node(
         node_id=node_id, model=models[0] if models else CPU_ONLY, gpu_ids=[g.index for g in whole],
@@ -166,7 +176,8 @@ def _register(state: PlacerState, node_id: str, inv: NodeInventory) -> None:
         mem_total=inv.memory_mib, gpu_mem_mib=min((g.memory_mib for g in whole), default=0),
         island=[g.nvlink_island for g in whole], switch=[g.pcie_switch for g in whole],
         numa=[g.numa_node for g in whole], labels=dict(inv.labels), taints=frozenset(inv.taints),
-        healthy=old.healthy if old is not None else True, datasets=old.datasets if old is not None else frozenset(),
+        healthy=node_id not in state.lost and node_id not in state.cordoned,
+        datasets=old.datasets if old is not None else frozenset(),
     )
     state.nodes[node_id] = node
     slot = MigSlot()
@@ -224,7 +235,7 @@ class PlacerCore(BaseCore[PlacerState]):
         "fleet.evt.*.job.*.unschedulable", "fleet.evt.*.job.*.exited", "fleet.evt.*.job.*.cancel_requested",
         "fleet.evt.*.job.*.preemption_requested", "fleet.evt.*.job.*.backfill_reserved",
         "fleet.evt.*.job.*.succeeded", "fleet.evt.*.job.*.failed", "fleet.evt.*.job.*.cancelled",
-        "fleet.evt.*.job.*.preempted",
+        "fleet.evt.*.job.*.preempted", "fleet.evt.*.job.*.resume_requested",
     )
 
     def __init__(self, config: ClusterConfig | None = None) -> None:
@@ -246,37 +257,27 @@ class PlacerCore(BaseCore[PlacerState]):
         t = env.type
         p = env.payload
         if isinstance(p, NodeRegistered):
+            state.lost.discard(p.node_id)  # a lost node registering again is back
             _register(state, p.node_id, p.inventory)
             state.fleet_version += 1
             return state
-        if isinstance(p, NodeLost | NodeCordoned):
+        if isinstance(p, NodeLost | NodeCordoned | NodeUncordoned):
+            (state.lost if isinstance(p, NodeLost) else state.cordoned).add(p.node_id)
+            if isinstance(p, NodeUncordoned):
+                state.cordoned.discard(p.node_id)
             node = state.nodes.get(p.node_id)
-            if node is not None:
+            healthy = p.node_id not in state.lost and p.node_id not in state.cordoned
+            if node is not None and node.healthy != healthy:
                 _unindex(state, node)
-                node.healthy = False
-                state.fleet_version += 1
-            return state
-        if isinstance(p, NodeUncordoned):
-            node = state.nodes.get(p.node_id)
-            if node is not None and not node.healthy:
-                node.healthy = True
+                node.healthy = healthy
                 _reindex(state, node)
                 state.fleet_version += 1
             return state
-        if isinstance(p, NodeGpuUnhealthy | NodeGpuZombieDetected):
-            # quarantined: the GPU leaves the placer's view (no new work; what runs there keeps going)
-            node = state.nodes.get(p.node_id)
-            if node is not None and p.gpu_index in node.gpu_ids:
-                _unindex(state, node)
-                i = node.gpu_ids.index(p.gpu_index)
-                node.gpu_ids = [g for j, g in enumerate(node.gpu_ids) if j != i]
-                for attr in ("left", "island", "switch", "numa"):
-                    values = getattr(node, attr)
-                    if len(values) > i:
-                        setattr(node, attr, [v for j, v in enumerate(values) if j != i])
-                node.version += 1
-                _reindex(state, node)
-                state.fleet_version += 1
+        if isinstance(p, NodeGpuUnhealthy | NodeGpuZombieDetected | NodeGpuCleared):
+            # quarantined: the GPU leaves the placer's view (no new work; what runs there keeps
+            # going) until an occupancy check clears it
+            why = "cleared" if isinstance(p, NodeGpuCleared) else p.type.removeprefix("node.")
+            self._quarantine(state, p.node_id, (p.gpu_index,), why)
             return state
         if isinstance(p, NodeDatasetsCached):
             node = state.nodes.get(p.node_id)
@@ -314,7 +315,7 @@ class PlacerCore(BaseCore[PlacerState]):
                 state.reservation = Reservation(job_id, p.nodes, p.estimated_start.timestamp(),
                                                 env.occurred_at.timestamp())
         elif isinstance(p, JobPlaced):
-            if job_id in state.ended or job_id in state.allocations:
+            if job_id in state.ended or job_id in state.allocations or p.attempt < state.attempts.get(job_id, 1):
                 return state
             state.pending.pop(job_id, None)
             state.unschedulable_said.pop(job_id, None)
@@ -325,6 +326,12 @@ class PlacerCore(BaseCore[PlacerState]):
             state.ends_at[job_id] = env.occurred_at.timestamp() + (spec.max_runtime_s if spec else 86400.0)
             for a in p.allocations:
                 _take(state, a)
+        elif isinstance(p, JobResumeRequested):
+            if job_id in state.ended:
+                return state
+            state.attempts[job_id] = state.attempts.get(job_id, 1) + 1
+            if not state.allocations.get(job_id):
+                state.pending[job_id] = None
         elif t in ("job.exited", "job.succeeded", "job.failed", "job.cancelled", "job.preempted"):
             if t != "job.exited":
                 state.ended.add(job_id)
@@ -344,7 +351,26 @@ class PlacerCore(BaseCore[PlacerState]):
                 state.allocations[job_id] = keep
             elif t == "job.exited":
                 state.ends_at.pop(job_id, None)
+                if state.attempts.get(job_id, 1) > 1 and job_id not in state.ended and job_id not in state.pending:
+                    state.pending[job_id] = None  # the last replica of a resumed job's old attempt is gone
+            if isinstance(p, JobExited) and p.unclean_gpus:
+                self._quarantine(state, p.node_id, p.unclean_gpus, "unclean")
         return state
+
+    def _quarantine(self, state: PlacerState, node_id: str, gpus: tuple[int, ...], why: str) -> None:
+        held = state.quarantined.setdefault(node_id, {})
+        for g in gpus:
+            if why == "cleared":
+                held.pop(g, None)
+            else:
+                held[g] = why
+        if not held:
+            state.quarantined.pop(node_id, None)
+        inv = state.inventories.get(node_id)
+        if inv is not None:
+            _register(state, node_id, inv)
+            state.nodes[node_id].version += 1
+            state.fleet_version += 1
 
     # ------------------------------------------------------------ decide
 
@@ -368,8 +394,10 @@ class PlacerCore(BaseCore[PlacerState]):
             if job_id in state.pending:
                 return self._try(state, job_id, ctx, Plan(), now, say_unschedulable=True)
             return []
+        if isinstance(p, JobResumeRequested) and p.job_id in state.pending:
+            return self._try(state, p.job_id, ctx, Plan(), now, say_unschedulable=True)
         if t in ("job.exited", "job.succeeded", "job.failed", "job.cancelled", "job.preempted",
-                 "node.registered", "node.uncordoned"):
+                 "node.registered", "node.uncordoned", "node.gpu_cleared"):
             out: list[Envelope] = []
             plan = Plan()  # what earlier plans in this decision took
             for job_id in list(state.pending)[:RETRY_PENDING_MAX]:
@@ -402,14 +430,16 @@ class PlacerCore(BaseCore[PlacerState]):
         if allocs is not None:
             plan.nodes, plan.mig_taken = trial.nodes, trial.mig_taken
             # The runtime evolves this output at once, so the next decision sees the GPUs taken.
-            return [ctx.emit(JobPlaced(job_id=job_id, allocations=allocs), tenant=spec.tenant, key=f"placed:{job_id}")]
+            attempt = state.attempts.get(job_id, 1)
+            key = f"placed:{job_id}" + (f":{attempt}" if attempt > 1 else "")
+            return [ctx.emit(JobPlaced(job_id=job_id, allocations=allocs, attempt=attempt), tenant=spec.tenant, key=key)]
         out: list[Envelope] = []
         if state.nodes and not self._ever_fits_cached(state, job_id, spec):
             # Quota and placement must agree: a job no healthy node set could ever hold must not
             # keep its quota (and block others) while it waits; it fails, and says why.
             return [ctx.emit(JobFailed(job_id=job_id, reason=Reason(code="never_fits", message=(
                 f"{spec.replicas} x {_ask(spec)} ({', '.join(spec.resources.gpu_models) or 'any model'}) cannot "
-                f"fit even on the empty cluster of {sum(n.healthy for n in state.nodes.values())} healthy nodes"))),
+                f"fit even on the empty cluster of {len(state.nodes) - len(state.cordoned)} nodes not cordoned"))),
                 tenant=spec.tenant, key=f"never:{job_id}")]
         if self.placement.backfill and state.nodes:
             out += self._reserve(state, job_id, spec, ctx, now)
@@ -596,19 +626,22 @@ class PlacerCore(BaseCore[PlacerState]):
         return hit
 
     def ever_fits(self, state: PlacerState, spec: JobSpec) -> bool:
-        """Whether all replicas would fit if every healthy node were empty."""
+        """Whether all replicas would fit if every node not cordoned were empty (a lost node, or
+        a quarantined GPU, counts: it may come back, and a job must not fail for a passing fault)."""
         a = ask_of(spec)
         r = spec.resources
         room = 0
         for node in state.nodes.values():
-            if not all(ok(node, a) for ok in NODE_CONSTRAINTS):
+            if node.node_id in state.cordoned or not all(ok(node, a) for ok in LASTING_CONSTRAINTS):
                 continue
             if (a.gpus or r.mig) and a.models and node.model not in a.models:
                 continue
-            if a.gpus and (not node.gpus_total or (a.gpu_mem and node.gpu_mem_mib < a.gpu_mem)):
+            inv = state.inventories.get(node.node_id)
+            gpus_total = sum(1 for g in inv.gpus if not g.mig_enabled) if inv is not None else node.gpus_total
+            if a.gpus and (not gpus_total or (a.gpu_mem and node.gpu_mem_mib < a.gpu_mem)):
                 continue
             per_gpu = MILLI // a.milli if a.milli < MILLI else 1
-            per = [node.gpus_total * per_gpu // a.gpus if a.gpus else spec.replicas,
+            per = [gpus_total * per_gpu // a.gpus if a.gpus else spec.replicas,
                    node.cpu_total // a.cpu if a.cpu else spec.replicas,
                    node.mem_total // a.mem if a.mem else spec.replicas]
             slot = state.mig.get(node.node_id)

@@ -164,6 +164,8 @@ FILTERS: tuple[tuple[str, FilterFn], ...] = (
 
 # what a node must be for a job, whatever is free on it (the never-fits check uses these)
 NODE_CONSTRAINTS: tuple[FilterFn, ...] = (_healthy, _taints, _labels)
+# what a node's state cannot change: a lost node or a quarantined GPU may come back, these do not
+LASTING_CONSTRAINTS: tuple[FilterFn, ...] = (_taints, _labels)
 
 
 def feasible(n: Node, a: Ask) -> bool:

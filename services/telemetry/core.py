@@ -1,26 +1,127 @@
-"""Telemetry: which jobs run on which node's GPUs — the ground truth zombie detection needs.
+"""Telemetry: what runs on which GPU, and the facts derived from watching the GPUs.
 
-folds: nodes, running replicas and their GPUs     decides: nothing yet (NVML sampling, zombie,
-unhealthy, idle and node-lost facts come with the executor/telemetry issue)
+folds: nodes, running replicas (GPUs, pids), quarantined GPUs, facts already said
+decides (from observations the shell hands in, never from the clock or I/O itself):
+  - `check_leases`: a node whose heartbeats stopped for `lease_s` -> `node.lost`, and each of
+    its running replicas -> `job.exited` (reason node_lost), so quota and GPUs are released
+    and the guardian can run the job again; never leaked.
+  - `observe`: one node's GPU samples (+ each job's CPU / I/O use) ->
+      `node.gpu_zombie_detected`  memory held by a process of no job running on that GPU
+      `node.gpu_cleared`          a quarantined GPU passed the occupancy check
+      `node.gpu_unhealthy`        uncorrected ECC errors or a fatal XID
+      `job.idle_detected`         the job's GPUs below `idle_pct` for `idle_after_s`
+      `job.gpu_starved`           GPUs underused while the job's CPUs are saturated / it waits on I/O
+The windows behind idle / starved live in `Windows`, which the shell owns (samples are not in
+the log; after a restart they start again).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from gpufleet.shared.events import Envelope, JobExited, JobPlaced, NodeRegistered
-from gpufleet.shared.runtime import BaseCore
+from gpufleet.shared.events import (
+    Envelope,
+    GpuDevice,
+    JobExited,
+    JobGpuStarved,
+    JobIdleDetected,
+    JobPlaced,
+    JobStarted,
+    JobSubmitted,
+    NodeGpuCleared,
+    NodeGpuUnhealthy,
+    NodeGpuZombieDetected,
+    NodeLost,
+    NodeRegistered,
+)
+from gpufleet.shared.gpu import FATAL_XIDS, GpuSample
+from gpufleet.shared.runtime import BaseCore, Ctx
+from gpufleet.shared.spec import SimSpec
+
+LOST_EXIT = 137
+
+
+@dataclass(frozen=True)
+class Rules:
+    lease_s: float = 30.0  # no heartbeat for this long: the node is lost
+    idle_pct: float = 5.0
+    idle_after_s: float = 1800.0
+    starved_gpu_pct: float = 40.0
+    starved_cpu_pct: float = 90.0  # of the CPUs the job asked for
+    starved_io_pct: float = 30.0
+    starved_after_s: float = 120.0
+
+
+@dataclass
+class Replica:
+    job_id: str
+    tenant: str
+    replica: int
+    attempt: int
+    node_id: str
+    gpus: tuple[int, ...]
+    cpu_milli: int
+    started_at: float = 0.0
+    started_event_id: str | None = None
+    pid: int | None = None
+    container_id: str | None = None
+
+
+@dataclass
+class NodeInfo:
+    gpus: tuple[GpuDevice, ...]
+    driver: str
 
 
 @dataclass
 class TelemetryState:
-    gpus_by_node: dict[str, int] = field(default_factory=dict)
-    jobs_on_node: dict[str, dict[str, tuple[int, ...]]] = field(default_factory=dict)
+    nodes: dict[str, NodeInfo] = field(default_factory=dict)
+    registered_at: dict[str, float] = field(default_factory=dict)  # a registration counts as a heartbeat
+    lost: set[str] = field(default_factory=set)
+    replicas: dict[tuple[str, int], Replica] = field(default_factory=dict)  # (job, replica) -> placed / running
+    sim: dict[str, SimSpec] = field(default_factory=dict)  # job -> how its sim replicas behave
+    quarantined: dict[tuple[str, int], str] = field(default_factory=dict)  # (node, gpu) -> why
+    zombies_said: set[tuple[str, int, int]] = field(default_factory=set)  # (node, gpu, pid)
+    idle_said: set[tuple[str, int]] = field(default_factory=set)  # (job, attempt)
+    starved_said: set[tuple[str, int]] = field(default_factory=set)
+    last_job_on: dict[tuple[str, int], str] = field(default_factory=dict)  # (node, gpu) -> last job there
+
+    def on_node(self, node_id: str) -> list[Replica]:
+        return [r for r in self.replicas.values() if r.node_id == node_id]
+
+
+@dataclass
+class JobUse:
+    """A job's CPU and I/O use over the last sample window (from its processes / container)."""
+
+    cpu_pct: float  # of the CPUs it asked for
+    iowait_pct: float = 0.0
+
+
+@dataclass
+class Windows:
+    """Since when each job has looked idle / starved (samples, not the log: the shell owns this)."""
+
+    low_since: dict[tuple[str, int], float] = field(default_factory=dict)
+    starved_since: dict[tuple[str, int, str], float] = field(default_factory=dict)
+
+
+Owner = Callable[[int], tuple[str, int, int] | None]  # pid -> (job, replica, attempt) it belongs to
 
 
 class TelemetryCore(BaseCore[TelemetryState]):
     name = "telemetry"
-    subjects = ("fleet.evt.sys.node.*.registered", "fleet.evt.*.job.*.placed", "fleet.evt.*.job.*.exited")
+    subjects = (
+        "fleet.evt.sys.node.*.*",
+        "fleet.evt.*.job.*.submitted", "fleet.evt.*.job.*.placed", "fleet.evt.*.job.*.started",
+        "fleet.evt.*.job.*.exited", "fleet.evt.*.job.*.idle_detected", "fleet.evt.*.job.*.gpu_starved",
+        "fleet.evt.*.job.*.succeeded", "fleet.evt.*.job.*.failed", "fleet.evt.*.job.*.cancelled",
+        "fleet.evt.*.job.*.preempted",
+    )
+
+    def __init__(self, rules: Rules | None = None) -> None:
+        self.rules = rules or Rules()
 
     def initial_state(self) -> TelemetryState:
         return TelemetryState()
@@ -28,10 +129,160 @@ class TelemetryCore(BaseCore[TelemetryState]):
     def evolve(self, state: TelemetryState, env: Envelope) -> TelemetryState:
         p = env.payload
         if isinstance(p, NodeRegistered):
-            state.gpus_by_node[p.node_id] = len(p.inventory.gpus)
+            state.nodes[p.node_id] = NodeInfo(p.inventory.gpus, p.inventory.driver)
+            state.registered_at[p.node_id] = env.occurred_at.timestamp()
+            state.lost.discard(p.node_id)
+        elif isinstance(p, NodeLost):
+            state.lost.add(p.node_id)
+        elif isinstance(p, NodeGpuZombieDetected):
+            state.quarantined[(p.node_id, p.gpu_index)] = "zombie"
+            state.zombies_said.add((p.node_id, p.gpu_index, p.pid))
+        elif isinstance(p, NodeGpuUnhealthy):
+            state.quarantined[(p.node_id, p.gpu_index)] = "unhealthy"
+        elif isinstance(p, NodeGpuCleared):
+            state.quarantined.pop((p.node_id, p.gpu_index), None)
+            state.zombies_said = {z for z in state.zombies_said if z[:2] != (p.node_id, p.gpu_index)}
+        elif isinstance(p, JobSubmitted):
+            state.sim[p.job_id] = p.spec.sim
         elif isinstance(p, JobPlaced):
             for a in p.allocations:
-                state.jobs_on_node.setdefault(a.node_id, {})[p.job_id] = a.gpu_indices
+                state.replicas[(p.job_id, a.replica)] = Replica(
+                    p.job_id, env.tenant, a.replica, p.attempt, a.node_id, a.gpu_indices, a.cpu_milli)
+                for g in a.gpu_indices:
+                    state.last_job_on[(a.node_id, g)] = p.job_id
+        elif isinstance(p, JobStarted):
+            r = state.replicas.get((p.job_id, p.replica))
+            if r is not None and r.attempt == p.attempt:
+                r.started_at = env.occurred_at.timestamp()
+                r.started_event_id = env.event_id
+                r.pid, r.container_id = p.pid, p.container_id
         elif isinstance(p, JobExited):
-            state.jobs_on_node.get(p.node_id, {}).pop(p.job_id, None)
+            r = state.replicas.get((p.job_id, p.replica))
+            if r is not None and r.attempt == p.attempt:
+                del state.replicas[(p.job_id, p.replica)]
+            for g in p.unclean_gpus:
+                state.quarantined[(p.node_id, g)] = "unclean"
+        elif isinstance(p, JobIdleDetected):
+            state.idle_said.add((p.job_id, self._attempt(state, p.job_id)))
+        elif isinstance(p, JobGpuStarved):
+            state.starved_said.add((p.job_id, self._attempt(state, p.job_id)))
+        elif env.type in ("job.succeeded", "job.failed", "job.cancelled", "job.preempted") and env.job_id:
+            job_id = env.job_id
+            for key in [k for k in state.replicas if k[0] == job_id]:
+                del state.replicas[key]
+            state.sim.pop(job_id, None)
         return state
+
+    @staticmethod
+    def _attempt(state: TelemetryState, job_id: str) -> int:
+        return max((r.attempt for (j, _), r in state.replicas.items() if j == job_id), default=1)
+
+    # ------------------------------------------------------------ leases
+
+    def check_leases(self, state: TelemetryState, last_seen: dict[str, float], now: float, ctx: Ctx) -> list[Envelope]:
+        out: list[Envelope] = []
+        for node_id in sorted(state.nodes):
+            seen = max(last_seen.get(node_id, 0.0), state.registered_at.get(node_id, 0.0))
+            if node_id in state.lost or now - seen < self.rules.lease_s:
+                continue
+            lost_n = int(seen * 1000)  # one node.lost per silence (the same silence says it once)
+            out.append(ctx.emit(NodeLost(node_id=node_id, reason=(
+                f"no heartbeat for {now - seen:.0f}s (lease {self.rules.lease_s:.0f}s)")),
+                key=f"lost:{node_id}:{lost_n}"))
+            for r in sorted(state.on_node(node_id), key=lambda r: (r.job_id, r.replica)):
+                out.append(ctx.emit(JobExited(
+                    job_id=r.job_id, node_id=node_id, replica=r.replica, exit_code=LOST_EXIT, reason="node_lost",
+                    runtime_s=round(max(0.0, now - r.started_at), 3) if r.started_at else 0.0, attempt=r.attempt,
+                ), tenant=r.tenant, cause_id=r.started_event_id, key=f"lost:{node_id}:{lost_n}:{r.replica}:{r.attempt}"))
+        return out
+
+    # ------------------------------------------------------------ samples
+
+    def observe(self, state: TelemetryState, windows: Windows, node_id: str, samples: list[GpuSample],
+                owner: Owner, use: dict[tuple[str, int], JobUse], now: float, ctx: Ctx) -> list[Envelope]:
+        """Facts from one node's samples. `owner` says which job a pid belongs to; `use` is each
+        running replica's CPU / I/O use. Mutates only `windows`."""
+        if node_id not in state.nodes or node_id in state.lost:
+            return []
+        out: list[Envelope] = []
+        replicas = state.on_node(node_id)
+        on_gpu: dict[int, set[tuple[str, int, int]]] = {}
+        for r in replicas:  # placed counts, not only started: its process may run before the start is folded
+            for g in r.gpus:
+                on_gpu.setdefault(g, set()).add((r.job_id, r.replica, r.attempt))
+        by_index = {s.index: s for s in samples}
+        for s in samples:
+            key = (node_id, s.index)
+            mine = on_gpu.get(s.index, set())
+            foreign = [pr for pr in s.processes if owner(pr.pid) not in mine]
+            for pr in foreign:
+                if (node_id, s.index, pr.pid) in state.zombies_said:
+                    continue
+                was = owner(pr.pid)
+                out.append(ctx.emit(NodeGpuZombieDetected(
+                    node_id=node_id, gpu_index=s.index, pid=pr.pid, used_mib=pr.used_mib, process_name=pr.name,
+                    last_job_id=was[0] if was else state.last_job_on.get(key)),
+                    key=f"zombie:{node_id}:{s.index}:{pr.pid}"))
+            why = state.quarantined.get(key)
+            if why in ("zombie", "unclean") and not foreign:
+                out.append(ctx.emit(NodeGpuCleared(node_id=node_id, gpu_index=s.index, reason=(
+                    f"occupancy check passed: no process outside a running job holds memory ({why} before)")),
+                    key=f"cleared:{node_id}:{s.index}:{len(state.zombies_said)}:{why}"))
+            bad = sorted(set(s.xids) & FATAL_XIDS)
+            if why != "unhealthy" and (bad or s.ecc_uncorrected > 0):
+                reason = (f"XID {', '.join(map(str, bad))}" if bad
+                          else f"{s.ecc_uncorrected} uncorrected ECC error(s)")
+                out.append(ctx.emit(NodeGpuUnhealthy(
+                    node_id=node_id, gpu_index=s.index, reason=reason, xid=bad[0] if bad else None,
+                    ecc_uncorrected=s.ecc_uncorrected or None), key=f"unhealthy:{node_id}:{s.index}:{reason}"))
+        for r in replicas:
+            if r.started_event_id is None or not r.gpus:
+                continue
+            utils = [by_index[g].util_pct for g in r.gpus if g in by_index and by_index[g].util_pct is not None]
+            if not utils:
+                continue
+            util = sum(u for u in utils if u is not None) / len(utils)
+            out += self._idle(state, windows, r, util, now, ctx)
+            out += self._starved(state, windows, r, util, use.get((r.job_id, r.replica)), now, ctx)
+        return out
+
+    def _idle(self, state: TelemetryState, w: Windows, r: Replica, util: float, now: float, ctx: Ctx) -> list[Envelope]:
+        key = (r.job_id, r.attempt)
+        if util >= self.rules.idle_pct:
+            w.low_since.pop(key, None)
+            return []
+        since = w.low_since.setdefault(key, now)
+        if now - since < self.rules.idle_after_s or key in state.idle_said:
+            return []
+        return [ctx.emit(JobIdleDetected(job_id=r.job_id, gpu_util_pct=round(util, 2), idle_s=round(now - since, 3),
+                                         node_id=r.node_id, threshold_pct=self.rules.idle_pct),
+                         tenant=r.tenant, key=f"idle:{r.job_id}:{r.attempt}")]
+
+    def _starved(self, state: TelemetryState, w: Windows, r: Replica, util: float, use: JobUse | None, now: float,
+                 ctx: Ctx) -> list[Envelope]:
+        key = (r.job_id, r.attempt)
+        causes = []
+        if use is not None and util < self.rules.starved_gpu_pct:
+            if use.cpu_pct >= self.rules.starved_cpu_pct:
+                causes.append("cpu")
+            if use.iowait_pct >= self.rules.starved_io_pct:
+                causes.append("io")
+        for cause in ("cpu", "io"):
+            if cause not in causes:
+                w.starved_since.pop((r.job_id, r.attempt, cause), None)
+        if use is None or key in state.starved_said:
+            return []
+        for cause in causes:
+            since = w.starved_since.setdefault((r.job_id, r.attempt, cause), now)
+            if now - since >= self.rules.starved_after_s:
+                what = (f"its CPUs are {use.cpu_pct:.0f}% busy" if cause == "cpu"
+                        else f"it waits on I/O {use.iowait_pct:.0f}% of the time")
+                return [ctx.emit(JobGpuStarved(
+                    job_id=r.job_id, node_id=r.node_id, cause="cpu" if cause == "cpu" else "io",
+                    gpu_util_pct=round(util, 2), cpu_util_pct=round(use.cpu_pct, 2),
+                    iowait_pct=round(use.iowait_pct, 2), window_s=round(now - since, 3),
+                    message=(f"GPUs {util:.0f}% busy while {what}: the input pipeline cannot feed them "
+                             + ("(more data-loader workers or CPUs?)" if cause == "cpu"
+                                else "(data on slow storage? cache the dataset locally)"))),
+                    tenant=r.tenant, key=f"starved:{r.job_id}:{r.attempt}")]
+        return []

@@ -1,0 +1,257 @@
+"""Telemetry as a process: the runtime (fold), heartbeats in, GPU samples out, facts decided.
+
+- Heartbeats arrive on `fleet.tel.node.*.heartbeat` (a plain subscription: samples are lossy
+  by design); the lease check turns a silence into `node.lost`.
+- Every `sample_s` each node's backend is sampled: the samples go to FLEET_TELEMETRY
+  (`fleet.tel.node.<node>.gpu`, one JSON document per node) and to `TelemetryCore.observe`,
+  whose facts go to the main log.
+- Backends: real GPUs through NVML for the local node(s), and `SimWorld` for `sim` nodes: their
+  GPUs are played from the log (a started replica is a process holding `sim.gpuMemoryUsed` on
+  each of its GPUs at `sim.gpuUtil`; with `sim.leaveZombie` the process outlives the replica),
+  so every rule runs on machines without a GPU, and tests can change the world directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from typing import Any
+
+from gpufleet.shared.bus import Bus
+from gpufleet.shared.gpu import GpuBackend, GpuSample, SimGpuBackend
+from gpufleet.shared.runtime import ServiceRuntime
+
+from .core import JobUse, Owner, TelemetryCore, TelemetryState, Windows
+
+log = logging.getLogger(__name__)
+
+SAMPLE_S = 5.0
+LEASE_CHECK_S = 1.0
+
+
+class SimWorld:
+    """The simulated GPUs of the `sim` nodes, kept in step with the log."""
+
+    def __init__(self) -> None:
+        self.backends: dict[str, SimGpuBackend] = {}
+        self.owners: dict[int, tuple[str, int, int]] = {}  # pid -> (job, replica, attempt)
+        self._pid_of: dict[tuple[str, int, int], int] = {}
+        self._zombie: dict[tuple[str, int, int], bool] = {}
+        self._next_pid = 100_000
+
+    def sync(self, state: TelemetryState) -> None:
+        for node_id, info in state.nodes.items():
+            if info.driver == "sim" and node_id not in self.backends:
+                self.backends[node_id] = SimGpuBackend(info.gpus)
+        live = {(r.job_id, r.replica, r.attempt): r for r in state.replicas.values()
+                if r.started_event_id is not None and r.node_id in self.backends}
+        for ident, r in live.items():
+            if ident in self._pid_of:
+                continue
+            spec = state.sim.get(r.job_id)
+            if spec is None or not r.gpus:
+                continue
+            pid = self._next_pid
+            self._next_pid += 1
+            self._pid_of[ident] = pid
+            self._zombie[ident] = spec.leave_zombie
+            self.owners[pid] = ident
+            for g in r.gpus:
+                self.backends[r.node_id].add_process(g, pid, spec.gpu_mem_used_mib, name="python",
+                                                     util_pct=spec.gpu_util_pct)
+        for ident, pid in list(self._pid_of.items()):
+            if ident not in live:
+                del self._pid_of[ident]
+                if not self._zombie.pop(ident, False):  # a zombie stays on its GPUs, held by nobody
+                    for b in self.backends.values():
+                        b.remove_process(pid)
+                    self.owners.pop(pid, None)
+
+    def pid_of(self, job_id: str, replica: int = 0, attempt: int = 1) -> int | None:
+        return self._pid_of.get((job_id, replica, attempt))
+
+    def use(self, state: TelemetryState, node_id: str) -> dict[tuple[str, int], JobUse]:
+        out = {}
+        for r in state.on_node(node_id):
+            spec = state.sim.get(r.job_id)
+            if spec is not None and r.started_event_id is not None:
+                out[(r.job_id, r.replica)] = JobUse(spec.cpu_util_pct, spec.iowait_pct)
+        return out
+
+
+class ProcUse:
+    """A real job's CPU and I/O-wait use from /proc, per process group, between two samples."""
+
+    def __init__(self) -> None:
+        self._last: dict[int, tuple[float, float, float]] = {}  # pgid -> (at, cpu ticks, blkio ticks)
+        self._hz = os.sysconf("SC_CLK_TCK")
+
+    def use(self, state: TelemetryState, node_id: str, now: float) -> dict[tuple[str, int], JobUse]:
+        out = {}
+        for r in state.on_node(node_id):
+            if r.pid is None:
+                continue
+            cpu, blkio = _group_ticks(r.pid)
+            last = self._last.get(r.pid)
+            self._last[r.pid] = (now, cpu, blkio)
+            if last is None or now <= last[0]:
+                continue
+            dt = now - last[0]
+            cores = max(r.cpu_milli, 1) / 1000
+            out[(r.job_id, r.replica)] = JobUse(
+                cpu_pct=100.0 * (cpu - last[1]) / self._hz / dt / cores,
+                iowait_pct=100.0 * (blkio - last[2]) / self._hz / dt)
+        return out
+
+
+def _group_ticks(pgid: int) -> tuple[float, float]:
+    cpu = blkio = 0.0
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            raw = open(f"/proc/{entry.name}/stat").read()  # noqa: SIM115 - short read
+        except OSError:
+            continue
+        f = raw[raw.rfind(")") + 2:].split()
+        if int(f[2]) == pgid:
+            cpu += int(f[11]) + int(f[12])  # utime + stime
+            blkio += int(f[39])  # delayacct_blkio_ticks
+    return cpu, blkio
+
+
+class TelemetryAgent:
+    def __init__(self, core: TelemetryCore, bus: Bus, *, sim: bool = True,
+                 local: dict[str, GpuBackend] | None = None, sample_s: float = SAMPLE_S,
+                 lease_check_s: float = LEASE_CHECK_S, publish_samples: bool = True, instance: str = "0",
+                 clock: Callable[[], float] = time.time, batch: int = 256) -> None:
+        self.core = core
+        self.bus = bus
+        self.world = SimWorld() if sim else None
+        self.local = dict(local or {})  # node id -> its real GPUs
+        self.sample_s = sample_s
+        self.lease_check_s = lease_check_s
+        self.publish_samples = publish_samples
+        self.clock = clock
+        self.runtime: ServiceRuntime[TelemetryState] = ServiceRuntime(core, bus, instance=instance, batch=batch,
+                                                                      clock=clock)
+        self.windows = Windows()
+        self.last_seen: dict[str, float] = {}
+        self.proc_use = ProcUse()
+        self._stop = asyncio.Event()
+        self._sub: Any = None
+        self.samples_taken = 0
+
+    @property
+    def state(self) -> TelemetryState:
+        return self.runtime.state
+
+    async def start(self) -> None:
+        await self.runtime.start()
+        now = self.clock()
+        for node_id in self.state.nodes:  # a restarted telemetry gives every node a full lease
+            self.last_seen[node_id] = now
+        self._sub = await self.bus.nc.subscribe("fleet.tel.node.*.heartbeat", cb=self._on_heartbeat)
+
+    async def _on_heartbeat(self, msg: Any) -> None:
+        try:
+            payload = json.loads(msg.data)["payload"]
+        except (ValueError, KeyError, TypeError):
+            return
+        now = self.clock()
+        for node_id in (payload.get("node_id"), *payload.get("also_nodes", ())):
+            if isinstance(node_id, str):
+                self.last_seen[node_id] = now
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.runtime.stop()
+
+    async def run(self) -> None:
+        tasks = [asyncio.create_task(self.runtime.run()),
+                 asyncio.create_task(self._every(self.sample_s, self.sample_once)),
+                 asyncio.create_task(self._every(self.lease_check_s, self.check_leases))]
+        try:
+            await self._stop.wait()
+        finally:
+            self.runtime.stop()
+            for t in tasks[1:]:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            if self._sub is not None:
+                with contextlib.suppress(Exception):
+                    await self._sub.unsubscribe()
+            for b in self.local.values():
+                b.close()
+
+    async def _every(self, period_s: float, fn: Callable[[], Any]) -> None:
+        while not self._stop.is_set():
+            try:
+                await fn()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - the next round tries again
+                log.exception("telemetry %s failed", getattr(fn, "__name__", fn))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), period_s)
+
+    async def check_leases(self) -> None:
+        facts = self.core.check_leases(self.state, self.last_seen, self.clock(), self.runtime.ctx())
+        for f in facts:
+            if f.type == "node.lost":
+                log.warning("%s", f.payload)
+        await self.runtime.publish_local(facts)
+
+    def backends(self) -> dict[str, GpuBackend]:
+        out: dict[str, GpuBackend] = dict(self.local)
+        if self.world is not None:
+            self.world.sync(self.state)
+            out.update({n: b for n, b in self.world.backends.items() if n not in out})
+        return out
+
+    async def sample_once(self) -> None:
+        from gpufleet.services.executor.process_driver import job_of_pid
+
+        now = self.clock()
+        facts = []
+        for node_id, backend in sorted(self.backends().items()):
+            if node_id in self.state.lost:
+                continue
+            samples: list[GpuSample] = (await asyncio.to_thread(backend.sample) if node_id in self.local
+                                        else backend.sample())
+            self.samples_taken += 1
+            if node_id in self.local:
+                owner: Owner = job_of_pid
+                use = self.proc_use.use(self.state, node_id, now)
+            else:
+                assert self.world is not None
+                owner = self.world.owners.get
+                use = self.world.use(self.state, node_id)
+            if self.publish_samples:
+                await self._publish(node_id, samples, now)
+            _record_metrics(node_id, samples)
+            facts += self.core.observe(self.state, self.windows, node_id, samples, owner, use, now, self.runtime.ctx())
+        await self.runtime.publish_local(facts)
+
+    async def _publish(self, node_id: str, samples: list[GpuSample], now: float) -> None:
+        doc = {"node_id": node_id, "at": now, "gpus": [
+            {**asdict(s), "processes": [asdict(p) for p in s.processes]} for s in samples]}
+        await self.bus.publish_telemetry(f"fleet.tel.node.{node_id}.gpu", json.dumps(doc).encode())
+
+
+def _record_metrics(node_id: str, samples: list[GpuSample]) -> None:
+    try:
+        from gpufleet.shared import otel
+    except ImportError:  # the metrics module is optional until it lands
+        return
+    record = getattr(otel, "record_gpu", None)
+    if record is None:
+        return
+    for s in samples:
+        record(node_id, s.index, s.util_pct, s.mem_used_mib, s.mem_total_mib, s.temp_c, s.power_w)
