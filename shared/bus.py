@@ -7,6 +7,8 @@
 - Every message carries `Nats-Msg-Id` = event id, so the server drops re-published copies.
 - nats-py 2.16's `publish_async` never resolves a future whose publish the server rejected
   (PROBE.md), so every wait here is bounded by a timeout.
+- With tracing set up (shared/otel.py) every event also carries W3C `traceparent` (and
+  `tracestate`): the context of the span that decided it, else the caller's current span.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from nats.aio.client import Client as NatsClient
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
 from nats.js.client import JetStreamContext
 
+from . import otel
 from .errors import CasConflict, PermanentError, RetryableError
 from .events import STREAM, TELEMETRY_STREAM, Envelope
 
@@ -71,6 +74,14 @@ class Cas:
 
     subject: str
     last_seq: int
+
+
+def _headers(env: Envelope) -> dict[str, str]:
+    """Nats-Msg-Id (the server drops a re-published copy), and the trace context if tracing."""
+    headers = {"Nats-Msg-Id": env.event_id}
+    if otel.TRACING:
+        headers.update(otel.inject_headers(env))
+    return headers
 
 
 def subject_matches(pattern: str, subject: str) -> bool:
@@ -136,6 +147,8 @@ class Bus:
     async def publish(self, env: Envelope, cas: Cas | None = None) -> int:
         """Publish one event and wait for its ack; returns the stream sequence."""
         headers = {"Nats-Msg-Id": env.event_id}
+        if otel.TRACING:
+            headers.update(otel.inject_headers(env))
         if cas is not None:
             headers["Nats-Expected-Last-Subject-Sequence"] = str(cas.last_seq)
             headers["Nats-Expected-Last-Subject-Sequence-Subject"] = cas.subject
@@ -158,7 +171,7 @@ class Bus:
         if not envs:
             return []
         futs = [
-            await self.js.publish_async(e.subject(), e.to_json(), headers={"Nats-Msg-Id": e.event_id})
+            await self.js.publish_async(e.subject(), e.to_json(), headers=_headers(e))
             for e in envs
         ]
         try:
@@ -200,6 +213,8 @@ class Bus:
         n = len(envs)
         for i, env in enumerate(envs, 1):
             headers = {"Nats-Msg-Id": env.event_id, "Nats-Batch-Id": batch_id, "Nats-Batch-Sequence": str(i)}
+            if otel.TRACING:
+                headers.update(otel.inject_headers(env))
             if i == 1 and cas is not None:
                 headers["Nats-Expected-Last-Subject-Sequence"] = str(cas.last_seq)
                 headers["Nats-Expected-Last-Subject-Sequence-Subject"] = cas.subject

@@ -15,6 +15,9 @@
   more than MAX_DELIVER times likewise.
 - One ack per batch (AckAll). After any failure in a batch the service re-folds and recreates
   its consumer at the ack floor, so what was not decided is delivered again, in order.
+- With shared/otel.py set up: a span per decision that published something (or failed),
+  parented to the decided message's `traceparent` (else in the job's own trace), whose context
+  its outputs carry; counters of what was consumed and published, by type.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import nats
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
+from . import otel
 from .bus import Bus, Cas
 from .errors import CasConflict, RetryableError
 from .events import STREAM, SYS_TENANT, DeadLetter, Envelope, Payload, parse_envelope, subject_for, utc
@@ -155,6 +159,7 @@ class ServiceRuntime(Generic[S]):
         self._next_tick = 0.0
         self._psub: Any = None
         self._parsed: dict[int, Envelope] | None = None  # a group's parse cache for one batch
+        self._batch_types: dict[str, int] | None = None  # the batch's decided events by type (metrics)
         self._interest = SubjectFilter(self.core.subjects)
         self._takes = SubjectFilter([self.core.cas_subject] if self.core.cas_subject else [])
         # one broad server-side filter, the rest in the client (see shared/subjects.py)
@@ -181,6 +186,7 @@ class ServiceRuntime(Generic[S]):
     async def refold(self) -> int:
         """Rebuild the state from the stream (the core's subjects) up to its head."""
         self.stats.refolds += 1
+        otel.count_refold(self.core.name)
         self.state = self.core.initial_state()
         self.applied_seq = 0
         self.last_cas_seq = 0
@@ -254,6 +260,7 @@ class ServiceRuntime(Generic[S]):
         seq = md.sequence.stream
         ts_ms = int(md.timestamp.timestamp() * 1000) if md.timestamp else 0
         self.stats.dead_letters += 1
+        otel.count_dead_letter(self.core.name)
         log.warning("%s: dead letter seq %d on %s: %s", self.actor, seq, msg.subject, reason)
         payload = DeadLetter(
             service=self.core.name, subject=msg.subject, stream_seq=seq, reason=reason[:2000],
@@ -269,6 +276,9 @@ class ServiceRuntime(Generic[S]):
         outputs: list[Envelope] = []
         good: list[Msg] = []
         bad: list[Msg] = []
+        spans = otel.decisions(self.core.name)  # None unless tracing is set up
+        types: dict[str, int] | None = {} if otel.METRICS else None
+        self._batch_types = types
         for msg in msgs:
             if not self._interest(msg.subject):
                 good.append(msg)  # not this service's business; acked with the batch
@@ -283,7 +293,11 @@ class ServiceRuntime(Generic[S]):
             except Exception as exc:  # noqa: BLE001 - any parse failure is a bad message
                 outputs.append(self._dead_letter(msg, f"invalid message: {_short(exc)}"))
                 bad.append(msg)
+                if types is not None:
+                    types["invalid"] = types.get("invalid", 0) + 1
                 continue
+            if types is not None:
+                types[env.type] = types.get(env.type, 0) + 1
             if env.subject() != msg.subject:
                 # the subject is what NATS permissions check: an envelope must not claim another
                 # tenant, job or type than the subject it was allowed to publish on
@@ -295,6 +309,7 @@ class ServiceRuntime(Generic[S]):
                 outputs.append(self._dead_letter(msg, f"delivered {md.num_delivered} times"))
                 bad.append(msg)
                 continue
+            t0 = time.time_ns() if spans is not None else 0
             try:
                 if env.event_id in self._own:
                     self._own.discard(env.event_id)
@@ -314,7 +329,11 @@ class ServiceRuntime(Generic[S]):
                 log.exception("%s: core failed on seq %d", self.actor, seq)
                 outputs.append(self._dead_letter(msg, f"{type(exc).__name__}: {_short(exc)}"))
                 bad.append(msg)
+                if spans is not None:
+                    spans.decided(env, msg.headers, seq, outputs[-1:], t0, exc)
                 raise _CoreFailed(outputs, good, bad) from exc
+            if spans is not None and outs:
+                spans.decided(env, msg.headers, seq, outs, t0)
             outputs.extend(outs)
             good.append(msg)
         return outputs, good, bad
@@ -334,6 +353,7 @@ class ServiceRuntime(Generic[S]):
                 await self._commit(outputs, [*good, *bad], self._decided_cas_seq)
             except CasConflict:
                 self.stats.cas_conflicts += 1
+                otel.count_cas_conflict(self.core.name)
                 await self.refold()  # the batch is not acked: decide it again on the new state
                 continue
             except Exception as exc:  # noqa: BLE001 - retryable or not: the state holds unpublished outputs
@@ -343,6 +363,9 @@ class ServiceRuntime(Generic[S]):
             self.stats.batches += 1
             self.stats.consumed += len(msgs)
             self.stats.last_batch_s = time.perf_counter() - t0
+            if otel.METRICS:
+                otel.count_consumed(self.core.name, self._batch_types or {})
+                otel.observe_batch(self.core.name, self.stats.last_batch_s)
             return
         await asyncio.sleep(NAK_DELAY_S)
         await self._recover(f"{REDECIDE_MAX} compare-and-set conflicts in a row")
@@ -353,6 +376,9 @@ class ServiceRuntime(Generic[S]):
     async def _commit(self, outputs: list[Envelope], handled: Sequence[Msg], cas_seq: int | None = None) -> None:
         """Publish the outputs, then ack the handled messages (one AckAll for all of them)."""
         if outputs:
+            spans = otel.decisions(self.core.name)  # None unless tracing is set up
+            if spans is not None:
+                spans.emitted(outputs)  # a span for each output of a job no decision span carries
             cas = None
             if self.core.cas_subject and self._takes_capacity(outputs):
                 cas = Cas(self.core.cas_subject, self.last_cas_seq if cas_seq is None else cas_seq)
@@ -366,6 +392,9 @@ class ServiceRuntime(Generic[S]):
             for o in outputs:
                 if o.subject().startswith("fleet.tel."):
                     await self.bus.publish_telemetry(o.subject(), o.to_json())
+            if spans is not None:
+                otel.release(outputs)  # (after a failed publish the same ids are bound again)
+            otel.count_published(self.core.name, outputs)
         if handled and self.group is None:
             await max(handled, key=lambda m: m.metadata.sequence.stream).ack()
 

@@ -14,6 +14,7 @@ import signal
 from collections.abc import Callable
 from typing import Any
 
+from . import otel
 from .bus import Bus
 from .config import resolve_nats_url
 from .runtime import Core, RuntimeGroup, ServiceRuntime
@@ -31,7 +32,20 @@ def base_parser(name: str) -> argparse.ArgumentParser:
                     help="cluster config YAML: tenants and policies (default: GPUFLEET_CONFIG; none: open)")
     ap.add_argument("--batch", type=int, default=int(os.environ.get("GPUFLEET_BATCH", "256")), help="messages per fetch")
     ap.add_argument("--log-level", default=os.environ.get("GPUFLEET_LOG_LEVEL", "INFO"))
+    ap.add_argument("--metrics-port", type=int, default=int(os.environ.get("GPUFLEET_METRICS_PORT") or 0),
+                    help="serve Prometheus metrics on http://0.0.0.0:PORT/metrics (default: GPUFLEET_METRICS_PORT; 0: off)")
+    ap.add_argument("--otlp-endpoint", default=os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or None,
+                    help="push traces and metrics over OTLP/HTTP to this collector, e.g. http://otel-collector:4318 "
+                         "(default: OTEL_EXPORTER_OTLP_ENDPOINT; none: off)")
     return ap
+
+
+def setup_otel(service: str, args: argparse.Namespace) -> None:
+    """Metrics and traces as the flags say; nothing at all when neither is given."""
+    port = getattr(args, "metrics_port", 0) or None
+    endpoint = getattr(args, "otlp_endpoint", None) or None
+    if port or endpoint:
+        otel.setup(service, port, endpoint, instance=getattr(args, "instance", None))
 
 
 def _stop_on_signals(stop: Callable[[], None]) -> None:
@@ -67,12 +81,16 @@ def serve(name: str, make_core: Callable[[argparse.Namespace], Core[Any]],
     logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s {name} %(levelname)s %(message)s")
     url = args.nats_url or resolve_nats_url(args.data_dir)
     core = make_core(args)
+    setup_otel(name, args)
     try:
         import uvloop
         uvloop.install()
     except ImportError:  # pragma: no cover - uvloop is a dependency; plain asyncio still works
         pass
-    asyncio.run(run_core(core, url, args.instance, args.batch))
+    try:
+        asyncio.run(run_core(core, url, args.instance, args.batch))
+    finally:
+        otel.shutdown()  # flush the spans and metrics not exported yet
 
 
 async def run_group(cores: list[Core[Any]], nats_url: str, instance: str = "0", batch: int = 256) -> None:
@@ -101,12 +119,16 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s group %(levelname)s %(message)s")
     url = args.nats_url or resolve_nats_url(args.data_dir)
     cores = [make_core(name, args) for name in args.services]
+    setup_otel("+".join(args.services), args)
     try:
         import uvloop
         uvloop.install()
     except ImportError:  # pragma: no cover
         pass
-    asyncio.run(run_group(cores, url, args.instance, args.batch))
+    try:
+        asyncio.run(run_group(cores, url, args.instance, args.batch))
+    finally:
+        otel.shutdown()
 
 
 if __name__ == "__main__":
