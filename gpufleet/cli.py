@@ -68,8 +68,10 @@ def up(
     config: Annotated[Path | None, typer.Option(help="cluster config YAML: tenants and policies (docs/config.md)")] = None,
     sim_mix: Annotated[str, typer.Option(help="node shapes cycled over the sim nodes, e.g. h100x8,h100mig "
                                               "(default: h100x8/a100x8/a10x4/cpu64 4:3:2:1)")] = "",
+    driver: Annotated[str, typer.Option(help="sim: N simulated nodes; process / docker: run jobs for real on "
+                                             "this machine, as one node with its own GPUs (NVML)")] = "sim",
 ) -> None:
-    """Start nats-server, PostgreSQL, the eight services and N simulated nodes."""
+    """Start nats-server, PostgreSQL, the eight services and N simulated nodes (or this machine as a node)."""
     from gpufleet.mesh import MeshOptions, Supervisor, running_supervisor, up_detached
 
     ddir = resolve_data_dir(data_dir)
@@ -92,7 +94,11 @@ def up(
     except ValueError as exc:
         typer.echo(f"error: --sim-mix: {exc}", err=True)
         raise typer.Exit(2) from None
-    opts = MeshOptions(ddir, sim_nodes, nats_port, pg_port, postgres, layout=layout, config=config, sim_mix=sim_mix)
+    if driver not in ("sim", "process", "docker"):
+        typer.echo(f"error: --driver must be sim, process or docker, not {driver!r}", err=True)
+        raise typer.Exit(2)
+    opts = MeshOptions(ddir, sim_nodes, nats_port, pg_port, postgres, layout=layout, config=config, sim_mix=sim_mix,
+                       driver=driver)
     if detach:
         doc = up_detached(opts)
         typer.echo(f"gpufleet running in {ddir}: NATS {doc['nats_url']}, PostgreSQL {doc['pg_dsn'] or '-'}, "

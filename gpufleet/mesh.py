@@ -32,7 +32,8 @@ SERVICES = ("admission", "quota", "placer", "executor", "telemetry", "guardian",
 # six times; "separate" runs every service as its own process (as the distributed mode does).
 LAYOUTS: dict[str, tuple[tuple[str, ...], ...]] = {
     "separate": tuple((name,) for name in SERVICES),
-    "grouped": (("admission", "quota", "guardian", "telemetry", "billing", "autoscaler"), ("placer",), ("executor",)),
+    # (executor and telemetry do I/O of their own: driver reconcile and heartbeats, GPU sampling)
+    "grouped": (("admission", "quota", "guardian", "billing", "autoscaler"), ("placer",), ("executor",), ("telemetry",)),
 }
 RESTART_BACKOFF_S = (0.5, 1, 2, 5, 10)
 
@@ -48,6 +49,7 @@ class MeshOptions:
     layout: str = "grouped"
     config: Path | None = None  # cluster config (tenants, policies); copied into the data dir
     sim_mix: str = ""  # node shapes cycled over the sim nodes; '' = the default mix
+    driver: str = "sim"  # process / docker: the executor runs jobs for real on this machine (one node)
 
 
 @dataclass
@@ -133,7 +135,9 @@ class Supervisor:
             argv = [py, "-m", f"gpufleet.services.{services[0]}", *common]
         else:
             argv = [py, "-m", "gpufleet.shared.service", *services, *common]
-        if "executor" in services:
+        if "executor" in services and self.opts.driver != "sim":
+            argv += ["--driver", self.opts.driver, "--data-dir", str(self.dir)]
+        elif "executor" in services:
             argv += ["--sim-nodes", str(self.opts.sim_nodes)]
             if self.opts.sim_mix:
                 argv += ["--sim-mix", self.opts.sim_mix]
@@ -257,7 +261,7 @@ def up_detached(opts: MeshOptions, timeout_s: float = 90.0) -> dict[str, Any]:
     argv = [
         sys.executable, "-m", "gpufleet.mesh", "supervise", "--data-dir", str(opts.data_dir),
         "--sim-nodes", str(opts.sim_nodes), "--nats-port", str(opts.nats_port), "--pg-port", str(opts.pg_port),
-        "--log-level", opts.log_level, "--layout", opts.layout, "--sim-mix", opts.sim_mix,
+        "--log-level", opts.log_level, "--layout", opts.layout, "--sim-mix", opts.sim_mix, "--driver", opts.driver,
         *(["--config", str(Path(opts.config).resolve())] if opts.config else []), *([] if opts.postgres else ["--no-postgres"]),
     ]
     (opts.data_dir / "logs").mkdir(exist_ok=True)
@@ -320,11 +324,12 @@ def main(argv: list[str] | None = None) -> None:
     sp.add_argument("--layout", default="grouped", choices=sorted(LAYOUTS))
     sp.add_argument("--config", default=None)
     sp.add_argument("--sim-mix", default="")
+    sp.add_argument("--driver", default="sim", choices=("sim", "process", "docker"))
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     opts = MeshOptions(Path(args.data_dir), args.sim_nodes, args.nats_port, args.pg_port,
                        not args.no_postgres, args.log_level, args.layout,
-                       Path(args.config) if args.config else None, args.sim_mix)
+                       Path(args.config) if args.config else None, args.sim_mix, args.driver)
     Supervisor(opts).run()
 
 

@@ -1,12 +1,11 @@
-"""python -m gpufleet.services.executor --sim-nodes N [--node-prefix sim]"""
+"""python -m gpufleet.services.executor [--driver sim|process|docker] ...
 
-from gpufleet.services.executor.core import ExecutorCore
-from gpufleet.shared.cluster import sim_fleet
-from gpufleet.shared.service import base_parser, serve
+`sim` (the default): --sim-nodes simulated nodes in this process. `process` / `docker`: this
+machine is one node (--node-id, default the host name); its inventory comes from NVML and the OS,
+jobs run for real, and a restart re-adopts what still runs (--work-dir keeps the pid files).
+"""
+
+from gpufleet.services.executor.agent import main
 
 if __name__ == "__main__":
-    ap = base_parser("executor")
-    ap.add_argument("--sim-nodes", type=int, default=4, help="simulated nodes this executor hosts")
-    ap.add_argument("--node-prefix", default="sim", help="node id prefix")
-    ap.add_argument("--sim-mix", default="", help="node shapes cycled over the sim nodes (h100x8,h100mig,...)")
-    serve("executor", lambda args: ExecutorCore(sim_fleet(args.sim_nodes, args.node_prefix, args.sim_mix)), parser=ap)
+    main()

@@ -189,3 +189,114 @@ class ExecutorAgent:
             if any(p.pid in mine or job_of_pid(p.pid) == ident for p in procs):
                 unclean.append(index)
         return tuple(unclean)
+
+
+# ---------------------------------------------------------------- the process
+
+
+def node_id_of_host() -> str:
+    import socket
+
+    from gpufleet.shared.ids import is_token
+
+    name = socket.gethostname().split(".")[0].replace(" ", "-") or "node"
+    return name if is_token(name) else "node-0"
+
+
+def main(argv: list[str] | None = None) -> None:
+    import os
+    from pathlib import Path
+
+    from gpufleet.shared.cluster import sim_fleet
+    from gpufleet.shared.config import data_dir, resolve_nats_url
+    from gpufleet.shared.service import base_parser
+
+    ap = base_parser("executor")
+    ap.add_argument("--driver", choices=("sim", "process", "docker"), default=os.environ.get("GPUFLEET_DRIVER", "sim"))
+    ap.add_argument("--sim-nodes", type=int, default=4, help="simulated nodes this executor hosts (sim)")
+    ap.add_argument("--node-prefix", default="sim", help="node id prefix (sim)")
+    ap.add_argument("--sim-mix", default="", help="node shapes cycled over the sim nodes (h100x8,h100mig,...)")
+    ap.add_argument("--node-id", default=os.environ.get("GPUFLEET_NODE_ID"), help="this node (process/docker; default: host name)")
+    ap.add_argument("--work-dir", default=None, help="job files and logs (default: <data dir>/executor/<node>)")
+    ap.add_argument("--checkpoint-root", default=os.environ.get("GPUFLEET_CHECKPOINT_ROOT"),
+                    help="training / finetune jobs get <root>/<tenant>/<job> as GPUFLEET_CHECKPOINT_DIR")
+    ap.add_argument("--heartbeat-s", type=float, default=HEARTBEAT_S)
+    ap.add_argument("--grace-s", type=float, default=10.0, help="SIGTERM, then this long, then SIGKILL")
+    ap.add_argument("--docker-url", default=os.environ.get("DOCKER_HOST"))
+    ap.add_argument("--docker-user", default="65534:65534", help="uid:gid containers run as (never root)")
+    ap.add_argument("--pull", choices=("never", "if-not-present", "always"), default="if-not-present")
+    args = ap.parse_args(argv)
+    setup_process("executor", args)
+    url = args.nats_url or resolve_nats_url(args.data_dir)
+    driver: Driver | None = None
+    gpu: GpuBackend | None = None
+    if args.driver == "sim":
+        nodes = sim_fleet(args.sim_nodes, args.node_prefix, args.sim_mix)
+    else:
+        from gpufleet.shared.hostinfo import host_inventory
+        from gpufleet.shared.nvml import nvml_status, open_backend
+
+        node_id = args.node_id or node_id_of_host()
+        gpu = open_backend()
+        if gpu is None:
+            log.warning("no GPUs through NVML (%s): node %s registers with CPUs only", nvml_status(), node_id)
+        nodes = {node_id: host_inventory(gpu.devices() if gpu else (), driver=args.driver)}
+        work = Path(args.work_dir) if args.work_dir else data_dir(args.data_dir) / "executor" / node_id
+        if args.driver == "process":
+            from .process_driver import ProcessDriver
+
+            driver = ProcessDriver(node_id, work)
+        else:
+            from gpufleet.shared.clusterconfig import load_config
+
+            from .docker_driver import DockerDriver
+
+            config = load_config(args.config)
+
+            def allowed(tenant: str, image: str) -> bool:
+                policy = config.policy(tenant)
+                return policy is not None and policy.image_allowed(image)
+
+            driver = DockerDriver(node_id, work, docker_url=args.docker_url, user=args.docker_user, pull=args.pull,
+                                  allowed_images=allowed)
+
+    async def run() -> None:
+        bus = await Bus.connect(url, name=f"gpufleet-executor-{args.instance}")
+        agent = ExecutorAgent(ExecutorCore(nodes), bus, driver, gpu, instance=args.instance,
+                              heartbeat_s=args.heartbeat_s, grace_s=args.grace_s,
+                              checkpoint_root=args.checkpoint_root, batch=args.batch)
+        _stop_on_signals(agent.stop)
+        try:
+            await agent.start()
+            log.info("executor ready: %d node(s), driver %s", len(nodes), args.driver)
+            await agent.run()
+        finally:
+            await bus.close()
+
+    asyncio.run(run())
+
+
+def setup_process(name: str, args: Any) -> None:
+    """Logging, uvloop and (when asked for) OpenTelemetry, as every service process does."""
+    logging.basicConfig(level=str(args.log_level).upper(), format=f"%(asctime)s {name} %(levelname)s %(message)s")
+    try:
+        from gpufleet.shared import otel
+
+        setup = getattr(otel, "setup", None)
+        if setup is not None:
+            setup(name, getattr(args, "metrics_port", None) or None, getattr(args, "otlp_endpoint", None) or None)
+    except ImportError:
+        pass
+    with contextlib.suppress(ImportError):
+        import uvloop
+
+        uvloop.install()
+
+
+def _stop_on_signals(stop: Callable[[], None]) -> None:
+    import signal
+
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop)

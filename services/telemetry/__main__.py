@@ -1,7 +1,10 @@
-"""python -m gpufleet.services.telemetry"""
+"""python -m gpufleet.services.telemetry [--sample-s 5] [--lease-s 30] [--idle-after 30m] ...
 
-from gpufleet.services.telemetry.core import TelemetryCore
-from gpufleet.shared.service import serve
+Samples the simulated GPUs of `sim` nodes, and this machine's real GPUs through NVML when there
+are any (as node --node-id, default the host name).
+"""
+
+from gpufleet.services.telemetry.agent import main
 
 if __name__ == "__main__":
-    serve("telemetry", lambda args: TelemetryCore())
+    main()

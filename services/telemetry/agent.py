@@ -255,3 +255,53 @@ def _record_metrics(node_id: str, samples: list[GpuSample]) -> None:
         return
     for s in samples:
         record(node_id, s.index, s.util_pct, s.mem_used_mib, s.mem_total_mib, s.temp_c, s.power_w)
+
+
+def main(argv: list[str] | None = None) -> None:
+    import os
+
+    from gpufleet.services.executor.agent import _stop_on_signals, node_id_of_host, setup_process
+    from gpufleet.shared.config import resolve_nats_url
+    from gpufleet.shared.service import base_parser
+    from gpufleet.shared.spec import parse_duration_s
+
+    from .core import Rules
+
+    d = Rules()
+    ap = base_parser("telemetry")
+    ap.add_argument("--sample-s", type=float, default=float(os.environ.get("GPUFLEET_SAMPLE_S", SAMPLE_S)),
+                    help="seconds between GPU samples")
+    ap.add_argument("--lease-s", type=parse_duration_s, default=d.lease_s, help="no heartbeat this long: node lost")
+    ap.add_argument("--idle-pct", type=float, default=d.idle_pct, help="GPU utilisation under which a job is idle")
+    ap.add_argument("--idle-after", type=parse_duration_s, default=d.idle_after_s, help="idle this long: job.idle_detected")
+    ap.add_argument("--starved-after", type=parse_duration_s, default=d.starved_after_s)
+    ap.add_argument("--node-id", default=os.environ.get("GPUFLEET_NODE_ID"), help="the node this machine's GPUs belong to")
+    ap.add_argument("--no-sim", action="store_true", help="do not play the sim nodes' GPUs")
+    ap.add_argument("--no-nvml", action="store_true", help="do not sample this machine's GPUs")
+    ap.add_argument("--no-samples", action="store_true", help="derive facts, but publish no samples")
+    args = ap.parse_args(argv)
+    setup_process("telemetry", args)
+    url = args.nats_url or resolve_nats_url(args.data_dir)
+    local: dict[str, GpuBackend] = {}
+    if not args.no_nvml:
+        from gpufleet.shared.nvml import open_backend
+
+        backend = open_backend()
+        if backend is not None:
+            local[args.node_id or node_id_of_host()] = backend
+    rules = Rules(lease_s=args.lease_s, idle_pct=args.idle_pct, idle_after_s=args.idle_after,
+                  starved_after_s=args.starved_after)
+
+    async def run() -> None:
+        bus = await Bus.connect(url, name=f"gpufleet-telemetry-{args.instance}")
+        agent = TelemetryAgent(TelemetryCore(rules), bus, sim=not args.no_sim, local=local, sample_s=args.sample_s,
+                               publish_samples=not args.no_samples, instance=args.instance, batch=args.batch)
+        _stop_on_signals(agent.stop)
+        try:
+            await agent.start()
+            log.info("telemetry ready: %d local node(s) on NVML, sim %s", len(local), "on" if agent.world else "off")
+            await agent.run()
+        finally:
+            await bus.close()
+
+    asyncio.run(run())
