@@ -86,9 +86,32 @@ class TelemetryState:
     idle_said: set[tuple[str, int]] = field(default_factory=set)  # (job, attempt)
     starved_said: set[tuple[str, int]] = field(default_factory=set)
     last_job_on: dict[tuple[str, int], str] = field(default_factory=dict)  # (node, gpu) -> last job there
+    by_node: dict[str, dict[tuple[str, int], Replica]] = field(default_factory=dict)
+    by_job: dict[str, set[int]] = field(default_factory=dict)  # job -> its replicas placed here
 
     def on_node(self, node_id: str) -> list[Replica]:
-        return [r for r in self.replicas.values() if r.node_id == node_id]
+        return list(self.by_node.get(node_id, {}).values())
+
+    def add(self, r: Replica) -> None:
+        old = self.replicas.get((r.job_id, r.replica))
+        if old is not None:
+            self.drop(old)
+        self.replicas[(r.job_id, r.replica)] = r
+        self.by_node.setdefault(r.node_id, {})[(r.job_id, r.replica)] = r
+        self.by_job.setdefault(r.job_id, set()).add(r.replica)
+
+    def drop(self, r: Replica) -> None:
+        self.replicas.pop((r.job_id, r.replica), None)
+        mine = self.by_job.get(r.job_id)
+        if mine is not None:
+            mine.discard(r.replica)
+            if not mine:
+                del self.by_job[r.job_id]
+        on = self.by_node.get(r.node_id)
+        if on is not None:
+            on.pop((r.job_id, r.replica), None)
+            if not on:
+                del self.by_node[r.node_id]
 
 
 @dataclass
@@ -146,8 +169,7 @@ class TelemetryCore(BaseCore[TelemetryState]):
             state.sim[p.job_id] = p.spec.sim
         elif isinstance(p, JobPlaced):
             for a in p.allocations:
-                state.replicas[(p.job_id, a.replica)] = Replica(
-                    p.job_id, env.tenant, a.replica, p.attempt, a.node_id, a.gpu_indices, a.cpu_milli)
+                state.add(Replica(p.job_id, env.tenant, a.replica, p.attempt, a.node_id, a.gpu_indices, a.cpu_milli))
                 for g in a.gpu_indices:
                     state.last_job_on[(a.node_id, g)] = p.job_id
         elif isinstance(p, JobStarted):
@@ -159,7 +181,7 @@ class TelemetryCore(BaseCore[TelemetryState]):
         elif isinstance(p, JobExited):
             r = state.replicas.get((p.job_id, p.replica))
             if r is not None and r.attempt == p.attempt:
-                del state.replicas[(p.job_id, p.replica)]
+                state.drop(r)
             for g in p.unclean_gpus:
                 state.quarantined[(p.node_id, g)] = "unclean"
         elif isinstance(p, JobIdleDetected):
@@ -168,14 +190,14 @@ class TelemetryCore(BaseCore[TelemetryState]):
             state.starved_said.add((p.job_id, self._attempt(state, p.job_id)))
         elif env.type in ("job.succeeded", "job.failed", "job.cancelled", "job.preempted") and env.job_id:
             job_id = env.job_id
-            for key in [k for k in state.replicas if k[0] == job_id]:
-                del state.replicas[key]
+            for i in sorted(state.by_job.get(job_id, ())):
+                state.drop(state.replicas[(job_id, i)])
             state.sim.pop(job_id, None)
         return state
 
     @staticmethod
     def _attempt(state: TelemetryState, job_id: str) -> int:
-        return max((r.attempt for (j, _), r in state.replicas.items() if j == job_id), default=1)
+        return max((state.replicas[(job_id, i)].attempt for i in state.by_job.get(job_id, ())), default=1)
 
     # ------------------------------------------------------------ leases
 

@@ -1,0 +1,207 @@
+"""The pure parts of the node services: executor reconcile, telemetry rules (no I/O, no NATS)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gpufleet.services.executor.core import (
+    Adopt,
+    Cleanup,
+    ExecutorCore,
+    ExecutorState,
+    ReportExit,
+    Start,
+    Stop,
+    reconcile,
+)
+from gpufleet.services.executor.drivers import Workload
+from gpufleet.services.telemetry.core import JobUse, Rules, TelemetryCore, TelemetryState, Windows
+from gpufleet.shared.events import (
+    Envelope,
+    GpuDevice,
+    JobExited,
+    JobPlaced,
+    JobStarted,
+    JobSubmitted,
+    NodeInventory,
+    NodeRegistered,
+    Payload,
+    ReplicaAllocation,
+    utc,
+)
+from gpufleet.shared.gpu import GpuProcess, GpuSample
+from gpufleet.shared.runtime import Ctx
+from gpufleet.shared.spec import parse_spec
+
+T0 = 1_800_000_000.0
+NODE = "n0"
+INV = NodeInventory(cpu_milli=8000, memory_mib=16384, driver="process", gpus=tuple(
+    GpuDevice(index=i, uuid=f"GPU-{i}", model="H100", memory_mib=81920) for i in range(2)))
+
+
+def ctx(at: float = T0) -> Ctx:
+    return Ctx(now=utc(at), actor="test/0")
+
+
+def ev(payload: Payload, at: float = T0, tenant: str = "acme") -> Envelope:
+    return ctx(at).emit(payload, tenant=tenant, key=f"{payload.type}:{at}:{getattr(payload, 'replica', 0)}")
+
+
+def submitted(job: str, **spec: Any) -> Envelope:
+    s = parse_spec({"name": "j", "tenant": "acme", "command": ["sleep", "9"], **spec})
+    return ev(JobSubmitted(job_id=job, spec=s))
+
+
+def placed(job: str, gpus: tuple[int, ...] = (0,), attempt: int = 1, cpu: int = 1000) -> Envelope:
+    return ev(JobPlaced(job_id=job, attempt=attempt, allocations=(
+        ReplicaAllocation(replica=0, node_id=NODE, gpu_indices=gpus, cpu_milli=cpu),)))
+
+
+def fold(core: Any, state: Any, *envs: Envelope) -> Any:
+    for e in envs:
+        state = core.evolve(state, e)
+    return state
+
+
+def work(job: str, running: bool = True, code: int | None = None, attempt: int = 1, started: float = T0,
+         by_us: bool = False) -> Workload:
+    return Workload(job, 0, attempt, NODE, handle="42", running=running, exit_code=code, started_at=started, pid=42,
+                    stopped_by_us=by_us)
+
+
+# ---------------------------------------------------------------- executor reconcile
+
+
+def executor(*envs: Envelope) -> tuple[ExecutorCore, ExecutorState]:
+    core = ExecutorCore({NODE: INV})
+    return core, fold(core, core.initial_state(), *envs)
+
+
+def test_placed_and_not_running_is_started_with_exactly_its_gpus() -> None:
+    core, st = executor(submitted("j"), placed("j", gpus=(1,)))
+    (a,) = reconcile(st, core.nodes, [], T0)
+    assert isinstance(a, Start)
+    assert (a.launch.key, a.launch.gpu_uuids, a.launch.command) == ("j.0.1", ("GPU-1",), ("sleep", "9"))
+    assert a.launch.job_env()["CUDA_VISIBLE_DEVICES"] == "GPU-1"
+
+
+def test_running_but_not_in_the_log_is_adopted() -> None:
+    core, st = executor(submitted("j"), placed("j"))
+    actions = reconcile(st, core.nodes, [work("j")], T0 + 1)
+    assert [type(a) for a in actions] == [Adopt]
+
+
+def test_started_and_vanished_is_reported_lost() -> None:
+    core, st = executor(submitted("j"), placed("j"), ev(JobStarted(job_id="j", node_id=NODE, driver="process")))
+    (a,) = reconcile(st, core.nodes, [], T0 + 5)
+    assert isinstance(a, ReportExit) and a.reason == "node_lost" and a.workload.exit_code == 137
+
+
+def test_what_the_log_does_not_place_here_is_stopped_then_cleaned() -> None:
+    core, st = executor()
+    assert [type(a) for a in reconcile(st, core.nodes, [work("ghost")], T0)] == [Stop]
+    assert [type(a) for a in reconcile(st, core.nodes, [work("ghost", running=False, code=0)], T0)] == [Cleanup]
+
+
+def test_max_runtime_stops_with_timeout_and_the_exit_says_so() -> None:
+    core, st = executor(submitted("j", maxRuntime="10s"), placed("j"),
+                        ev(JobStarted(job_id="j", node_id=NODE, driver="process")))
+    (a,) = reconcile(st, core.nodes, [work("j")], T0 + 11)
+    assert isinstance(a, Stop) and a.reason == "timeout"
+    (b,) = reconcile(st, core.nodes, [work("j", running=False, code=143, by_us=True)], T0 + 12)
+    assert isinstance(b, ReportExit) and b.reason == "timeout"
+
+
+def test_an_exit_already_in_the_log_is_only_cleaned_up() -> None:
+    core, st = executor(submitted("j"), placed("j"), ev(JobStarted(job_id="j", node_id=NODE, driver="process")),
+                        ev(JobExited(job_id="j", node_id=NODE, exit_code=0), at=T0 + 3))
+    assert [type(a) for a in reconcile(st, core.nodes, [work("j", running=False, code=0)], T0 + 4)] == [Cleanup]
+
+
+# ---------------------------------------------------------------- telemetry rules
+
+RULES = Rules(lease_s=10, idle_pct=5, idle_after_s=60, starved_after_s=30)
+
+
+def telemetry(*envs: Envelope) -> tuple[TelemetryCore, TelemetryState]:
+    core = TelemetryCore(RULES)
+    reg = ev(NodeRegistered(node_id=NODE, inventory=INV))
+    return core, fold(core, core.initial_state(), reg, *envs)
+
+
+def sample(index: int, util: float, procs: tuple[GpuProcess, ...] = (), ecc: int = 0,
+           xids: tuple[int, ...] = ()) -> GpuSample:
+    return GpuSample(index=index, uuid=f"GPU-{index}", util_pct=util, mem_used_mib=sum(p.used_mib for p in procs),
+                     mem_total_mib=81920, ecc_uncorrected=ecc, xids=xids, processes=procs)
+
+
+def owners(table: dict[int, tuple[str, int, int]]) -> Any:
+    return table.get
+
+
+def test_a_process_of_no_job_on_that_gpu_is_a_zombie_once() -> None:
+    core, st = telemetry(submitted("j"), placed("j", gpus=(0,)), ev(JobStarted(job_id="j", node_id=NODE)))
+    procs0 = (GpuProcess(42, 1000),)
+    procs1 = (GpuProcess(42, 500), GpuProcess(77, 4096, "python"))  # j's pid on GPU 1 too: not its GPU
+    samples = [sample(0, 80, procs0), sample(1, 0, procs1)]
+    facts = core.observe(st, Windows(), NODE, samples, owners({42: ("j", 0, 1)}), {}, T0, ctx())
+    assert sorted((f.payload.gpu_index, f.payload.pid) for f in facts) == [(1, 42), (1, 77)]  # type: ignore[union-attr]
+    st = fold(core, st, *facts)
+    assert core.observe(st, Windows(), NODE, samples, owners({42: ("j", 0, 1)}), {}, T0 + 1, ctx()) == []
+    cleared = core.observe(st, Windows(), NODE, [sample(0, 80, procs0), sample(1, 0)], owners({42: ("j", 0, 1)}),
+                           {}, T0 + 2, ctx())
+    assert [(f.type, f.payload.gpu_index) for f in cleared] == [("node.gpu_cleared", 1)]  # type: ignore[union-attr]
+
+
+def test_unclean_exit_quarantines_until_the_check_passes() -> None:
+    core, st = telemetry(ev(JobExited(job_id="j", node_id=NODE, exit_code=137, reason="cancelled", unclean_gpus=(1,))))
+    assert st.quarantined == {(NODE, 1): "unclean"}
+    facts = core.observe(st, Windows(), NODE, [sample(0, 0), sample(1, 0)], owners({}), {}, T0, ctx())
+    assert [f.type for f in facts] == ["node.gpu_cleared"]
+
+
+def test_only_fatal_xids_and_uncorrected_ecc_make_a_gpu_unhealthy() -> None:
+    core, st = telemetry()
+    quiet = core.observe(st, Windows(), NODE, [sample(0, 0, xids=(13, 31, 43)), sample(1, 0)], owners({}), {}, T0, ctx())
+    assert quiet == []
+    facts = core.observe(st, Windows(), NODE, [sample(0, 0, xids=(48,)), sample(1, 0, ecc=3)], owners({}), {}, T0, ctx())
+    assert [(f.payload.gpu_index, f.payload.reason) for f in facts] == [  # type: ignore[union-attr]
+        (0, "XID 48"), (1, "3 uncorrected ECC error(s)")]
+
+
+def test_idle_needs_the_whole_window_and_rearms_when_busy() -> None:
+    core, st = telemetry(submitted("j"), placed("j"), ev(JobStarted(job_id="j", node_id=NODE)))
+    w = Windows()
+    own = owners({})
+
+    def at(t: float, util: float) -> list[str]:
+        return [f.type for f in core.observe(st, w, NODE, [sample(0, util)], own, {}, t, ctx(t))]
+
+    assert at(T0, 1) == [] and at(T0 + 59, 2) == []
+    assert at(T0 + 61, 50) == []  # busy again: the window starts over
+    assert at(T0 + 62, 1) == [] and at(T0 + 100, 1) == []
+    assert at(T0 + 122, 1) == ["job.idle_detected"]
+
+
+def test_starved_names_the_cause() -> None:
+    core, st = telemetry(submitted("j"), placed("j"), ev(JobStarted(job_id="j", node_id=NODE)))
+    w = Windows()
+    use = {("j", 0): JobUse(cpu_pct=20, iowait_pct=60)}
+    assert core.observe(st, w, NODE, [sample(0, 30)], owners({}), use, T0, ctx()) == []
+    (f,) = core.observe(st, w, NODE, [sample(0, 30)], owners({}), use, T0 + 31, ctx(T0 + 31))
+    assert (f.payload.cause, f.payload.iowait_pct) == ("io", 60)  # type: ignore[union-attr]
+    busy = {("j", 0): JobUse(cpu_pct=99)}
+    assert core.observe(st, Windows(), NODE, [sample(0, 90)], owners({}), busy, T0 + 99, ctx()) == []
+
+
+def test_lease_expiry_loses_the_node_and_ends_its_replicas_once() -> None:
+    core, st = telemetry(submitted("j"), placed("j"), ev(JobStarted(job_id="j", node_id=NODE), at=T0 + 1))
+    assert core.check_leases(st, {NODE: T0 + 5}, T0 + 14, ctx()) == []
+    facts = core.check_leases(st, {NODE: T0 + 5}, T0 + 16, ctx(T0 + 16))
+    assert [f.type for f in facts] == ["node.lost", "job.exited"]
+    assert (facts[1].payload.reason, facts[1].payload.runtime_s) == ("node_lost", 15.0)  # type: ignore[union-attr]
+    st = fold(core, st, *facts)
+    assert core.check_leases(st, {NODE: T0 + 5}, T0 + 30, ctx()) == []
+    # registering again is a heartbeat: the node is back, with a fresh lease
+    st = fold(core, st, ev(NodeRegistered(node_id=NODE, inventory=INV), at=T0 + 40))
+    assert core.check_leases(st, {NODE: T0 + 5}, T0 + 45, ctx()) == []
