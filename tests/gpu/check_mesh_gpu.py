@@ -106,8 +106,11 @@ async def check(data: Path, c: Check) -> None:
         return None
     g = await until(seen, 90)
     c("telemetry sees the job's process and memory on its GPU", g is not None, g)
-    logs = list(data.glob(f"executor/*/logs/{job_id}.0.1.log"))
-    text = logs[0].read_text() if logs else ""
+    if g is not None:
+        c("that process belongs to the job's process group",
+          any(_pgid(p["pid"]) == pgid for p in g["processes"] if p["used_mib"] >= MIN_USED_MIB),
+          {"pgid": pgid, "processes": g["processes"]})
+    text = _job_log(data, job_id)
     c("pinned to exactly the allocated GPU", f"visible={uuid}" in text, text[:300])
     cli("cancel", job_id, "--data-dir", str(data))
 
@@ -130,6 +133,18 @@ async def check(data: Path, c: Check) -> None:
     zombies = [e for e in await log_events(bus) if e.type == "node.gpu_zombie_detected"]
     c("no zombie raised for a job's own process", not zombies, [z.payload.model_dump() for z in zombies])
     await bus.close()
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return None
+
+
+def _job_log(data: Path, job_id: str) -> str:
+    logs = list(data.glob(f"executor/*/logs/{job_id}.0.1.log"))
+    return logs[0].read_text() if logs else ""
 
 
 def main() -> int:
