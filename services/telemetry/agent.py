@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 
 SAMPLE_S = 5.0
 LEASE_CHECK_S = 1.0
+ALERTS = frozenset({"node.gpu_zombie_detected", "node.gpu_unhealthy"})
 
 
 class SimWorld:
@@ -205,7 +206,7 @@ class TelemetryAgent:
         facts = self.core.check_leases(self.state, self.last_seen, self.clock(), self.runtime.ctx())
         for f in facts:
             if f.type == "node.lost":
-                log.warning("%s", f.payload)
+                log.warning("ALERT node.lost: %s", f.payload.model_dump(exclude={"type"}))
         await self.runtime.publish_local(facts)
 
     def backends(self) -> dict[str, GpuBackend]:
@@ -237,6 +238,9 @@ class TelemetryAgent:
                 await self._publish(node_id, samples, now)
             _record_metrics(node_id, samples)
             facts += self.core.observe(self.state, self.windows, node_id, samples, owner, use, now, self.runtime.ctx())
+        for f in facts:
+            if f.type in ALERTS:  # the alert: in the log (watch, dashboards) and in this service's log
+                log.warning("ALERT %s: %s", f.type, f.payload.model_dump(exclude={"type"}))
         await self.runtime.publish_local(facts)
 
     async def _publish(self, node_id: str, samples: list[GpuSample], now: float) -> None:
