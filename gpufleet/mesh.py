@@ -32,8 +32,8 @@ SERVICES = ("admission", "quota", "placer", "executor", "telemetry", "guardian",
 # six times; "separate" runs every service as its own process (as the distributed mode does).
 LAYOUTS: dict[str, tuple[tuple[str, ...], ...]] = {
     "separate": tuple((name,) for name in SERVICES),
-    # (executor and telemetry do I/O of their own: driver reconcile and heartbeats, GPU sampling)
-    "grouped": (("admission", "quota", "guardian", "billing", "autoscaler"), ("placer",), ("executor",), ("telemetry",)),
+    # (telemetry's agent, sampling and leases, runs beside the group's loop in the same process)
+    "grouped": (("admission", "quota", "guardian", "telemetry", "billing", "autoscaler"), ("placer",), ("executor",)),
 }
 RESTART_BACKOFF_S = (0.5, 1, 2, 5, 10)
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from gpufleet.shared.runtime import Core
+from gpufleet.shared.bus import Bus
+from gpufleet.shared.runtime import Core, ServiceRuntime
 
 SERVICE_NAMES = ("admission", "quota", "placer", "executor", "telemetry", "guardian", "billing", "autoscaler")
 
@@ -40,3 +41,12 @@ def make_core(name: str, args: argparse.Namespace) -> Core[Any]:
         from gpufleet.services.autoscaler.core import AutoscalerCore
         return AutoscalerCore()
     raise ValueError(f"unknown service {name!r}; known: {', '.join(SERVICE_NAMES)}")
+
+
+def make_sidecar(runtime: ServiceRuntime[Any], bus: Bus) -> Any:
+    """The agent a co-located core needs beside the group's loop (its own I/O), or None."""
+    if runtime.core.name == "telemetry":
+        from gpufleet.services.telemetry.agent import sidecar
+
+        return sidecar(runtime, bus)
+    return None

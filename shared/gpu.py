@@ -40,6 +40,14 @@ class GpuSample:
     processes: tuple[GpuProcess, ...] = ()
 
 
+def sample_doc(s: GpuSample) -> dict[str, object]:
+    """A sample as JSON-ready data (what FLEET_TELEMETRY carries); built by hand: `asdict` is 10x slower."""
+    return {"index": s.index, "uuid": s.uuid, "util_pct": s.util_pct, "mem_used_mib": s.mem_used_mib,
+            "mem_total_mib": s.mem_total_mib, "temp_c": s.temp_c, "power_w": s.power_w,
+            "ecc_uncorrected": s.ecc_uncorrected, "ecc_corrected": s.ecc_corrected, "xids": list(s.xids),
+            "processes": [{"pid": p.pid, "used_mib": p.used_mib, "name": p.name} for p in s.processes]}
+
+
 class GpuBackend(Protocol):
     def devices(self) -> tuple[GpuDevice, ...]:
         """The GPUs with their topology (NVLink island, PCIe switch, NUMA node, MIG instances)."""

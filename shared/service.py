@@ -96,11 +96,24 @@ def serve(name: str, make_core: Callable[[argparse.Namespace], Core[Any]],
 async def run_group(cores: list[Core[Any]], nats_url: str, instance: str = "0", batch: int = 256) -> None:
     bus = await Bus.connect(nats_url, name=f"gpufleet-group-{'-'.join(c.name for c in cores)}")
     group = RuntimeGroup(cores, bus, instance=instance, batch=batch)
-    _stop_on_signals(group.stop)
+    sidecars: list[Any] = []
+
+    def stop() -> None:
+        group.stop()
+        for s in sidecars:
+            s.stop()
+    _stop_on_signals(stop)
     try:
         await group.start()
+        from gpufleet.services.registry import make_sidecar
+
+        for rt in group.runtimes:  # a core with I/O of its own (telemetry) runs its agent beside the group
+            side = make_sidecar(rt, bus)
+            if side is not None:
+                await side.start()
+                sidecars.append(side)
         log.info("group %s ready", group.durable)
-        await group.run()
+        await asyncio.gather(group.run(), *(s.run() for s in sidecars))
     finally:
         await bus.close()
 

@@ -20,11 +20,10 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict
 from typing import Any
 
 from gpufleet.shared.bus import Bus
-from gpufleet.shared.gpu import GpuBackend, GpuSample, SimGpuBackend
+from gpufleet.shared.gpu import GpuBackend, GpuSample, SimGpuBackend, sample_doc
 from gpufleet.shared.runtime import ServiceRuntime
 
 from .core import JobUse, Owner, TelemetryCore, TelemetryState, Windows
@@ -131,7 +130,8 @@ class TelemetryAgent:
     def __init__(self, core: TelemetryCore, bus: Bus, *, sim: bool = True,
                  local: dict[str, GpuBackend] | None = None, sample_s: float = SAMPLE_S,
                  lease_check_s: float = LEASE_CHECK_S, publish_samples: bool = True, instance: str = "0",
-                 clock: Callable[[], float] = time.time, batch: int = 256) -> None:
+                 clock: Callable[[], float] = time.time, batch: int = 256,
+                 runtime: ServiceRuntime[TelemetryState] | None = None) -> None:
         self.core = core
         self.bus = bus
         self.world = SimWorld() if sim else None
@@ -140,8 +140,10 @@ class TelemetryAgent:
         self.lease_check_s = lease_check_s
         self.publish_samples = publish_samples
         self.clock = clock
-        self.runtime: ServiceRuntime[TelemetryState] = ServiceRuntime(core, bus, instance=instance, batch=batch,
-                                                                      clock=clock)
+        # in a co-located group the group owns the runtime (fold, consumer); the agent adds its loops
+        self.owns_runtime = runtime is None
+        self.runtime: ServiceRuntime[TelemetryState] = runtime or ServiceRuntime(
+            core, bus, instance=instance, batch=batch, clock=clock)
         self.windows = Windows()
         self.last_seen: dict[str, float] = {}
         self.proc_use = ProcUse()
@@ -154,7 +156,8 @@ class TelemetryAgent:
         return self.runtime.state
 
     async def start(self) -> None:
-        await self.runtime.start()
+        if self.owns_runtime:
+            await self.runtime.start()
         now = self.clock()
         for node_id in self.state.nodes:  # a restarted telemetry gives every node a full lease
             self.last_seen[node_id] = now
@@ -175,14 +178,15 @@ class TelemetryAgent:
         self.runtime.stop()
 
     async def run(self) -> None:
-        tasks = [asyncio.create_task(self.runtime.run()),
-                 asyncio.create_task(self._every(self.sample_s, self.sample_once)),
+        tasks = [asyncio.create_task(self._every(self.sample_s, self.sample_once)),
                  asyncio.create_task(self._every(self.lease_check_s, self.check_leases))]
+        if self.owns_runtime:
+            tasks.append(asyncio.create_task(self.runtime.run()))
         try:
             await self._stop.wait()
         finally:
             self.runtime.stop()
-            for t in tasks[1:]:
+            for t in tasks[:2]:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             if self._sub is not None:
@@ -244,8 +248,7 @@ class TelemetryAgent:
         await self.runtime.publish_local(facts)
 
     async def _publish(self, node_id: str, samples: list[GpuSample], now: float) -> None:
-        doc = {"node_id": node_id, "at": now, "gpus": [
-            {**asdict(s), "processes": [asdict(p) for p in s.processes]} for s in samples]}
+        doc = {"node_id": node_id, "at": now, "gpus": [sample_doc(s) for s in samples]}
         await self.bus.publish_telemetry(f"fleet.tel.node.{node_id}.gpu", json.dumps(doc).encode())
 
 
@@ -261,10 +264,28 @@ def _record_metrics(node_id: str, samples: list[GpuSample]) -> None:
         record(node_id, s.index, s.util_pct, s.mem_used_mib, s.mem_total_mib, s.temp_c, s.power_w)
 
 
+def local_gpus(node_id: str | None) -> dict[str, GpuBackend]:
+    """This machine's GPUs through NVML, as node `node_id` (default: the host name); {} without."""
+    from gpufleet.services.executor.agent import node_id_of_host
+    from gpufleet.shared.nvml import open_backend
+
+    backend = open_backend()
+    return {node_id or node_id_of_host(): backend} if backend is not None else {}
+
+
+def sidecar(runtime: ServiceRuntime[TelemetryState], bus: Bus) -> TelemetryAgent:
+    """The agent for a telemetry core co-located in a group (settings from the environment)."""
+    import os
+
+    assert isinstance(runtime.core, TelemetryCore)
+    return TelemetryAgent(runtime.core, bus, local=local_gpus(os.environ.get("GPUFLEET_NODE_ID")),
+                          sample_s=float(os.environ.get("GPUFLEET_SAMPLE_S", SAMPLE_S)), runtime=runtime)
+
+
 def main(argv: list[str] | None = None) -> None:
     import os
 
-    from gpufleet.services.executor.agent import _stop_on_signals, node_id_of_host, setup_process
+    from gpufleet.services.executor.agent import _stop_on_signals, setup_process
     from gpufleet.shared.config import resolve_nats_url
     from gpufleet.shared.service import base_parser
     from gpufleet.shared.spec import parse_duration_s
@@ -286,13 +307,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     setup_process("telemetry", args)
     url = args.nats_url or resolve_nats_url(args.data_dir)
-    local: dict[str, GpuBackend] = {}
-    if not args.no_nvml:
-        from gpufleet.shared.nvml import open_backend
-
-        backend = open_backend()
-        if backend is not None:
-            local[args.node_id or node_id_of_host()] = backend
+    local = {} if args.no_nvml else local_gpus(args.node_id)
     rules = Rules(lease_s=args.lease_s, idle_pct=args.idle_pct, idle_after_s=args.idle_after,
                   starved_after_s=args.starved_after)
 
