@@ -49,4 +49,11 @@ def make_sidecar(runtime: ServiceRuntime[Any], bus: Bus) -> Any:
         from gpufleet.services.telemetry.agent import sidecar
 
         return sidecar(runtime, bus)
+    if runtime.core.name == "quota":
+        from gpufleet.shared import otel
+
+        if otel.enabled():
+            from gpufleet.services.quota.metrics import QuotaMetrics
+
+            return QuotaMetrics(runtime)
     return None

@@ -484,6 +484,13 @@ def record_job_state(state: str, delta: int) -> None:
         _jobs[state] = _jobs.get(state, 0) + delta
 
 
+def set_job_states(counts: Mapping[str, int]) -> None:
+    """Jobs per state, as a whole (a service that holds the counts sets them outright)."""
+    if METRICS:
+        _jobs.clear()
+        _jobs.update(counts)
+
+
 def record_queue(queue: str, pending: int, gpus_used: int) -> None:
     if METRICS:
         _queues[queue] = (pending, gpus_used)

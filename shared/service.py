@@ -62,13 +62,25 @@ async def run_core(core: Core[Any], nats_url: str, instance: str = "0", batch: i
                    ready: Callable[[ServiceRuntime[Any]], None] | None = None) -> None:
     bus = await Bus.connect(nats_url, name=f"gpufleet-{core.name}-{instance}")
     rt: ServiceRuntime[Any] = ServiceRuntime(core, bus, instance=instance, batch=batch)
-    _stop_on_signals(rt.stop)
+    sidecars: list[Any] = []
+
+    def stop() -> None:
+        rt.stop()
+        for s in sidecars:
+            s.stop()
+    _stop_on_signals(stop)
     try:
         await rt.start()
+        from gpufleet.services.registry import make_sidecar
+
+        side = make_sidecar(rt, bus)
+        if side is not None:
+            await side.start()
+            sidecars.append(side)
         log.info("%s ready (folded to seq %d)", rt.actor, rt.applied_seq)
         if ready:
             ready(rt)
-        await rt.run()
+        await asyncio.gather(rt.run(), *(s.run() for s in sidecars))
     finally:
         await bus.close()
         log.info("%s stopped: %s", rt.actor, rt.stats)

@@ -266,3 +266,38 @@ def test_setup_with_nothing_to_export_sets_up_nothing(no_otel: None) -> None:
     otel.setup("executor", None, None, span_exporter=InMemorySpanExporter())
     assert otel.enabled() and otel.TRACING
     assert otel.decisions("executor") is not None
+
+
+async def test_gpu_queue_and_job_gauges_come_from_the_services(bus: Bus, nats_url: str) -> None:
+    """Telemetry's samples and quota's state reach /metrics, through the services themselves."""
+    from gpufleet.services.quota.core import QuotaCore
+    from gpufleet.services.quota.metrics import QuotaMetrics
+
+    from .test_telemetry import mesh, node
+
+    port = free_port()
+    otel.setup("group", port, None)
+    try:
+        async with mesh(nats_url, {"n0": node("n0")}):
+            jobs = [submit_cmd({"name": "g", "tenant": "acme", "queue": "research", "resources": {"gpu": 2},
+                                "sim": {"duration": "60s", "gpuUtil": 77}}) for _ in range(2)]
+            for j in jobs:
+                await bus.publish(j)
+
+            async def gpus_busy() -> bool:
+                body, _ = await scrape(port)
+                return 'gpufleet_gpu_utilization_percent{node="n0",gpu="1"} 77.0' in body
+            await wait_until(gpus_busy, timeout_s=15)
+            # quota's gauges, exported by its sidecar from the folded state of a quota runtime
+            async with running(nats_url, [QuotaCore()]) as rts:
+                await wait_until(lambda: len(rts[0].state.reserved) == 2, timeout_s=10)
+                side = QuotaMetrics(rts[0])
+                await side.start()
+                body, _ = await scrape(port)
+    finally:
+        otel.shutdown()
+    lines = set(body.splitlines())
+    assert 'gpufleet_gpu_utilization_percent{node="n0",gpu="0"} 77.0' in lines
+    assert f'gpufleet_gpu_memory_used_bytes{{node="n0",gpu="0"}} {2048 * 1024 * 1024}' in lines
+    assert 'gpufleet_queue_gpus_used{queue="research"} 4' in lines  # both hold quota; one waits for GPUs
+    assert 'gpufleet_jobs{state="admitted"} 2' in lines

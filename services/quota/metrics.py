@@ -1,0 +1,43 @@
+"""Queue and job gauges from the quota service's folded state (a read-only sidecar of its shell)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import Counter
+from typing import Any
+
+from gpufleet.shared import otel
+from gpufleet.shared.runtime import ServiceRuntime
+
+from .core import QuotaState
+
+EVERY_S = 5.0
+
+
+def export(state: QuotaState) -> None:
+    pending = Counter(p.queue for p in state.pending.values())
+    queues = set(pending) | set(state.usage)
+    for q in sorted(queues):
+        otel.record_queue(q, pending.get(q, 0), state.usage.get(q, {}).get("gpu", 0))
+    otel.set_job_states({"pending": len(state.pending), "admitted": len(state.reserved),
+                         "preempting": len(state.preempting)})
+
+
+class QuotaMetrics:
+    def __init__(self, runtime: ServiceRuntime[Any], every_s: float = EVERY_S) -> None:
+        self.runtime = runtime
+        self.every_s = every_s
+        self._stop = asyncio.Event()
+
+    async def start(self) -> None:
+        export(self.runtime.state)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    async def run(self) -> None:
+        while not self._stop.is_set():
+            export(self.runtime.state)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), self.every_s)
