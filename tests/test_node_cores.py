@@ -205,3 +205,12 @@ def test_lease_expiry_loses_the_node_and_ends_its_replicas_once() -> None:
     # registering again is a heartbeat: the node is back, with a fresh lease
     st = fold(core, st, ev(NodeRegistered(node_id=NODE, inventory=INV), at=T0 + 40))
     assert core.check_leases(st, {NODE: T0 + 5}, T0 + 45, ctx()) == []
+
+
+def test_preemption_stops_with_the_grace_it_gives() -> None:
+    from gpufleet.shared.events import JobPreemptionRequested, Reason
+
+    core, st = executor(submitted("j"), placed("j"), ev(JobStarted(job_id="j", node_id=NODE, driver="process")),
+                        ev(JobPreemptionRequested(job_id="j", reason=Reason(code="preempted", message="x"), grace_s=45)))
+    (a,) = reconcile(st, core.nodes, [work("j")], T0 + 1, grace_s=10)
+    assert isinstance(a, Stop) and (a.reason, a.grace_s) == ("preempted", 45)

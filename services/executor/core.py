@@ -21,6 +21,7 @@ from gpufleet.shared.events import (
     ExitReason,
     JobExited,
     JobPlaced,
+    JobPreemptionRequested,
     JobResumeRequested,
     JobStarted,
     JobSubmitted,
@@ -90,6 +91,7 @@ class ExecutorState:
     exits_logged: set[str] = field(default_factory=set)  # workload keys
     attempt: dict[str, int] = field(default_factory=dict)  # job -> its current attempt (resumes)
     lost: dict[str, int] = field(default_factory=dict)  # node -> times the log said it was lost
+    stop_grace: dict[str, float] = field(default_factory=dict)  # job -> the grace its preemption gives
 
 
 class ExecutorCore(BaseCore[ExecutorState]):
@@ -172,8 +174,9 @@ class ExecutorCore(BaseCore[ExecutorState]):
         elif t == "job.cancel_requested":
             state.cancelling.add(job_id)
             state.stop_reason.setdefault(job_id, "cancelled")
-        elif t == "job.preemption_requested":
+        elif isinstance(p, JobPreemptionRequested):
             state.stop_reason.setdefault(job_id, "preempted")
+            state.stop_grace.setdefault(job_id, p.grace_s)
         elif t in ("job.succeeded", "job.failed", "job.cancelled", "job.preempted"):
             state.ended.add(job_id)
             state.cancelling.discard(job_id)
@@ -181,6 +184,7 @@ class ExecutorCore(BaseCore[ExecutorState]):
             state.started.pop(job_id, None)
             state.specs.pop(job_id, None)
             state.attempt.pop(job_id, None)
+            state.stop_grace.pop(job_id, None)
             state.stop_reason.setdefault(job_id, _KILL_REASONS.get(t, "killed"))
             for key in [k for k in state.desired if k[0] == job_id]:
                 del state.desired[key]
@@ -367,7 +371,8 @@ def reconcile(state: ExecutorState, nodes: dict[str, NodeInventory], observed: l
                 actions.append(Adopt(w, d))
             spec = state.specs.get(w.job_id)
             if not current or logged_exit or w.job_id in state.stop_reason or w.job_id in state.ended:
-                actions.append(Stop(w.key, state.stop_reason.get(w.job_id, "killed"), grace_s))
+                grace = state.stop_grace.get(w.job_id, grace_s)  # a preemption says how long the job has
+                actions.append(Stop(w.key, state.stop_reason.get(w.job_id, "killed"), grace))
             elif spec is not None and now - w.started_at >= spec.max_runtime_s:
                 actions.append(Stop(w.key, "timeout", grace_s))
         elif logged_exit or (not current and run is None):
