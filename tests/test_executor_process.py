@@ -114,10 +114,11 @@ def process_node(gpus: int = 2) -> NodeInventory:
 
 @asynccontextmanager
 async def agent(url: str, data: Path, gpu: SimGpuBackend | None = None, instance: str = "0",
-                grace_s: float = 1.0) -> AsyncIterator[ExecutorAgent]:
+                grace_s: float = 1.0, checkpoint_root: str | None = None) -> AsyncIterator[ExecutorAgent]:
     bus = await Bus.connect(url, name=f"executor-{instance}")
     a = ExecutorAgent(ExecutorCore({NODE: process_node()}), bus, ProcessDriver(NODE, data), gpu=gpu,
-                      instance=instance, reconcile_s=0.1, grace_s=grace_s, heartbeat_s=1.0)
+                      instance=instance, reconcile_s=0.1, grace_s=grace_s, heartbeat_s=1.0,
+                      checkpoint_root=checkpoint_root)
     a.runtime.fetch_timeout_s = 0.05
     await a.start()
     task = asyncio.create_task(a.run())
@@ -243,3 +244,15 @@ async def test_gpu_memory_left_behind_marks_the_gpu_unclean(bus: Bus, nats_url: 
     os.kill(leftover, signal.SIGKILL)
     ex = (await events_of(bus, job.job_id or "", "job.exited"))[0].payload
     assert ex.unclean_gpus == (index,)
+
+
+async def test_training_jobs_get_a_persistent_checkpoint_dir(bus: Bus, nats_url: str, tmp_path: Path) -> None:
+    train = submit_cmd({**spec(["sh", "-c", 'echo step-1 > "$GPUFLEET_CHECKPOINT_DIR/ckpt"'], gpu=0), "type": "training"})
+    batch = submit_cmd(spec(["sh", "-c", 'test -z "$GPUFLEET_CHECKPOINT_DIR"'], gpu=0))
+    root = tmp_path / "ckpt"
+    async with running(nats_url, control_cores()), agent(nats_url, tmp_path / "data", checkpoint_root=str(root)):
+        await bus.publish(train)
+        await bus.publish(batch)
+        await until_status(bus, train.job_id or "", "succeeded")
+        await until_status(bus, batch.job_id or "", "succeeded")  # a batch job gets none
+    assert (root / "acme" / (train.job_id or "") / "ckpt").read_text().strip() == "step-1"

@@ -219,7 +219,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--node-id", default=os.environ.get("GPUFLEET_NODE_ID"), help="this node (process/docker; default: host name)")
     ap.add_argument("--work-dir", default=None, help="job files and logs (default: <data dir>/executor/<node>)")
     ap.add_argument("--checkpoint-root", default=os.environ.get("GPUFLEET_CHECKPOINT_ROOT"),
-                    help="training / finetune jobs get <root>/<tenant>/<job> as GPUFLEET_CHECKPOINT_DIR")
+                    help="training / finetune jobs get <root>/<tenant>/<job> as GPUFLEET_CHECKPOINT_DIR "
+                         "(default: <data dir>/checkpoints, which outlives the job)")
     ap.add_argument("--heartbeat-s", type=float, default=HEARTBEAT_S)
     ap.add_argument("--grace-s", type=float, default=10.0, help="SIGTERM, then this long, then SIGKILL")
     ap.add_argument("--docker-url", default=os.environ.get("DOCKER_HOST"))
@@ -242,6 +243,7 @@ def main(argv: list[str] | None = None) -> None:
             log.warning("no GPUs through NVML (%s): node %s registers with CPUs only", nvml_status(), node_id)
         nodes = {node_id: host_inventory(gpu.devices() if gpu else (), driver=args.driver)}
         work = Path(args.work_dir) if args.work_dir else data_dir(args.data_dir) / "executor" / node_id
+        args.checkpoint_root = args.checkpoint_root or str(data_dir(args.data_dir) / "checkpoints")
         if args.driver == "process":
             from .process_driver import ProcessDriver
 
