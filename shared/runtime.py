@@ -156,6 +156,10 @@ class ServiceRuntime(Generic[S]):
         self._own: set[str] = set()  # ids of our outputs already evolved, not yet seen back
         self._decided_cas_seq: int | None = None  # what the batch's first capacity decision saw
         self._stop = asyncio.Event()
+        # One writer of the state at a time: the consume loop, ticks, refolds and a shell's local
+        # outputs (an agent's reconcile or sampling round) take turns.
+        self._lock = asyncio.Lock()
+        self._dirty = False  # the state may hold outputs the log does not: refold before trusting it
         self._next_tick = 0.0
         self._psub: Any = None
         self._parsed: dict[int, Envelope] | None = None  # a group's parse cache for one batch
@@ -185,17 +189,22 @@ class ServiceRuntime(Generic[S]):
 
     async def refold(self) -> int:
         """Rebuild the state from the stream (the core's subjects) up to its head."""
+        async with self._lock:
+            return await self._refold()
+
+    async def _refold(self) -> int:
+        """The rebuild, in a new state swapped in at the end: a reader (an agent's loop) sees the
+        old state or the new one, never one half folded."""
         self.stats.refolds += 1
         otel.count_refold(self.core.name)
-        self.state = self.core.initial_state()
-        self.applied_seq = 0
-        self.last_cas_seq = 0
-        self._own.clear()
+        self._dirty = True  # until this fold completes
+        state = self.core.initial_state()
+        applied = last_cas = 0
         n = 0
         async for msgs in read_stream(self.bus, (self.filter_subject,)):
             for msg in msgs:
                 seq = msg.metadata.sequence.stream
-                self.applied_seq = seq
+                applied = seq
                 if not self._interest(msg.subject):
                     continue
                 try:
@@ -205,10 +214,15 @@ class ServiceRuntime(Generic[S]):
                 if env is None or env.subject() != msg.subject:
                     continue  # likewise
                 try:
-                    self._evolve(env, seq)
+                    state = self.core.evolve(state, env)
+                    if seq > last_cas and self._takes(env.subject()):
+                        last_cas = seq
                 except Exception:
                     log.exception("%s: evolve failed on seq %d during fold", self.actor, seq)
                 n += 1
+        self.state, self.applied_seq, self.last_cas_seq = state, applied, last_cas
+        self._own.clear()
+        self._dirty = False
         log.info("%s folded %d events up to seq %d", self.actor, n, self.applied_seq)
         return n
 
@@ -216,9 +230,10 @@ class ServiceRuntime(Generic[S]):
 
     async def start(self) -> None:
         await self.bus.ensure_streams()
-        await self.refold()
-        await self._open_consumer()
-        await self._publish_and_apply(self.core.on_start(self.state, self.ctx()), evolved=False)
+        async with self._lock:
+            await self._refold()
+            await self._open_consumer()
+            await self._publish_and_apply(self.core.on_start(self.state, self.ctx()), evolved=False)
 
     async def _open_consumer(self) -> None:
         if self.group is not None:
@@ -227,9 +242,13 @@ class ServiceRuntime(Generic[S]):
         self._psub = await open_durable(self.bus, self.durable, self.filter_subject, self.ack_wait_s, self._psub)
 
     async def _recover(self, reason: str) -> None:
+        async with self._lock:
+            await self._recover_locked(reason)
+
+    async def _recover_locked(self, reason: str) -> None:
         """After a failed batch: rebuild the state from the log, redeliver from the ack floor."""
         log.warning("%s: %s; re-folding and redelivering from the ack floor", self.actor, reason)
-        await self.refold()
+        await self._refold()
         await self._open_consumer()
 
     def stop(self) -> None:
@@ -250,7 +269,8 @@ class ServiceRuntime(Generic[S]):
     async def tick_if_due(self) -> None:
         if self.core.tick_s is not None and self.clock() >= self._next_tick:
             self._next_tick = self.clock() + self.core.tick_s
-            await self._publish_and_apply(self.core.tick(self.state, self.ctx()), evolved=False)
+            async with self._lock:
+                await self._publish_and_apply(self.core.tick(self.state, self.ctx()), evolved=False)
 
     def _own_subject(self, subject: str) -> bool:
         return self._interest(subject)
@@ -339,6 +359,10 @@ class ServiceRuntime(Generic[S]):
         return outputs, good, bad
 
     async def handle_batch(self, msgs: Sequence[Msg]) -> None:
+        async with self._lock:
+            await self._handle_batch(msgs)
+
+    async def _handle_batch(self, msgs: Sequence[Msg]) -> None:
         t0 = time.perf_counter()
         for _attempt in range(REDECIDE_MAX):
             try:
@@ -347,18 +371,18 @@ class ServiceRuntime(Generic[S]):
                 # Publish what was decided before the failure plus the dead letter, ack up to
                 # there; the rest comes again after a re-fold, since the state may be torn.
                 await self._commit(failed.outputs, [*failed.good, *failed.bad], self._decided_cas_seq)
-                await self._recover("a core failed")
+                await self._recover_locked("a core failed")
                 return
             try:
                 await self._commit(outputs, [*good, *bad], self._decided_cas_seq)
             except CasConflict:
                 self.stats.cas_conflicts += 1
                 otel.count_cas_conflict(self.core.name)
-                await self.refold()  # the batch is not acked: decide it again on the new state
+                await self._refold()  # the batch is not acked: decide it again on the new state
                 continue
             except Exception as exc:  # noqa: BLE001 - retryable or not: the state holds unpublished outputs
                 await asyncio.sleep(NAK_DELAY_S)
-                await self._recover(f"publish failed ({type(exc).__name__}: {exc})")
+                await self._recover_locked(f"publish failed ({type(exc).__name__}: {exc})")
                 return
             self.stats.batches += 1
             self.stats.consumed += len(msgs)
@@ -368,7 +392,7 @@ class ServiceRuntime(Generic[S]):
                 otel.observe_batch(self.core.name, self.stats.last_batch_s)
             return
         await asyncio.sleep(NAK_DELAY_S)
-        await self._recover(f"{REDECIDE_MAX} compare-and-set conflicts in a row")
+        await self._recover_locked(f"{REDECIDE_MAX} compare-and-set conflicts in a row")
 
     def _takes_capacity(self, outputs: Sequence[Envelope]) -> bool:
         return any(self._takes(o.subject()) for o in outputs)
@@ -400,10 +424,22 @@ class ServiceRuntime(Generic[S]):
 
     async def publish_local(self, outputs: list[Envelope]) -> None:
         """Publish outputs a shell decided from what it observed (a driver, NVML, heartbeats), not
-        from a consumed message: they are evolved into the state like any decision's outputs."""
-        await self._publish_and_apply(outputs, evolved=False)
+        from a consumed message: they are evolved into the state like any decision's outputs.
+        If the publish fails the state is rebuilt from the log and the error raised, so the shell
+        does not act (remove a container, forget an exit) on something the log does not hold."""
+        async with self._lock:
+            if self._dirty:
+                await self._refold()
+            await self._publish_and_apply(outputs, evolved=False, raise_errors=True)
 
-    async def _publish_and_apply(self, outputs: list[Envelope], evolved: bool) -> None:
+    async def ensure_fresh(self) -> None:
+        """Before a shell reads the state to act on it: rebuild it if a failure left it doubtful."""
+        if self._dirty:
+            async with self._lock:
+                if self._dirty:
+                    await self._refold()
+
+    async def _publish_and_apply(self, outputs: list[Envelope], evolved: bool, raise_errors: bool = False) -> None:
         """Outputs not caused by a consumed message (start-up, ticks)."""
         if not outputs:
             return
@@ -414,9 +450,14 @@ class ServiceRuntime(Generic[S]):
                     self._own.add(out.event_id)
         try:
             await self._commit(outputs, ())
-        except (CasConflict, RetryableError) as exc:
+        except Exception as exc:
+            self._dirty = True  # what was evolved above may not be in the log
+            if not raise_errors and not isinstance(exc, CasConflict | RetryableError):
+                raise
             log.warning("%s: publish of %d outputs failed (%s); re-folding", self.actor, len(outputs), exc)
-            await self.refold()
+            await self._refold()
+            if raise_errors:
+                raise
 
 
 async def fetch_batch(psub: Any, batch: int, timeout_s: float) -> list[Msg]:
