@@ -214,3 +214,32 @@ def test_preemption_stops_with_the_grace_it_gives() -> None:
                         ev(JobPreemptionRequested(job_id="j", reason=Reason(code="preempted", message="x"), grace_s=45)))
     (a,) = reconcile(st, core.nodes, [work("j")], T0 + 1, grace_s=10)
     assert isinstance(a, Stop) and (a.reason, a.grace_s) == ("preempted", 45)
+
+
+def test_placer_ignores_the_late_exit_of_an_earlier_attempt() -> None:
+    from gpufleet.services.placer.core import PlacerCore
+    from gpufleet.shared.events import JobQuotaReserved, JobResumeRequested, Reason
+
+    core = PlacerCore()
+    RESERVED = JobQuotaReserved(job_id="j", queue="default", cpu_milli=1000, memory_mib=1024, gpus=2)  # noqa: N806
+    inv = NodeInventory(cpu_milli=8000, memory_mib=16384, gpus=INV.gpus)
+    st = fold(core, core.initial_state(), ev(NodeRegistered(node_id="a", inventory=inv)),
+              ev(NodeRegistered(node_id="b", inventory=inv)), submitted("j", resources={"gpu": 2}),
+              ev(RESERVED))
+    first = core.decide(st, ev(RESERVED), ctx())
+    st = fold(core, st, *first)
+    node1 = first[0].payload.allocations[0].node_id  # type: ignore[union-attr]
+    lost = ev(JobExited(job_id="j", node_id=node1, exit_code=137, reason="node_lost"), at=T0 + 5)
+    resume = ev(JobResumeRequested(job_id="j", reason=Reason(code="node_lost", message="x")), at=T0 + 6)
+    st = fold(core, st, lost, resume)
+    second = core.decide(st, resume, ctx(T0 + 6))
+    assert second[0].payload.attempt == 2  # type: ignore[union-attr]
+    st = fold(core, st, *second)
+    held = st.allocations["j"]
+    # the lost node's executor comes back and reports attempt 1 completed: it frees nothing
+    late = ev(JobExited(job_id="j", node_id=node1, exit_code=0, reason="completed", attempt=1), at=T0 + 9)
+    st = fold(core, st, late)
+    assert st.allocations["j"] == held and "j" not in st.pending
+    # attempt 2's own end frees it, and the job is not placed a third time
+    st = fold(core, st, ev(JobExited(job_id="j", node_id=held[0].node_id, exit_code=0, attempt=2), at=T0 + 20))
+    assert "j" not in st.allocations and "j" not in st.pending

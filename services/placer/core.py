@@ -105,6 +105,7 @@ class PlacerState:
     lost: set[str] = field(default_factory=set)
     cordoned: set[str] = field(default_factory=set)
     attempts: dict[str, int] = field(default_factory=dict)  # job -> attempt (resumed jobs run again)
+    alloc_attempt: dict[str, int] = field(default_factory=dict)  # job -> the attempt its allocations belong to
 
 
 # ---------------------------------------------------------------- node bookkeeping
@@ -322,6 +323,7 @@ class PlacerCore(BaseCore[PlacerState]):
             if state.reservation is not None and state.reservation.job_id == job_id:
                 state.reservation = None
             state.allocations[job_id] = p.allocations
+            state.alloc_attempt[job_id] = p.attempt
             spec = state.specs.get(job_id)
             state.ends_at[job_id] = env.occurred_at.timestamp() + (spec.max_runtime_s if spec else 86400.0)
             for a in p.allocations:
@@ -333,6 +335,12 @@ class PlacerCore(BaseCore[PlacerState]):
             if not state.allocations.get(job_id):
                 state.pending[job_id] = None
         elif t in ("job.exited", "job.succeeded", "job.failed", "job.cancelled", "job.preempted"):
+            if isinstance(p, JobExited) and p.attempt != state.alloc_attempt.get(job_id, p.attempt):
+                # the exit of another attempt than the one holding GPUs now (a late report from a
+                # node that was lost): it frees nothing, but its leftovers are still quarantined
+                if p.unclean_gpus:
+                    self._quarantine(state, p.node_id, p.unclean_gpus, "unclean")
+                return state
             if t != "job.exited":
                 state.ended.add(job_id)
                 state.specs.pop(job_id, None)
@@ -349,9 +357,12 @@ class PlacerCore(BaseCore[PlacerState]):
                     _give_back(state, a)
             if keep:
                 state.allocations[job_id] = keep
-            elif t == "job.exited":
+            else:
+                state.alloc_attempt.pop(job_id, None)
+            if not keep and t == "job.exited":
                 state.ends_at.pop(job_id, None)
-                if state.attempts.get(job_id, 1) > 1 and job_id not in state.ended and job_id not in state.pending:
+                if (isinstance(p, JobExited) and p.attempt < state.attempts.get(job_id, 1)
+                        and job_id not in state.ended and job_id not in state.pending):
                     state.pending[job_id] = None  # the last replica of a resumed job's old attempt is gone
             if isinstance(p, JobExited) and p.unclean_gpus:
                 self._quarantine(state, p.node_id, p.unclean_gpus, "unclean")
