@@ -155,7 +155,7 @@ def test_a_process_of_no_job_on_that_gpu_is_a_zombie_once() -> None:
 
 def test_unclean_exit_quarantines_until_the_check_passes() -> None:
     core, st = telemetry(ev(JobExited(job_id="j", node_id=NODE, exit_code=137, reason="cancelled", unclean_gpus=(1,))))
-    assert st.quarantined == {(NODE, 1): "unclean"}
+    assert st.quarantined == {(NODE, 1): {"unclean"}}
     facts = core.observe(st, Windows(), NODE, [sample(0, 0), sample(1, 0)], owners({}), {}, T0, ctx())
     assert [f.type for f in facts] == ["node.gpu_cleared"]
 
@@ -243,3 +243,37 @@ def test_placer_ignores_the_late_exit_of_an_earlier_attempt() -> None:
     # attempt 2's own end frees it, and the job is not placed a third time
     st = fold(core, st, ev(JobExited(job_id="j", node_id=held[0].node_id, exit_code=0, attempt=2), at=T0 + 20))
     assert "j" not in st.allocations and "j" not in st.pending
+
+
+def test_a_clear_lifts_zombie_and_unclean_but_never_unhealthy() -> None:
+    from gpufleet.shared.events import NodeGpuCleared
+
+    core, st = telemetry()
+    facts = core.observe(st, Windows(), NODE, [sample(0, 0, xids=(79,)), sample(1, 0)], owners({}), {}, T0, ctx())
+    st = fold(core, st, *facts)
+    zombie = core.observe(st, Windows(), NODE, [sample(0, 0, (GpuProcess(9, 900),)), sample(1, 0)], owners({}), {},
+                          T0 + 1, ctx(T0 + 1))
+    assert [f.type for f in zombie] == ["node.gpu_zombie_detected"]
+    st = fold(core, st, *zombie)
+    assert st.quarantined[(NODE, 0)] == {"unhealthy", "zombie"}
+    cleared = core.observe(st, Windows(), NODE, [sample(0, 0), sample(1, 0)], owners({}), {}, T0 + 2, ctx(T0 + 2))
+    assert [f.type for f in cleared] == ["node.gpu_cleared"]
+    st = fold(core, st, *cleared)
+    assert st.quarantined[(NODE, 0)] == {"unhealthy"}
+    # and the placer keeps the GPU out as well
+    from gpufleet.services.placer.core import PlacerCore
+
+    placer = PlacerCore()
+    ps = fold(placer, placer.initial_state(), ev(NodeRegistered(node_id=NODE, inventory=INV)), *facts, *zombie,
+              ev(NodeGpuCleared(node_id=NODE, gpu_index=0), at=T0 + 3))
+    assert ps.nodes[NODE].gpu_ids == [1]
+
+
+def test_facts_decided_again_get_the_same_ids() -> None:
+    core, st = telemetry(submitted("j"), placed("j"), ev(JobStarted(job_id="j", node_id=NODE), at=T0 + 1))
+    once = core.check_leases(st, {NODE: T0}, T0 + 20, ctx(T0 + 20))
+    again = core.check_leases(st, {NODE: T0}, T0 + 25, ctx(T0 + 25))  # a retry, or a second telemetry
+    assert [e.event_id for e in once] == [e.event_id for e in again] and len(once) == 2
+    z = [sample(0, 0, (GpuProcess(9, 900),))]
+    assert ([e.event_id for e in core.observe(st, Windows(), NODE, z, owners({}), {}, T0, ctx(T0))]
+            == [e.event_id for e in core.observe(st, Windows(), NODE, z, owners({}), {}, T0 + 7, ctx(T0 + 7))])

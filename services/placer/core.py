@@ -100,8 +100,9 @@ class PlacerState:
     shapes_seen: int = 0
     fleet_version: int = 0  # bumped when nodes join, leave, or change health: `ever_fits` holds until then
     inventories: dict[str, NodeInventory] = field(default_factory=dict)
-    # node -> GPU index -> why it takes no new work (unhealthy, zombie memory, left unclean by a job)
-    quarantined: dict[str, dict[int, str]] = field(default_factory=dict)
+    # node -> GPU index -> why it takes no new work (unhealthy, zombie memory, left unclean by a
+    # job); `node.gpu_cleared` lifts zombie and unclean, never unhealthy
+    quarantined: dict[str, dict[int, set[str]]] = field(default_factory=dict)
     lost: set[str] = field(default_factory=set)
     cordoned: set[str] = field(default_factory=set)
     attempts: dict[str, int] = field(default_factory=dict)  # job -> attempt (resumed jobs run again)
@@ -372,9 +373,13 @@ class PlacerCore(BaseCore[PlacerState]):
         held = state.quarantined.setdefault(node_id, {})
         for g in gpus:
             if why == "cleared":
-                held.pop(g, None)
+                left = held.get(g, set()) - {"gpu_zombie_detected", "unclean"}
+                if left:
+                    held[g] = left
+                else:
+                    held.pop(g, None)
             else:
-                held[g] = why
+                held.setdefault(g, set()).add(why)
         if not held:
             state.quarantined.pop(node_id, None)
         inv = state.inventories.get(node_id)

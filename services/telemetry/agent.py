@@ -42,6 +42,7 @@ class SimWorld:
         self.backends: dict[str, SimGpuBackend] = {}
         self.owners: dict[int, tuple[str, int, int]] = {}  # pid -> (job, replica, attempt)
         self._pid_of: dict[tuple[str, int, int], int] = {}
+        self._node_of: dict[int, str] = {}  # pid -> the node its process is on
         self._zombie: dict[tuple[str, int, int], bool] = {}
         self._next_pid = 100_000
 
@@ -62,6 +63,7 @@ class SimWorld:
             self._pid_of[ident] = pid
             self._zombie[ident] = spec.leave_zombie
             self.owners[pid] = ident
+            self._node_of[pid] = r.node_id
             for g in r.gpus:
                 self.backends[r.node_id].add_process(g, pid, spec.gpu_mem_used_mib, name="python",
                                                      util_pct=spec.gpu_util_pct)
@@ -69,8 +71,9 @@ class SimWorld:
             if ident not in live:
                 del self._pid_of[ident]
                 if not self._zombie.pop(ident, False):  # a zombie stays on its GPUs, held by nobody
-                    for b in self.backends.values():
-                        b.remove_process(pid)
+                    node = self._node_of.pop(pid, None)
+                    if node in self.backends:
+                        self.backends[node].remove_process(pid)
                     self.owners.pop(pid, None)
 
     def pid_of(self, job_id: str, replica: int = 0, attempt: int = 1) -> int | None:
@@ -211,6 +214,7 @@ class TelemetryAgent:
         for f in facts:
             if f.type == "node.lost":
                 log.warning("ALERT node.lost: %s", f.payload.model_dump(exclude={"type"}))
+                _forget_metrics(f.node_id or "")
         await self.runtime.publish_local(facts)
 
     def backends(self) -> dict[str, GpuBackend]:
@@ -250,6 +254,12 @@ class TelemetryAgent:
     async def _publish(self, node_id: str, samples: list[GpuSample], now: float) -> None:
         doc = {"node_id": node_id, "at": now, "gpus": [sample_doc(s) for s in samples]}
         await self.bus.publish_telemetry(f"fleet.tel.node.{node_id}.gpu", json.dumps(doc).encode())
+
+
+def _forget_metrics(node_id: str) -> None:
+    from gpufleet.shared import otel
+
+    otel.forget_gpus(node_id)
 
 
 def _record_metrics(node_id: str, samples: list[GpuSample]) -> None:

@@ -64,6 +64,7 @@ class Replica:
     cpu_milli: int
     started_at: float = 0.0
     started_event_id: str | None = None
+    placed_event_id: str = ""
     pid: int | None = None
     container_id: str | None = None
 
@@ -78,10 +79,13 @@ class NodeInfo:
 class TelemetryState:
     nodes: dict[str, NodeInfo] = field(default_factory=dict)
     registered_at: dict[str, float] = field(default_factory=dict)  # a registration counts as a heartbeat
+    registration: dict[str, str] = field(default_factory=dict)  # node -> its registration's event id
     lost: set[str] = field(default_factory=set)
     replicas: dict[tuple[str, int], Replica] = field(default_factory=dict)  # (job, replica) -> placed / running
     sim: dict[str, SimSpec] = field(default_factory=dict)  # job -> how its sim replicas behave
-    quarantined: dict[tuple[str, int], str] = field(default_factory=dict)  # (node, gpu) -> why
+    # (node, gpu) -> why it takes no new work: unhealthy, zombie, unclean (a clear lifts the last two)
+    quarantined: dict[tuple[str, int], set[str]] = field(default_factory=dict)
+    episodes: dict[tuple[str, int], int] = field(default_factory=dict)  # (node, gpu) -> quarantines so far
     zombies_said: set[tuple[str, int, int]] = field(default_factory=set)  # (node, gpu, pid)
     idle_said: set[tuple[str, int]] = field(default_factory=set)  # (job, attempt)
     starved_said: set[tuple[str, int]] = field(default_factory=set)
@@ -133,6 +137,13 @@ class Windows:
 Owner = Callable[[int], tuple[str, int, int] | None]  # pid -> (job, replica, attempt) it belongs to
 
 
+def _hold(state: TelemetryState, key: tuple[str, int], why: str) -> None:
+    held = state.quarantined.setdefault(key, set())
+    if not held:
+        state.episodes[key] = state.episodes.get(key, 0) + 1
+    held.add(why)
+
+
 class TelemetryCore(BaseCore[TelemetryState]):
     name = "telemetry"
     subjects = (
@@ -154,22 +165,29 @@ class TelemetryCore(BaseCore[TelemetryState]):
         if isinstance(p, NodeRegistered):
             state.nodes[p.node_id] = NodeInfo(p.inventory.gpus, p.inventory.driver)
             state.registered_at[p.node_id] = env.occurred_at.timestamp()
+            state.registration[p.node_id] = env.event_id
             state.lost.discard(p.node_id)
         elif isinstance(p, NodeLost):
             state.lost.add(p.node_id)
         elif isinstance(p, NodeGpuZombieDetected):
-            state.quarantined[(p.node_id, p.gpu_index)] = "zombie"
+            _hold(state, (p.node_id, p.gpu_index), "zombie")
             state.zombies_said.add((p.node_id, p.gpu_index, p.pid))
         elif isinstance(p, NodeGpuUnhealthy):
-            state.quarantined[(p.node_id, p.gpu_index)] = "unhealthy"
+            _hold(state, (p.node_id, p.gpu_index), "unhealthy")
         elif isinstance(p, NodeGpuCleared):
-            state.quarantined.pop((p.node_id, p.gpu_index), None)
-            state.zombies_said = {z for z in state.zombies_said if z[:2] != (p.node_id, p.gpu_index)}
+            key = (p.node_id, p.gpu_index)
+            held = state.quarantined.get(key, set()) - {"zombie", "unclean"}
+            if held:
+                state.quarantined[key] = held
+            else:
+                state.quarantined.pop(key, None)
+            state.zombies_said = {z for z in state.zombies_said if z[:2] != key}
         elif isinstance(p, JobSubmitted):
             state.sim[p.job_id] = p.spec.sim
         elif isinstance(p, JobPlaced):
             for a in p.allocations:
-                state.add(Replica(p.job_id, env.tenant, a.replica, p.attempt, a.node_id, a.gpu_indices, a.cpu_milli))
+                state.add(Replica(p.job_id, env.tenant, a.replica, p.attempt, a.node_id, a.gpu_indices, a.cpu_milli,
+                                  placed_event_id=env.event_id))
                 for g in a.gpu_indices:
                     state.last_job_on[(a.node_id, g)] = p.job_id
         elif isinstance(p, JobStarted):
@@ -183,7 +201,7 @@ class TelemetryCore(BaseCore[TelemetryState]):
             if r is not None and r.attempt == p.attempt:
                 state.drop(r)
             for g in p.unclean_gpus:
-                state.quarantined[(p.node_id, g)] = "unclean"
+                _hold(state, (p.node_id, g), "unclean")
         elif isinstance(p, JobIdleDetected):
             state.idle_said.add((p.job_id, self._attempt(state, p.job_id)))
         elif isinstance(p, JobGpuStarved):
@@ -207,15 +225,17 @@ class TelemetryCore(BaseCore[TelemetryState]):
             seen = max(last_seen.get(node_id, 0.0), state.registered_at.get(node_id, 0.0))
             if node_id in state.lost or now - seen < self.rules.lease_s:
                 continue
-            lost_n = int(seen * 1000)  # one node.lost per silence (the same silence says it once)
+            # ids derive from the node's registration and the replica's placement, not the clock:
+            # deciding the same loss again (a retry, a second telemetry) says the same facts
+            reg = state.registration.get(node_id)
             out.append(ctx.emit(NodeLost(node_id=node_id, reason=(
                 f"no heartbeat for {now - seen:.0f}s (lease {self.rules.lease_s:.0f}s)")),
-                key=f"lost:{node_id}:{lost_n}"))
+                cause_id=reg, key=f"lost:{node_id}"))
             for r in sorted(state.on_node(node_id), key=lambda r: (r.job_id, r.replica)):
                 out.append(ctx.emit(JobExited(
                     job_id=r.job_id, node_id=node_id, replica=r.replica, exit_code=LOST_EXIT, reason="node_lost",
                     runtime_s=round(max(0.0, now - r.started_at), 3) if r.started_at else 0.0, attempt=r.attempt,
-                ), tenant=r.tenant, cause_id=r.started_event_id, key=f"lost:{node_id}:{lost_n}:{r.replica}:{r.attempt}"))
+                ), tenant=r.tenant, cause_id=r.placed_event_id or reg, key=f"lost:{r.replica}:{r.attempt}"))
         return out
 
     # ------------------------------------------------------------ samples
@@ -227,6 +247,7 @@ class TelemetryCore(BaseCore[TelemetryState]):
         if node_id not in state.nodes or node_id in state.lost:
             return []
         out: list[Envelope] = []
+        reg = state.registration.get(node_id)
         replicas = state.on_node(node_id)
         on_gpu: dict[int, set[tuple[str, int, int]]] = {}
         for r in replicas:  # placed counts, not only started: its process may run before the start is folded
@@ -241,22 +262,25 @@ class TelemetryCore(BaseCore[TelemetryState]):
                 if (node_id, s.index, pr.pid) in state.zombies_said:
                     continue
                 was = owner(pr.pid)
+                episode = state.episodes.get(key, 0)
                 out.append(ctx.emit(NodeGpuZombieDetected(
                     node_id=node_id, gpu_index=s.index, pid=pr.pid, used_mib=pr.used_mib, process_name=pr.name,
                     last_job_id=was[0] if was else state.last_job_on.get(key)),
-                    key=f"zombie:{node_id}:{s.index}:{pr.pid}"))
-            why = state.quarantined.get(key)
-            if why in ("zombie", "unclean") and not foreign:
+                    cause_id=reg, key=f"zombie:{s.index}:{pr.pid}:{episode}"))
+            why = state.quarantined.get(key, set())
+            if why & {"zombie", "unclean"} and not foreign:
                 out.append(ctx.emit(NodeGpuCleared(node_id=node_id, gpu_index=s.index, reason=(
-                    f"occupancy check passed: no process outside a running job holds memory ({why} before)")),
-                    key=f"cleared:{node_id}:{s.index}:{len(state.zombies_said)}:{why}"))
+                    f"occupancy check passed: no process outside a running job holds memory "
+                    f"({', '.join(sorted(why & {'zombie', 'unclean'}))} before)")),
+                    cause_id=reg, key=f"cleared:{s.index}:{state.episodes.get(key, 0)}"))
             bad = sorted(set(s.xids) & FATAL_XIDS)
-            if why != "unhealthy" and (bad or s.ecc_uncorrected > 0):
+            if "unhealthy" not in why and (bad or s.ecc_uncorrected > 0):
                 reason = (f"XID {', '.join(map(str, bad))}" if bad
                           else f"{s.ecc_uncorrected} uncorrected ECC error(s)")
                 out.append(ctx.emit(NodeGpuUnhealthy(
                     node_id=node_id, gpu_index=s.index, reason=reason, xid=bad[0] if bad else None,
-                    ecc_uncorrected=s.ecc_uncorrected or None), key=f"unhealthy:{node_id}:{s.index}:{reason}"))
+                    ecc_uncorrected=s.ecc_uncorrected or None),
+                    cause_id=reg, key=f"unhealthy:{s.index}:{state.episodes.get(key, 0)}"))
         for r in replicas:
             if r.started_event_id is None or not r.gpus:
                 continue
@@ -278,7 +302,7 @@ class TelemetryCore(BaseCore[TelemetryState]):
             return []
         return [ctx.emit(JobIdleDetected(job_id=r.job_id, gpu_util_pct=round(util, 2), idle_s=round(now - since, 3),
                                          node_id=r.node_id, threshold_pct=self.rules.idle_pct),
-                         tenant=r.tenant, key=f"idle:{r.job_id}:{r.attempt}")]
+                         tenant=r.tenant, cause_id=r.started_event_id, key=f"idle:{r.attempt}")]
 
     def _starved(self, state: TelemetryState, w: Windows, r: Replica, util: float, use: JobUse | None, now: float,
                  ctx: Ctx) -> list[Envelope]:
@@ -306,5 +330,5 @@ class TelemetryCore(BaseCore[TelemetryState]):
                     message=(f"GPUs {util:.0f}% busy while {what}: the input pipeline cannot feed them "
                              + ("(more data-loader workers or CPUs?)" if cause == "cpu"
                                 else "(data on slow storage? cache the dataset locally)"))),
-                    tenant=r.tenant, key=f"starved:{r.job_id}:{r.attempt}")]
+                    tenant=r.tenant, cause_id=r.started_event_id, key=f"starved:{r.attempt}")]
         return []
