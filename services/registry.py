@@ -49,6 +49,10 @@ def make_sidecar(runtime: ServiceRuntime[Any], bus: Bus) -> Any:
         from gpufleet.services.telemetry.agent import sidecar
 
         return sidecar(runtime, bus)
+    if runtime.core.name == "executor":
+        from gpufleet.services.executor.agent import sidecar as executor_sidecar
+
+        return executor_sidecar(runtime, bus)
     if runtime.core.name == "quota":
         from gpufleet.shared import otel
 

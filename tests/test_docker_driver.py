@@ -55,7 +55,8 @@ def test_config_gpus_limits_user_mounts_labels_env() -> None:
     assert c["Cmd"] == ["sh", "-c", "echo hi"]
     assert c["Labels"] == {
         "gpufleet.job": "job-1", "gpufleet.tenant": "acme", "gpufleet.replica": "2", "gpufleet.attempt": "3",
-        "gpufleet.node": "node-a", "gpufleet.allocation": "01PLACED", "gpufleet.started_at": "1234.500000"}
+        "gpufleet.node": "node-a", "gpufleet.allocation": "01PLACED", "gpufleet.started_at": "1234.500000",
+        "gpufleet.gpus": "1,3"}
     env = dict(e.split("=", 1) for e in c["Env"])
     assert env["CUDA_VISIBLE_DEVICES"] == "GPU-aaa,GPU-ccc"
     assert env["NVIDIA_VISIBLE_DEVICES"] == "GPU-aaa,GPU-ccc"

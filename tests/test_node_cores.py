@@ -277,3 +277,17 @@ def test_facts_decided_again_get_the_same_ids() -> None:
     z = [sample(0, 0, (GpuProcess(9, 900),))]
     assert ([e.event_id for e in core.observe(st, Windows(), NODE, z, owners({}), {}, T0, ctx(T0))]
             == [e.event_id for e in core.observe(st, Windows(), NODE, z, owners({}), {}, T0 + 7, ctx(T0 + 7))])
+
+
+def test_a_resumed_attempt_never_started_here_still_gives_its_allocation_back() -> None:
+    from gpufleet.shared.events import JobResumeRequested, Reason
+
+    core, st = executor(submitted("j"), placed("j"))  # placed here, not started yet
+    st = fold(core, st, ev(JobResumeRequested(job_id="j", reason=Reason(code="node_lost", message="x"))))
+    (a,) = reconcile(st, core.nodes, [], T0 + 1)
+    assert isinstance(a, ReportExit) and (a.workload.attempt, a.reason) == (1, "killed")
+    st = fold(core, st, ev(JobExited(job_id="j", node_id=NODE, exit_code=137, reason="killed"), at=T0 + 2))
+    assert reconcile(st, core.nodes, [], T0 + 3) == []
+    # attempt 2 placed here again: started as attempt 2
+    (b,) = reconcile(fold(core, st, placed("j", attempt=2)), core.nodes, [], T0 + 4)
+    assert isinstance(b, Start) and b.launch.key == "j.0.2"

@@ -23,9 +23,10 @@ from gpufleet.shared.bus import Bus
 from gpufleet.shared.events import SYS_TENANT, Envelope, NodeHeartbeat, utc
 from gpufleet.shared.gpu import GpuBackend
 from gpufleet.shared.ids import derive_id
-from gpufleet.shared.runtime import ServiceRuntime
+from gpufleet.shared.runtime import Ctx, ServiceRuntime
 
 from .core import (
+    Action,
     Adopt,
     Cleanup,
     ExecutorCore,
@@ -51,7 +52,8 @@ class ExecutorAgent:
     def __init__(self, core: ExecutorCore, bus: Bus, driver: Driver | None = None, gpu: GpuBackend | None = None,
                  instance: str = "0", heartbeat_s: float = HEARTBEAT_S, reconcile_s: float = RECONCILE_S,
                  grace_s: float = 10.0, checkpoint_root: str | None = None,
-                 clock: Callable[[], float] = time.time, batch: int = 256) -> None:
+                 clock: Callable[[], float] = time.time, batch: int = 256,
+                 runtime: ServiceRuntime[ExecutorState] | None = None) -> None:
         self.core = core
         self.bus = bus
         self.driver = driver
@@ -61,9 +63,12 @@ class ExecutorAgent:
         self.grace_s = grace_s
         self.checkpoint_root = checkpoint_root
         self.clock = clock
-        self.runtime: ServiceRuntime[ExecutorState] = ServiceRuntime(core, bus, instance=instance, batch=batch,
-                                                                     clock=clock)
+        # in a co-located group the group owns the runtime; the agent adds heartbeats (and reconcile)
+        self.owns_runtime = runtime is None
+        self.runtime: ServiceRuntime[ExecutorState] = runtime or ServiceRuntime(
+            core, bus, instance=instance, batch=batch, clock=clock)
         self._stop = asyncio.Event()
+        self._beat: asyncio.Task[None] | None = None
         self._stopping: set[str] = set()
         self.beating = True  # tests turn heartbeats off to play a lost node
         self.heartbeats_sent = 0
@@ -73,25 +78,31 @@ class ExecutorAgent:
         return self.runtime.state
 
     async def start(self) -> None:
-        await self.runtime.start()
+        # heartbeats first: folding a long log, or a slow first reconcile, must not cost the lease
+        await self.heartbeat()
+        self._beat = asyncio.create_task(self._every(self.heartbeat_s, self.heartbeat))
+        if self.owns_runtime:
+            await self.runtime.start()
         if self.driver is not None:
             await self.reconcile_once()  # re-adopt / report what happened while we were away
-        await self.heartbeat()
 
     def stop(self) -> None:
         self._stop.set()
         self.runtime.stop()
 
     async def run(self) -> None:
-        tasks = [asyncio.create_task(self.runtime.run()), asyncio.create_task(self._every(self.heartbeat_s, self.heartbeat))]
+        tasks = [self._beat or asyncio.create_task(self._every(self.heartbeat_s, self.heartbeat))]
         if self.driver is not None:
             tasks.append(asyncio.create_task(self._every(self.reconcile_s, self.reconcile_once)))
+        if self.owns_runtime:
+            tasks.append(asyncio.create_task(self.runtime.run()))
         try:
             await self._stop.wait()
         finally:
             self.runtime.stop()
-            for t in tasks[1:]:
-                t.cancel()
+            for t in tasks:
+                if t is not tasks[-1] or not self.owns_runtime:
+                    t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             if self.driver is not None:
                 await self.driver.close()
@@ -130,8 +141,10 @@ class ExecutorAgent:
     # ------------------------------------------------------------ reconcile
 
     async def reconcile_once(self) -> int:
-        """One round; returns how many actions it took."""
+        """One round; returns how many actions it took. One action failing (a driver error) is
+        logged and retried next round; it does not hold up the others."""
         assert self.driver is not None
+        await self.runtime.ensure_fresh()
         observed = await self.driver.list()
         nodes = {n: self.core.nodes[n] for n in self.core.driver_nodes}
         now = self.clock()
@@ -140,43 +153,53 @@ class ExecutorAgent:
         out: list[Envelope] = []
         cleanups: list[str] = []
         for a in actions:
-            if isinstance(a, Start):
-                try:
-                    w = await self.driver.start(a.launch)
-                except DriverError as exc:
-                    log.warning("%s: cannot start: %s", a.launch.key, exc.message)
-                    never = Workload(a.launch.job_id, a.launch.replica, a.launch.attempt, a.launch.node_id, handle="",
-                                     running=False, exit_code=EXIT_CANNOT_RUN, started_at=now)
-                    out.append(exited_event(ctx, ReportExit(never, "error", None, a.desired)))
-                    continue
-                out.append(started_event(ctx, w, a.desired, self.driver.name))
-            elif isinstance(a, Adopt):
-                log.info("re-adopted %s (pid %s, container %s)", a.workload.key, a.workload.pid, a.workload.container_id)
-                out.append(started_event(ctx, a.workload, a.desired, self.driver.name))
-            elif isinstance(a, Stop):
-                if a.key not in self._stopping:
-                    log.info("stopping %s (%s), grace %.1fs", a.key, a.reason, a.grace_s)
-                    self._stopping.add(a.key)
-                    await self.driver.stop(a.key, a.grace_s)
-            elif isinstance(a, ReportExit):
-                unclean = await self.unclean_gpus(a)
-                if unclean:
-                    log.warning("%s exited but still holds memory on GPU(s) %s", a.workload.key, unclean)
-                out.append(exited_event(ctx, a, unclean))
-                if a.workload.handle:
-                    cleanups.append(a.workload.key)
-            elif isinstance(a, Cleanup):
-                cleanups.append(a.key)
+            try:
+                await self._act(a, ctx, now, out, cleanups)
+            except Exception:  # noqa: BLE001 - the next round tries this one again
+                log.exception("%s: %s failed; retrying next round", _key_of(a), type(a).__name__)
         if out:
             await self.runtime.publish_local(out)  # published (and folded) before anything is removed
         for key in cleanups:
-            await self.driver.cleanup(key)
-            self._stopping.discard(key)
+            try:
+                await self.driver.cleanup(key)
+                self._stopping.discard(key)
+            except Exception:  # noqa: BLE001
+                log.exception("%s: clean-up failed; retrying next round", key)
         return len(actions)
+
+    async def _act(self, a: Action, ctx: Ctx, now: float, out: list[Envelope], cleanups: list[str]) -> None:
+        assert self.driver is not None
+        if isinstance(a, Start):
+            try:
+                w = await self.driver.start(a.launch)
+            except DriverError as exc:
+                log.warning("%s: cannot start: %s", a.launch.key, exc.message)
+                never = Workload(a.launch.job_id, a.launch.replica, a.launch.attempt, a.launch.node_id, handle="",
+                                 running=False, exit_code=EXIT_CANNOT_RUN, started_at=now)
+                out.append(exited_event(ctx, ReportExit(never, "error", None, a.desired)))
+                return
+            out.append(started_event(ctx, w, a.desired, self.driver.name))
+        elif isinstance(a, Adopt):
+            log.info("re-adopted %s (pid %s, container %s)", a.workload.key, a.workload.pid, a.workload.container_id)
+            out.append(started_event(ctx, a.workload, a.desired, self.driver.name))
+        elif isinstance(a, Stop):
+            if a.key not in self._stopping:
+                log.info("stopping %s (%s), grace %.1fs", a.key, a.reason, a.grace_s)
+                await self.driver.stop(a.key, a.grace_s)
+                self._stopping.add(a.key)  # (only once it was asked: a failed stop is tried again)
+        elif isinstance(a, ReportExit):
+            unclean = await self.unclean_gpus(a)
+            if unclean:
+                log.warning("%s exited but still holds memory on GPU(s) %s", a.workload.key, unclean)
+            out.append(exited_event(ctx, a, unclean))
+            if a.workload.handle:
+                cleanups.append(a.workload.key)
+        elif isinstance(a, Cleanup):
+            cleanups.append(a.key)
 
     async def unclean_gpus(self, a: ReportExit) -> tuple[int, ...]:
         """GPUs of the allocation on which a process of this workload still holds memory."""
-        if self.gpu is None or self.driver is None or a.desired is None or not a.workload.handle:
+        if self.gpu is None or self.driver is None or not a.workload.handle:
             return ()
         from .process_driver import job_of_pid
 
@@ -184,11 +207,25 @@ class ExecutorAgent:
         mine = await self.driver.pids(w.key)
         ident = (w.job_id, w.replica, w.attempt)
         unclean = []
-        for index in a.desired.alloc.gpu_indices:
+        for index in a.desired.alloc.gpu_indices if a.desired is not None else w.gpu_indices:
             procs = await asyncio.to_thread(self.gpu.processes, index)
             if any(p.pid in mine or job_of_pid(p.pid) == ident for p in procs):
                 unclean.append(index)
         return tuple(unclean)
+
+
+def _key_of(a: Action) -> str:
+    if isinstance(a, Start):
+        return a.launch.key
+    if isinstance(a, Adopt | ReportExit):
+        return a.workload.key
+    return str(a.key)
+
+
+def sidecar(runtime: ServiceRuntime[ExecutorState], bus: Bus) -> ExecutorAgent:
+    """The agent for a sim executor co-located in a group: its heartbeats."""
+    assert isinstance(runtime.core, ExecutorCore)
+    return ExecutorAgent(runtime.core, bus, runtime=runtime)
 
 
 # ---------------------------------------------------------------- the process

@@ -92,6 +92,7 @@ class ExecutorState:
     attempt: dict[str, int] = field(default_factory=dict)  # job -> its current attempt (resumes)
     lost: dict[str, int] = field(default_factory=dict)  # node -> times the log said it was lost
     stop_grace: dict[str, float] = field(default_factory=dict)  # job -> the grace its preemption gives
+    abandoned: dict[tuple[str, int], Desired] = field(default_factory=dict)  # old attempts never started
 
 
 class ExecutorCore(BaseCore[ExecutorState]):
@@ -140,7 +141,11 @@ class ExecutorCore(BaseCore[ExecutorState]):
         elif isinstance(p, JobResumeRequested):
             state.attempt[job_id] = state.attempt.get(job_id, 1) + 1
             for key in [k for k, d in state.desired.items() if k[0] == job_id and d.attempt < state.attempt[job_id]]:
-                del state.desired[key]
+                old = state.desired.pop(key)
+                run = state.running.get(key)
+                if run is None or run.attempt != old.attempt:
+                    # placed here but never started: its allocation must still be given back
+                    state.abandoned[key] = old
         elif isinstance(p, JobStarted):
             if p.node_id in self.nodes and job_id not in state.ended:
                 plan = state.plans.get(job_id, RunPlan(0.0, 0, 86400.0))
@@ -149,6 +154,9 @@ class ExecutorCore(BaseCore[ExecutorState]):
                     job_id, env.tenant, p.replica, p.node_id,
                     env.occurred_at.timestamp(), env.event_id, plan, p.attempt,
                 )
+                stale = state.running.get((job_id, run.replica))
+                if stale is not None and stale.attempt < run.attempt:
+                    del state.running[(job_id, run.replica)]  # an earlier attempt whose exit never came
                 if (job_id, run.replica) not in state.running:
                     state.running[(job_id, run.replica)] = run
                     state.replicas_of.setdefault(job_id, []).append(run.replica)
@@ -157,6 +165,9 @@ class ExecutorCore(BaseCore[ExecutorState]):
         elif isinstance(p, JobExited):
             if p.node_id in self.driver_nodes:
                 state.exits_logged.add(workload_key(job_id, p.replica, p.attempt))
+                gone = state.abandoned.get((job_id, p.replica))
+                if gone is not None and gone.attempt == p.attempt:
+                    del state.abandoned[(job_id, p.replica)]
                 d = state.desired.get((job_id, p.replica))
                 if d is not None and d.attempt == p.attempt:
                     del state.desired[(job_id, p.replica)]
@@ -188,6 +199,8 @@ class ExecutorCore(BaseCore[ExecutorState]):
             state.stop_reason.setdefault(job_id, _KILL_REASONS.get(t, "killed"))
             for key in [k for k in state.desired if k[0] == job_id]:
                 del state.desired[key]
+            for key in [k for k in state.abandoned if k[0] == job_id]:
+                del state.abandoned[key]
         return state
 
     def on_start(self, state: ExecutorState, ctx: Ctx) -> list[Envelope]:
@@ -375,10 +388,19 @@ def reconcile(state: ExecutorState, nodes: dict[str, NodeInventory], observed: l
                 actions.append(Stop(w.key, state.stop_reason.get(w.job_id, "killed"), grace))
             elif spec is not None and now - w.started_at >= spec.max_runtime_s:
                 actions.append(Stop(w.key, "timeout", grace_s))
-        elif logged_exit or (not current and run is None):
-            actions.append(Cleanup(w.key))
         else:
-            actions.append(ReportExit(w, exit_reason(state, w, now), run, d if current else None))
+            ab = state.abandoned.get((w.job_id, w.replica))
+            ab = ab if ab is not None and ab.attempt == w.attempt else None
+            if logged_exit or (not current and run is None and ab is None):
+                actions.append(Cleanup(w.key))
+            else:
+                actions.append(ReportExit(w, exit_reason(state, w, now), run, d if current else ab))
+    for (job_id, replica), d in sorted(state.abandoned.items()):
+        key = workload_key(job_id, replica, d.attempt)
+        if d.alloc.node_id in nodes and key not in state.exits_logged and key not in {w.key for w in observed}:
+            never = Workload(job_id, replica, d.attempt, d.alloc.node_id, handle="", running=False,
+                             exit_code=EXIT_KILLED, started_at=now)
+            actions.append(ReportExit(never, "killed", None, d))
     for (job_id, replica), d in sorted(state.desired.items()):
         if (job_id, replica) in seen or d.alloc.node_id not in nodes:
             continue

@@ -47,6 +47,7 @@ PULL_POLICIES: tuple[PullPolicy, ...] = ("never", "if-not-present", "always")
 LABEL = "gpufleet"
 L_JOB, L_TENANT, L_REPLICA, L_ATTEMPT = f"{LABEL}.job", f"{LABEL}.tenant", f"{LABEL}.replica", f"{LABEL}.attempt"
 L_NODE, L_ALLOCATION, L_STARTED_AT = f"{LABEL}.node", f"{LABEL}.allocation", f"{LABEL}.started_at"
+L_GPUS = f"{LABEL}.gpus"  # the allocated GPU indices, comma-separated (for the cleanliness check)
 
 DEFAULT_USER = "65534:65534"  # nobody:nogroup
 DEFAULT_PIDS_LIMIT = 4096
@@ -124,6 +125,7 @@ def container_config(
             L_NODE: launch.node_id,
             L_ALLOCATION: launch.placed_event_id,
             L_STARTED_AT: f"{started_at:.6f}",
+            L_GPUS: ",".join(str(i) for i in launch.gpu_indices),
         },
         "User": user,
         "Tty": False,
@@ -164,6 +166,7 @@ def _workload_of(info: dict[str, Any], stopped_by_us: bool) -> Workload | None:
         job_id=job_id, replica=replica, attempt=attempt, node_id=node_id, handle=str(info["Id"]),
         running=running, exit_code=exit_code, started_at=started_at, pid=pid if running else None,
         container_id=str(info["Id"]), stopped_by_us=stopped_by_us,
+        gpu_indices=tuple(int(g) for g in labels.get(L_GPUS, "").split(",") if g.strip().isdigit()),
     )
 
 
@@ -272,6 +275,8 @@ class DockerDriver:
                 log.warning("container %s has gpufleet.node=%s but no valid job labels: %s",
                             info.get("Name"), self.node_id, labels)
                 continue
+            if (info.get("State") or {}).get("Status") == "created":
+                continue  # created, never started (the executor died in between): `start` starts it
             w = self._to_workload(key, info)
             out.append(w)
         return sorted(out, key=lambda w: w.key)

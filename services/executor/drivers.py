@@ -83,6 +83,7 @@ class Workload:
     pid: int | None = None
     container_id: str | None = None
     stopped_by_us: bool = False  # it ended because `stop` was called
+    gpu_indices: tuple[int, ...] = ()  # the GPUs it was given (for the cleanliness check after it ends)
 
     @property
     def key(self) -> str:

@@ -239,4 +239,5 @@ class ProcessDriver:
             job_id=str(meta["job_id"]), replica=int(str(meta["replica"])), attempt=int(str(meta["attempt"])),
             node_id=str(meta["node_id"]), handle=str(pid), running=running, exit_code=exit_code,
             started_at=float(str(meta["started_at"])), pid=pid, stopped_by_us=stopped_sig is not None,
+            gpu_indices=tuple(int(g) for g in meta.get("gpu_indices", ())),
         )
