@@ -107,6 +107,7 @@ class PlacerState:
     cordoned: set[str] = field(default_factory=set)
     attempts: dict[str, int] = field(default_factory=dict)  # job -> attempt (resumed jobs run again)
     alloc_attempt: dict[str, int] = field(default_factory=dict)  # job -> the attempt its allocations belong to
+    jobs_on: dict[str, set[str]] = field(default_factory=dict)  # node -> jobs holding something there
 
 
 # ---------------------------------------------------------------- node bookkeeping
@@ -193,8 +194,8 @@ def _register(state: PlacerState, node_id: str, inv: NodeInventory) -> None:
         state.mig[node_id] = slot
     else:
         state.mig.pop(node_id, None)
-    for allocs in state.allocations.values():  # re-registration keeps what is already held
-        for a in allocs:
+    for job_id in sorted(state.jobs_on.get(node_id, ())):  # re-registration keeps what is already held
+        for a in state.allocations.get(job_id, ()):
             if a.node_id == node_id:
                 node.take(_positions(node, a.gpu_indices), a.gpu_milli, a.cpu_milli, a.memory_mib)
                 _take_mig(state.mig.get(node_id), a.mig_devices)
@@ -329,6 +330,7 @@ class PlacerCore(BaseCore[PlacerState]):
             state.ends_at[job_id] = env.occurred_at.timestamp() + (spec.max_runtime_s if spec else 86400.0)
             for a in p.allocations:
                 _take(state, a)
+                state.jobs_on.setdefault(a.node_id, set()).add(job_id)
         elif isinstance(p, JobResumeRequested):
             if job_id in state.ended:
                 return state
@@ -356,6 +358,12 @@ class PlacerCore(BaseCore[PlacerState]):
             for a in held:
                 if a not in keep:
                     _give_back(state, a)
+                    if not any(k.node_id == a.node_id for k in keep):
+                        on = state.jobs_on.get(a.node_id)
+                        if on is not None:
+                            on.discard(job_id)
+                            if not on:
+                                del state.jobs_on[a.node_id]
             if keep:
                 state.allocations[job_id] = keep
             else:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections import Counter
 from typing import Any
 
@@ -12,6 +13,7 @@ from gpufleet.shared.runtime import ServiceRuntime
 
 from .core import QuotaState
 
+log = logging.getLogger(__name__)
 EVERY_S = 5.0
 
 
@@ -38,6 +40,9 @@ class QuotaMetrics:
 
     async def run(self) -> None:
         while not self._stop.is_set():
-            export(self.runtime.state)
+            try:
+                export(self.runtime.state)
+            except Exception:  # noqa: BLE001 - a metrics bug must not take the services down
+                log.exception("quota metrics export failed")
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stop.wait(), self.every_s)
