@@ -203,3 +203,55 @@ async def test_retry_budget_exhausted_fails_the_job(bus: Bus, nats_url: str) -> 
         failed = (await wait_for_type(bus, "job.failed", job.job_id))[0].payload
     assert failed.reason.code == "retries_exhausted"  # type: ignore[union-attr]
     assert not await of_type(bus, "job.resume_requested", job.job_id)
+
+
+async def test_a_lost_process_node_that_comes_back_kills_what_was_run_again_elsewhere(
+        bus: Bus, nats_url: str, tmp_path: Any) -> None:
+    """A network split that heals: the node's job ran again elsewhere, so its own copy is stopped."""
+    from gpufleet.services.executor.process_driver import ProcessDriver, alive
+
+    def proc_node(name: str) -> NodeInventory:
+        return node(name).model_copy(update={"driver": "process"})
+
+    @asynccontextmanager
+    async def proc_executor(name: str, instance: str) -> AsyncIterator[ExecutorAgent]:
+        b = await Bus.connect(nats_url, name=f"executor-{instance}")
+        a = ExecutorAgent(ExecutorCore({name: proc_node(name)}), b, ProcessDriver(name, tmp_path / name),
+                          instance=instance, heartbeat_s=0.3, reconcile_s=0.1, grace_s=0.5)
+        a.runtime.fetch_timeout_s = 0.05
+        await a.start()
+        task = asyncio.create_task(a.run())
+        try:
+            yield a
+        finally:
+            a.stop()
+            await task
+            await b.close()
+
+    marker = tmp_path / "attempts"
+    job = submit_cmd({"name": "p", "tenant": "acme", "type": "batch", "resources": {"gpu": 1},
+                      "command": ["sh", "-c", f'echo "$GPUFLEET_ATTEMPT $GPUFLEET_NODE_ID" >> {marker}; '
+                                              'if [ "$GPUFLEET_ATTEMPT" = 1 ]; then sleep 60; else sleep 1; fi']})
+    async with AsyncExitStack() as stack:
+        await stack.enter_async_context(running(nats_url, [AdmissionCore(), QuotaCore(), PlacerCore(), GuardianCore()]))
+        await stack.enter_async_context(telemetry(nats_url))
+        node_a = proc_executor("pa", "pa")
+        await node_a.__aenter__()
+        await bus.publish(job)
+        first = (await wait_for_type(bus, "job.started", job.job_id))[0].payload
+        await stack.enter_async_context(proc_executor("pb", "pb"))
+        await node_a.__aexit__(None, None, None)  # the agent is cut off; its process runs on
+        assert first.node_id == "pa" and alive(first.pid)  # type: ignore[union-attr]
+        placed = (await wait_for_type(bus, "job.placed", job.job_id, n=2))[-1].payload
+        assert (placed.attempt, placed.allocations[0].node_id) == (2, "pb")  # type: ignore[union-attr]
+        # the split heals: pa's agent is back, finds attempt 1 still running, and stops it
+        await stack.enter_async_context(proc_executor("pa", "pa2"))
+        await wait_until(lambda: not alive(first.pid), timeout_s=15)  # type: ignore[union-attr]
+
+        async def done() -> bool:
+            return await job_status(bus, job.job_id or "") == "succeeded"
+        await wait_until(done, timeout_s=20)
+    exits = [e.payload for e in await of_type(bus, "job.exited", job.job_id)]
+    assert sorted((e.attempt, e.node_id, e.reason) for e in exits) == [  # type: ignore[union-attr]
+        (1, "pa", "node_lost"), (2, "pb", "completed")]
+    assert marker.read_text().split("\n")[:2] == ["1 pa", "2 pb"]
