@@ -132,6 +132,23 @@ async def check(data: Path, c: Check) -> None:
     c("telemetry sees the GPU free again", await until(freed, 60) is not None)
     zombies = [e for e in await log_events(bus) if e.type == "node.gpu_zombie_detected"]
     c("no zombie raised for a job's own process", not zombies, [z.payload.model_dump() for z in zombies])
+    # a process outside any job takes GPU memory: the zombie fact, then the clear once it is gone
+    orphan = subprocess.Popen([py, str(script), "torch" if has_torch else "cuda"],
+                              env={**os.environ, "CUDA_VISIBLE_DEVICES": uuid}, stdout=subprocess.DEVNULL)
+    try:
+        async def zombie() -> Any:
+            return next((e for e in await log_events(bus) if e.type == "node.gpu_zombie_detected"), None)
+        z = await until(zombie, 90)
+        c("memory held outside any job raises node.gpu_zombie_detected", z is not None and z.payload.gpu_index == index,
+          z.payload.model_dump() if z else None)
+    finally:
+        orphan.kill()
+        orphan.wait(timeout=30)
+
+    async def cleared() -> Any:
+        return next((e for e in await log_events(bus) if e.type == "node.gpu_cleared"), None)
+    cl = await until(cleared, 90)
+    c("the GPU is cleared once the orphan is gone", cl is not None, cl.payload.model_dump() if cl else None)
     await bus.close()
 
 
