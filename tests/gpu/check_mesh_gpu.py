@@ -133,8 +133,9 @@ async def check(data: Path, c: Check) -> None:
     zombies = [e for e in await log_events(bus) if e.type == "node.gpu_zombie_detected"]
     c("no zombie raised for a job's own process", not zombies, [z.payload.model_dump() for z in zombies])
     # a process outside any job takes GPU memory: the zombie fact, then the clear once it is gone
-    orphan = subprocess.Popen([py, str(script), "torch" if has_torch else "cuda"],
-                              env={**os.environ, "CUDA_VISIBLE_DEVICES": uuid}, stdout=subprocess.DEVNULL)
+    orphan = await asyncio.create_subprocess_exec(py, str(script), "torch" if has_torch else "cuda",
+                                                  env={**os.environ, "CUDA_VISIBLE_DEVICES": uuid},
+                                                  stdout=subprocess.DEVNULL)
     try:
         async def zombie() -> Any:
             return next((e for e in await log_events(bus) if e.type == "node.gpu_zombie_detected"), None)
@@ -143,7 +144,7 @@ async def check(data: Path, c: Check) -> None:
           z.payload.model_dump() if z else None)
     finally:
         orphan.kill()
-        orphan.wait(timeout=30)
+        await orphan.wait()
 
     async def cleared() -> Any:
         return next((e for e in await log_events(bus) if e.type == "node.gpu_cleared"), None)
