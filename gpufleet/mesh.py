@@ -145,7 +145,9 @@ class Supervisor:
 
     def spawn(self, child: Child) -> None:
         out = open(self.logs / f"{child.name}.log", "ab")  # noqa: SIM115 - handed to the child
-        child.proc = subprocess.Popen(child.argv, stdout=out, stderr=subprocess.STDOUT, env={**os.environ})
+        # checkpoints live under the data dir (persistent), unless the environment names a root
+        env = {"GPUFLEET_CHECKPOINT_ROOT": str(self.dir / "checkpoints"), **os.environ}
+        child.proc = subprocess.Popen(child.argv, stdout=out, stderr=subprocess.STDOUT, env=env)
         child.started_at = time.monotonic()
         out.close()
 

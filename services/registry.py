@@ -53,6 +53,10 @@ def make_sidecar(runtime: ServiceRuntime[Any], bus: Bus) -> Any:
         from gpufleet.services.executor.agent import sidecar as executor_sidecar
 
         return executor_sidecar(runtime, bus)
+    if runtime.core.name == "guardian":
+        from gpufleet.services.guardian.agent import sidecar as guardian_sidecar
+
+        return guardian_sidecar(runtime)
     if runtime.core.name == "quota":
         from gpufleet.shared import otel
 

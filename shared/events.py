@@ -90,6 +90,7 @@ class JobAdmitted(_JobPayload):
     """The job passed validation and tenant policy."""
 
     type: Literal["job.admitted"] = "job.admitted"
+    warnings: tuple[Reason, ...] = ()  # what policy corrected (an ephemeral checkpoint path ...)
 
 
 class JobRejected(_JobPayload):
@@ -187,6 +188,37 @@ class JobCheckpointSaved(_JobPayload):
     step: int = 0
     size_bytes: int = 0
     sha256: str = ""
+    saved_at: datetime | None = None  # when it was written (the event may come later)
+
+
+class JobCheckpointVerified(_JobPayload):
+    """At the start of a run: the checkpoint location is writable and persistent, and this is the
+    latest good checkpoint in it (partial or corrupt newer ones skipped, each with its reason)."""
+
+    type: Literal["job.checkpoint_verified"] = "job.checkpoint_verified"
+    location: str
+    attempt: int = 1
+    latest_uri: str | None = None
+    latest_step: int | None = None
+    skipped: tuple[Reason, ...] = ()  # code "checkpoint_invalid", field = the URI, message = why
+
+
+class JobCheckpointInvalid(_JobPayload):
+    """A checkpoint in the job's location is partial or corrupt: it will never be resumed from."""
+
+    type: Literal["job.checkpoint_invalid"] = "job.checkpoint_invalid"
+    uri: str
+    step: int
+    reason: str
+
+
+class JobCheckpointOverdue(_JobPayload):
+    """The job's last checkpoint is older than its policy allows: a failure now loses that much."""
+
+    type: Literal["job.checkpoint_overdue"] = "job.checkpoint_overdue"
+    age_s: float
+    limit_s: float
+    last_uri: str | None = None
 
 
 class JobPreemptionRequested(_JobPayload):
@@ -418,7 +450,8 @@ Payload = Annotated[
     Union[  # noqa: UP007 - a discriminated union reads clearer spelled out
         SubmitRequested, CancelRequestedCmd,
         JobSubmitted, JobAdmitted, JobRejected, JobQueued, JobQuotaReserved, JobUnschedulable, JobPlaced,
-        JobStarted, JobHeartbeat, JobCheckpointSaved, JobPreemptionRequested, JobPreempted,
+        JobStarted, JobHeartbeat, JobCheckpointSaved, JobCheckpointVerified, JobCheckpointInvalid,
+        JobCheckpointOverdue, JobPreemptionRequested, JobPreempted,
         JobRequestRefused, JobCancelRequested, JobExited, JobSucceeded, JobFailed, JobCancelled, JobResumeRequested,
         JobIdleDetected, JobGpuStarved, JobBackfillReserved,
         NodeRegistered, NodeHeartbeat, NodeLost, NodeCordoned, NodeUncordoned, NodeGpuUnhealthy, NodeDatasetsCached,

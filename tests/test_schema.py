@@ -25,7 +25,10 @@ from gpufleet.shared.events import (
     JobBackfillReserved,
     JobCancelled,
     JobCancelRequested,
+    JobCheckpointInvalid,
+    JobCheckpointOverdue,
     JobCheckpointSaved,
+    JobCheckpointVerified,
     JobExited,
     JobFailed,
     JobGpuStarved,
@@ -94,6 +97,13 @@ EXAMPLES: dict[str, Any] = {
     "job.checkpoint_saved": JobCheckpointSaved(
         job_id=JOB, uri="file:///ckpt/resnet50/step-100", step=100, size_bytes=1 << 30, sha256="ab" * 32,
     ),
+    "job.checkpoint_verified": JobCheckpointVerified(
+        job_id=JOB, location="/ckpt/acme/j", latest_uri="file:///ckpt/acme/j/step-000000100", latest_step=100,
+        skipped=(Reason(code="checkpoint_invalid", message="no manifest (partial)",
+                        field="file:///ckpt/acme/j/step-000000120"),)),
+    "job.checkpoint_invalid": JobCheckpointInvalid(job_id=JOB, uri="file:///ckpt/acme/j/step-000000120", step=120,
+                                                   reason="state.pt does not match its sha256"),
+    "job.checkpoint_overdue": JobCheckpointOverdue(job_id=JOB, age_s=4000.0, limit_s=3600.0),
     "job.preemption_requested": JobPreemptionRequested(
         job_id=JOB, reason=Reason(code="priority", message="a higher-priority job needs the GPUs"), by_job_id="job-0002",
     ),

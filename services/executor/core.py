@@ -14,6 +14,8 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
+from gpufleet.shared.checkpoints import CHECKPOINTED_TYPES
+from gpufleet.shared.checkpoints import location as checkpoint_location
 from gpufleet.shared.cluster import inventory_digest
 from gpufleet.shared.events import (
     SYS_TENANT,
@@ -93,6 +95,7 @@ class ExecutorState:
     lost: dict[str, int] = field(default_factory=dict)  # node -> times the log said it was lost
     stop_grace: dict[str, float] = field(default_factory=dict)  # job -> the grace its preemption gives
     abandoned: dict[tuple[str, int], Desired] = field(default_factory=dict)  # old attempts never started
+    resume_from: dict[str, str] = field(default_factory=dict)  # job -> the checkpoint its next run starts from
 
 
 class ExecutorCore(BaseCore[ExecutorState]):
@@ -140,6 +143,8 @@ class ExecutorCore(BaseCore[ExecutorState]):
                         state.desired[(job_id, a.replica)] = Desired(a, p.attempt, env.tenant, env.event_id)
         elif isinstance(p, JobResumeRequested):
             state.attempt[job_id] = state.attempt.get(job_id, 1) + 1
+            if p.checkpoint_uri:
+                state.resume_from[job_id] = p.checkpoint_uri
             for key in [k for k, d in state.desired.items() if k[0] == job_id and d.attempt < state.attempt[job_id]]:
                 old = state.desired.pop(key)
                 run = state.running.get(key)
@@ -196,6 +201,7 @@ class ExecutorCore(BaseCore[ExecutorState]):
             state.specs.pop(job_id, None)
             state.attempt.pop(job_id, None)
             state.stop_grace.pop(job_id, None)
+            state.resume_from.pop(job_id, None)
             state.stop_reason.setdefault(job_id, _KILL_REASONS.get(t, "killed"))
             for key in [k for k in state.desired if k[0] == job_id]:
                 del state.desired[key]
@@ -349,12 +355,18 @@ def launch_for(state: ExecutorState, job_id: str, d: Desired, node: NodeInventor
     uuids = {g.index: g.uuid for g in node.gpus}
     gpu_uuids = a.mig_devices or tuple(uuids[i] for i in a.gpu_indices if i in uuids)
     ckpt = None
-    if checkpoint_root and spec is not None and spec.type in ("training", "finetune"):
-        ckpt = f"{checkpoint_root.rstrip('/')}/{d.tenant}/{job_id}"
+    if checkpoint_root and spec is not None and spec.type in CHECKPOINTED_TYPES:
+        ckpt = checkpoint_location(checkpoint_root, d.tenant, job_id, spec.checkpoint.path if spec.checkpoint else None)
+    env = dict(spec.env) if spec else {}
+    if spec is not None and spec.checkpoint is not None:
+        env.setdefault("GPUFLEET_CHECKPOINT_KEEP", str(spec.checkpoint.keep))
+    resume = state.resume_from.get(job_id)
+    if resume:
+        env["GPUFLEET_RESUME_FROM"] = resume
     return Launch(
         job_id=job_id, tenant=d.tenant, replica=a.replica, attempt=d.attempt, node_id=a.node_id,
         command=spec.command if spec else (), image=spec.image if spec else None,
-        env=dict(spec.env) if spec else {}, gpu_indices=a.gpu_indices, gpu_uuids=gpu_uuids,
+        env=env, gpu_indices=a.gpu_indices, gpu_uuids=gpu_uuids,
         cpu_milli=a.cpu_milli, memory_mib=a.memory_mib,
         max_runtime_s=spec.max_runtime_s if spec else 86400.0, checkpoint_dir=ckpt,
         placed_event_id=d.placed_event_id,

@@ -1,0 +1,85 @@
+"""The guardian's shell: watch the checkpoint locations of running training / finetune jobs.
+
+Every `watch_s` it looks at each running job's location (`shared/checkpoints.py`): at the start
+of a run whether it can be written, then which checkpoints are good, and hands that to
+`GuardianCore.watch`, whose facts it publishes. It also keeps the job's `checkpoint.keep` newest
+good checkpoints and removes older ones. The root comes from GPUFLEET_CHECKPOINT_ROOT (the
+embedded mesh sets `<data dir>/checkpoints`); without one there is nothing to watch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable
+
+from gpufleet.shared import checkpoints
+from gpufleet.shared.events import Envelope
+from gpufleet.shared.runtime import ServiceRuntime
+
+from .core import GuardianCore, GuardianState
+
+log = logging.getLogger(__name__)
+WATCH_S = 2.0
+
+
+class GuardianAgent:
+    def __init__(self, runtime: ServiceRuntime[GuardianState], root: str, watch_s: float = WATCH_S,
+                 clock: Callable[[], float] = time.time) -> None:
+        assert isinstance(runtime.core, GuardianCore)
+        self.core: GuardianCore = runtime.core
+        self.runtime = runtime
+        self.root = root
+        self.watch_s = watch_s
+        self.clock = clock
+        self._stop = asyncio.Event()
+
+    async def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    async def run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                await self.watch_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - the next round tries again
+                log.exception("guardian: watching checkpoints failed")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), self.watch_s)
+
+    def location_of(self, state: GuardianState, job_id: str) -> str:
+        spec = state.specs[job_id]
+        own = spec.checkpoint.path if spec.checkpoint else None
+        return checkpoints.location(self.root, state.tenants.get(job_id, spec.tenant), job_id, own)
+
+    async def watch_once(self) -> int:
+        await self.runtime.ensure_fresh()
+        state = self.runtime.state
+        facts: list[Envelope] = []
+        for job_id in state.watched():
+            where = self.location_of(state, job_id)
+            attempt = state.started[job_id][0]
+            unwritable = None
+            if (job_id, attempt) not in state.verified:
+                unwritable = await asyncio.to_thread(checkpoints.check_writable, where)
+            scans = await asyncio.to_thread(checkpoints.scan, where)
+            facts += self.core.watch(state, job_id, where, unwritable, scans, self.clock(), self.runtime.ctx())
+            spec = state.specs[job_id]
+            await asyncio.to_thread(checkpoints.prune, where, spec.checkpoint.keep if spec.checkpoint else 3)
+        for f in facts:
+            if f.type in ("job.checkpoint_invalid", "job.checkpoint_overdue", "job.failed"):
+                log.warning("%s %s: %s", f.job_id, f.type, f.payload.model_dump(exclude={"type"}))
+        await self.runtime.publish_local(facts)
+        return len(facts)
+
+
+def sidecar(runtime: ServiceRuntime[GuardianState]) -> GuardianAgent | None:
+    root = os.environ.get("GPUFLEET_CHECKPOINT_ROOT")
+    return GuardianAgent(runtime, root) if root else None
