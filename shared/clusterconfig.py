@@ -8,6 +8,7 @@
         allowedJobTypes: [training, batch] # absent: all five
         allowedImages: ["registry.local/acme/*"]   # fnmatch patterns; absent: any image
         checkpointRequiredAfter: 4h        # training / finetune jobs longer than this need `checkpoint`
+        ephemeralCheckpoints: correct      # checkpoint.path on /tmp or in the container: correct | reject
         submitRatePerS: 50                 # token bucket: sustained rate ...
         submitBurst: 100                   # ... and burst
         maxPendingJobs: 1000               # submitted, not yet placed
@@ -51,6 +52,9 @@ class TenantPolicy(BaseModel):
     allowed_job_types: tuple[JobType, ...] = Field(default=JOB_TYPES, alias="allowedJobTypes")
     allowed_images: tuple[str, ...] | None = Field(default=None, alias="allowedImages")
     checkpoint_required_after_s: DurationS | None = Field(default=None, alias="checkpointRequiredAfter")
+    # a checkpoint path on ephemeral storage (/tmp, a relative path in the container): `correct`
+    # admits the job with its checkpoints under the cluster's root and a warning; `reject` refuses it
+    ephemeral_checkpoints: Literal["correct", "reject"] = Field(default="correct", alias="ephemeralCheckpoints")
     submit_rate_per_s: float = Field(default=200.0, alias="submitRatePerS", gt=0)
     submit_burst: int = Field(default=2000, alias="submitBurst", ge=1)
     max_pending_jobs: int = Field(default=100_000, alias="maxPendingJobs", ge=1)

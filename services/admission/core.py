@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from gpufleet.shared.checkpoints import ephemeral_reason
 from gpufleet.shared.clusterconfig import MAX_PAYLOAD_BYTES, ClusterConfig, TenantPolicy
 from gpufleet.shared.errors import SpecError
 from gpufleet.shared.events import (
@@ -208,8 +209,16 @@ class AdmissionCore(BaseCore[AdmissionState]):
             spec = spec.model_copy(update={"priority": self.config.priority_classes[spec.priority_class]})
         return [
             ctx.emit(JobSubmitted(job_id=p.job_id, spec=spec)),
-            ctx.emit(JobAdmitted(job_id=p.job_id)),
+            ctx.emit(JobAdmitted(job_id=p.job_id, warnings=self._warnings(spec))),
         ]
+
+    def _warnings(self, spec: JobSpec) -> tuple[Reason, ...]:
+        path = spec.checkpoint.path if spec.checkpoint else None
+        why = ephemeral_reason(path) if path else None
+        if why is None:
+            return ()
+        return (_r("checkpoint_ephemeral_corrected", f"checkpoint.path {why}; checkpoints go to the cluster's "
+                   "persistent checkpoint root instead (GPUFLEET_CHECKPOINT_DIR)", "checkpoint.path"),)
 
     def _check(self, state: AdmissionState, env: Envelope, p: SubmitRequested, ctx: Ctx,
                ) -> tuple[JobSpec | None, list[Reason]]:
@@ -258,6 +267,11 @@ class AdmissionCore(BaseCore[AdmissionState]):
         if spec.image is not None and not policy.image_allowed(spec.image):
             out.append(_r("image_not_allowed", f"image {spec.image!r} matches none of {spec.tenant}'s allowed images",
                           "image"))
+        path = spec.checkpoint.path if spec.checkpoint else None
+        why = ephemeral_reason(path) if path else None
+        if why is not None and policy.ephemeral_checkpoints == "reject":
+            out.append(_r("checkpoint_ephemeral", f"checkpoint.path {why}: checkpoints there vanish with the "
+                          "container (leave it out to get a persistent location)", "checkpoint.path"))
         limit = policy.checkpoint_required_after_s
         if (limit is not None and spec.type in ("training", "finetune") and spec.max_runtime_s > limit
                 and spec.checkpoint is None):

@@ -1,0 +1,148 @@
+"""Checkpoints: the SDK's save / resume, the on-disk checks, the guardian's facts, the admission policy."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpufleet.sdk import checkpoint
+from gpufleet.services.admission.core import AdmissionCore
+from gpufleet.services.guardian.core import GuardianCore
+from gpufleet.shared import checkpoints
+from gpufleet.shared.clusterconfig import parse_config
+from gpufleet.shared.events import JobCheckpointSaved, JobStarted, JobSubmitted, SubmitRequested
+from gpufleet.shared.spec import parse_spec
+
+from .test_node_cores import T0, ctx, ev, fold
+
+
+def state(x: int) -> dict[str, bytes]:
+    return {"state.json": json.dumps({"x": x}).encode(), "weights.bin": bytes(range(256)) * 40}
+
+
+def test_save_then_resume_the_latest(tmp_path: Path) -> None:
+    for step in (0, 5, 10):
+        c = checkpoint.save(step, state(step), where=tmp_path, keep=10)
+        assert c.step == step and c.size_bytes == len(state(step)["state.json"]) + 10240
+    latest = checkpoint.resume(tmp_path)
+    assert latest is not None and latest.step == 10
+    assert json.loads((latest.path / "state.json").read_text()) == {"x": 10}
+    assert not list(tmp_path.glob(".tmp-*"))  # nothing half-written left behind
+
+
+def test_partial_and_corrupt_newer_checkpoints_are_skipped(tmp_path: Path) -> None:
+    checkpoint.save(1, state(1), where=tmp_path)
+    checkpoint.save(2, state(2), where=tmp_path)
+    (tmp_path / "step-000000003").mkdir()  # a copy cut short: no manifest
+    (tmp_path / "step-000000003" / "state.json").write_text("{")
+    corrupt = checkpoint.save(4, state(4), where=tmp_path)
+    (corrupt.path / "weights.bin").write_bytes(b"\0" * 10240)  # same size, other bytes
+    scans = checkpoints.scan(tmp_path)
+    assert [(s.step, s.checkpoint is not None) for s in scans] == [(4, False), (3, False), (2, True), (1, True)]
+    assert scans[0].reason == "weights.bin does not match its sha256"
+    assert scans[1].reason == "no manifest (partial)"
+    latest = checkpoint.resume(tmp_path)
+    assert latest is not None and latest.step == 2
+
+
+def test_retention_keeps_the_newest_good_ones(tmp_path: Path) -> None:
+    for step in range(6):
+        checkpoint.save(step, state(step), where=tmp_path, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000000004", "step-000000005"]
+
+
+def test_saving_a_step_again_writes_nothing_new(tmp_path: Path) -> None:
+    a = checkpoint.save(7, state(7), where=tmp_path)
+    b = checkpoint.save(7, state(99), where=tmp_path)  # a retried save after a crash
+    assert a.sha256 == b.sha256 and json.loads((b.path / "state.json").read_text()) == {"x": 7}
+
+
+def test_bad_file_names_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="manifest.json"):
+        checkpoint.save(1, {"manifest.json": b"x"}, where=tmp_path)
+    with pytest.raises(ValueError, match="plain name"):
+        checkpoint.save(1, {"../x": b"x"}, where=tmp_path)
+
+
+@pytest.mark.parametrize(("path", "ephemeral"), [
+    ("/tmp/ckpt", True), ("/var/tmp/x", True), ("/dev/shm/run", True), ("ckpt/run1", True), ("./out", True),
+    ("/mnt/shared/ckpt", False), ("/data/tmp/ckpt", False), ("s3://bucket/run", False), ("file:///nfs/c", False),
+    ("ftp://x/y", True),
+])
+def test_ephemeral_paths(path: str, ephemeral: bool) -> None:
+    assert (checkpoints.ephemeral_reason(path) is not None) == ephemeral
+
+
+def test_location_under_the_root_unless_the_job_names_a_persistent_one() -> None:
+    assert checkpoints.location("/ckpt", "acme", "j1") == "/ckpt/acme/j1"
+    assert checkpoints.location("/ckpt/", "acme", "j1", "/mnt/nfs/me") == "/mnt/nfs/me"
+    assert checkpoints.location("/ckpt", "acme", "j1", "/tmp/x") == "/ckpt/acme/j1"  # corrected
+
+
+# ---------------------------------------------------------------- the guardian's facts
+
+
+def guardian(tmp_path: Path, **spec: Any) -> tuple[GuardianCore, Any]:
+    core = GuardianCore()
+    s = parse_spec({"name": "t", "tenant": "acme", "type": "training", "command": ["x"], **spec})
+    st = fold(core, core.initial_state(), ev(JobSubmitted(job_id="j", spec=s)),
+              ev(JobStarted(job_id="j", node_id="n", driver="process"), at=T0))
+    return core, st
+
+
+def test_guardian_verifies_each_run_and_reports_new_checkpoints_once(tmp_path: Path) -> None:
+    core, st = guardian(tmp_path)
+    checkpoint.save(3, state(3), where=tmp_path)
+    (tmp_path / "step-000000004").mkdir()  # partial
+    facts = core.watch(st, "j", str(tmp_path), None, checkpoints.scan(tmp_path), T0 + 5, ctx(T0 + 5))
+    assert [f.type for f in facts] == ["job.checkpoint_verified", "job.checkpoint_saved", "job.checkpoint_invalid"]
+    verified = facts[0].payload
+    assert verified.latest_step == 3 and [r.message for r in verified.skipped] == ["no manifest (partial)"]  # type: ignore[union-attr]
+    st = fold(core, st, *facts)
+    assert core.watch(st, "j", str(tmp_path), None, checkpoints.scan(tmp_path), T0 + 6, ctx(T0 + 6)) == []
+    checkpoint.save(5, state(5), where=tmp_path)
+    (new,) = core.watch(st, "j", str(tmp_path), None, checkpoints.scan(tmp_path), T0 + 7, ctx(T0 + 7))
+    assert isinstance(new.payload, JobCheckpointSaved) and new.payload.step == 5
+
+
+def test_unwritable_location_fails_the_job(tmp_path: Path) -> None:
+    core, st = guardian(tmp_path)
+    (f,) = core.watch(st, "j", "/proc/nope", "/proc/nope is not writable: No such file", [], T0 + 1, ctx(T0 + 1))
+    assert f.type == "job.failed" and f.payload.reason.code == "checkpoint_location_unwritable"  # type: ignore[union-attr]
+
+
+def test_overdue_checkpoint_is_warned_once(tmp_path: Path) -> None:
+    core, st = guardian(tmp_path, checkpoint={"interval": "10s"})
+    facts = core.watch(st, "j", str(tmp_path), None, [], T0 + 5, ctx(T0 + 5))
+    st = fold(core, st, *facts)
+    assert [f.type for f in facts] == ["job.checkpoint_verified"]
+    (late,) = core.watch(st, "j", str(tmp_path), None, [], T0 + 21, ctx(T0 + 21))
+    assert late.type == "job.checkpoint_overdue" and late.payload.limit_s == 20  # type: ignore[union-attr]
+    st = fold(core, st, late)
+    assert core.watch(st, "j", str(tmp_path), None, [], T0 + 30, ctx(T0 + 30)) == []
+
+
+# ---------------------------------------------------------------- admission policy
+
+
+def submit(core: AdmissionCore, path: str) -> list[Any]:
+    spec = {"name": "t", "tenant": "acme", "type": "training", "command": ["x"], "checkpoint": {"path": path}}
+    cmd = ev(SubmitRequested(job_id="j", spec=spec))
+    return core.decide(core.initial_state(), cmd, ctx())
+
+
+def test_ephemeral_checkpoint_path_is_corrected_or_rejected_by_policy() -> None:
+    correct = AdmissionCore(parse_config({"tenants": {"acme": {}}}))
+    out = submit(correct, "/tmp/ckpt")
+    assert [e.type for e in out] == ["job.submitted", "job.admitted"]
+    (w,) = out[1].payload.warnings
+    assert (w.code, w.field) == ("checkpoint_ephemeral_corrected", "checkpoint.path")
+    strict = AdmissionCore(parse_config({"tenants": {"acme": {"ephemeralCheckpoints": "reject"}}}))
+    (rej,) = submit(strict, "ckpt/run")
+    assert rej.type == "job.rejected"
+    assert [(r.code, r.field) for r in rej.payload.reasons] == [("checkpoint_ephemeral", "checkpoint.path")]
+    assert "container's own filesystem" in rej.payload.reasons[0].message
+    assert [e.type for e in submit(strict, "/mnt/nfs/ckpt")] == ["job.submitted", "job.admitted"]

@@ -1,0 +1,147 @@
+"""Recovery end to end: a real training-like script (CPU) that checkpoints with the SDK helper,
+run by the `process` driver on real processes, survives the loss of its node.
+
+The mesh: a real nats-server, admission, quota, placer, guardian (+ its checkpoint watcher),
+telemetry (heartbeat leases) and two process-driver executors sharing a checkpoint root.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+from gpufleet.services.admission.core import AdmissionCore
+from gpufleet.services.executor.agent import ExecutorAgent
+from gpufleet.services.executor.core import ExecutorCore
+from gpufleet.services.executor.process_driver import ProcessDriver, group_pids
+from gpufleet.services.guardian.agent import GuardianAgent
+from gpufleet.services.guardian.core import GuardianCore
+from gpufleet.services.placer.core import PlacerCore
+from gpufleet.services.quota.core import QuotaCore
+from gpufleet.shared.bus import Bus
+
+from .helpers import job_status, running, submit_cmd, wait_until
+from .test_telemetry import node, of_type, telemetry, wait_for_type
+
+STEPS = 40
+TRAIN = '''
+import json, os, sys, time
+from gpufleet.sdk import checkpoint
+
+steps, out = int(sys.argv[1]), sys.argv[2]
+start = checkpoint.resume()
+x, first = (json.loads((start.path / "state.json").read_text())["x"], start.step + 1) if start else (1, 0)
+with open(out + ".runs", "a") as f:
+    f.write(f"{os.environ['GPUFLEET_ATTEMPT']} {os.environ['GPUFLEET_NODE_ID']} {first}\\n")
+for step in range(first, steps):
+    x = (x * 31 + step) % 1000003          # the "training"
+    time.sleep(0.1)
+    checkpoint.save(step, {"state.json": json.dumps({"x": x}).encode()})
+with open(out, "w") as f:
+    f.write(str(x))
+'''
+
+
+def expected(steps: int) -> int:
+    x = 1
+    for step in range(steps):
+        x = (x * 31 + step) % 1000003
+    return x
+
+
+@asynccontextmanager
+async def proc_executor(url: str, name: str, data: Path, root: Path) -> AsyncIterator[ExecutorAgent]:
+    bus = await Bus.connect(url, name=f"executor-{name}")
+    inv = node(name).model_copy(update={"driver": "process"})
+    a = ExecutorAgent(ExecutorCore({name: inv}), bus, ProcessDriver(name, data / name), instance=name,
+                      heartbeat_s=0.3, reconcile_s=0.1, grace_s=0.5, checkpoint_root=str(root))
+    a.runtime.fetch_timeout_s = 0.05
+    await a.start()
+    task = asyncio.create_task(a.run())
+    try:
+        yield a
+    finally:
+        a.stop()
+        await task
+        await bus.close()
+
+
+@asynccontextmanager
+async def control_plane(url: str, root: Path) -> AsyncIterator[None]:
+    async with running(url, [AdmissionCore(), QuotaCore(), PlacerCore(), GuardianCore()]) as rts:
+        watcher = GuardianAgent(rts[3], str(root), watch_s=0.2)
+        task = asyncio.create_task(watcher.run())
+        try:
+            yield
+        finally:
+            watcher.stop()
+            await task
+
+
+def training(tmp_path: Path, **extra: Any) -> tuple[Any, Path]:
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN)
+    out = tmp_path / "result"
+    return submit_cmd({"name": "train", "tenant": "acme", "type": "training", "resources": {"gpu": 1},
+                       "command": [sys.executable, str(script), str(STEPS), str(out)], **extra}), out
+
+
+async def test_node_lost_mid_run_resumes_elsewhere_from_the_last_checkpoint(
+        bus: Bus, nats_url: str, tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    job, out = training(tmp_path)
+    job_id = job.job_id or ""
+    async with AsyncExitStack() as stack:
+        await stack.enter_async_context(control_plane(nats_url, root))
+        await stack.enter_async_context(telemetry(nats_url))
+        node_a = proc_executor(nats_url, "a", tmp_path, root)
+        await node_a.__aenter__()
+        await bus.publish(job)
+        started = (await wait_for_type(bus, "job.started", job_id))[0].payload
+        await wait_for_type(bus, "job.checkpoint_saved", job_id, n=10)
+        await stack.enter_async_context(proc_executor(nats_url, "b", tmp_path, root))
+        # node a dies: its executor and everything it ran
+        await node_a.__aexit__(None, None, None)
+        os.killpg(started.pid, signal.SIGKILL)  # type: ignore[union-attr]
+        await wait_until(lambda: not group_pids(started.pid), timeout_s=5)  # type: ignore[union-attr]
+        # the newest checkpoint on disk gets corrupted as the node goes down: it must be skipped
+        newest = sorted(root.glob(f"acme/{job_id}/step-*"))[-1]
+        (newest / "state.json").write_text('{"x": 0}')
+
+        async def done() -> bool:
+            return await job_status(bus, job_id) == "succeeded"
+        await wait_until(done, timeout_s=40)
+    assert out.read_text() == str(expected(STEPS))  # the same result as a run never interrupted
+    runs = [line.split() for line in (tmp_path / "result.runs").read_text().splitlines()]
+    assert [(r[0], r[1]) for r in runs] == [("1", "a"), ("2", "b")]
+    resumed_from = int(runs[1][2])
+    assert 0 < resumed_from < STEPS and resumed_from == int(newest.name.split("-")[1])  # the one before the bad one
+    lost = (await of_type(bus, "job.exited", job_id))[0].payload
+    assert (lost.node_id, lost.reason, lost.attempt) == ("a", "node_lost", 1)  # type: ignore[union-attr]
+    resume = (await of_type(bus, "job.resume_requested", job_id))[0].payload
+    assert resume.checkpoint_uri and resume.checkpoint_uri.startswith("file://")  # type: ignore[union-attr]
+    assert 0 < resume.lost_work_s < 5  # type: ignore[union-attr]  # work since the last checkpoint, not since the start
+    verified = [e.payload for e in await of_type(bus, "job.checkpoint_verified", job_id)]
+    assert [v.attempt for v in verified] == [1, 2]  # type: ignore[union-attr]
+    assert verified[1].latest_step == resumed_from - 1  # type: ignore[union-attr]
+    assert [r.field for r in verified[1].skipped] == [newest.resolve().as_uri()]  # type: ignore[union-attr]
+    assert "the manifest says" in verified[1].skipped[0].message  # type: ignore[union-attr]
+
+
+async def test_retries_used_up_fail_the_job_with_the_reason(bus: Bus, nats_url: str, tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    job, _ = training(tmp_path, maxRetries=0)
+    async with control_plane(nats_url, root), telemetry(nats_url):
+        async with proc_executor(nats_url, "a", tmp_path, root):
+            await bus.publish(job)
+            started = (await wait_for_type(bus, "job.started", job.job_id))[0].payload
+        os.killpg(started.pid, signal.SIGKILL)  # type: ignore[union-attr]
+        failed = (await wait_for_type(bus, "job.failed", job.job_id))[0].payload
+    assert failed.reason.code == "retries_exhausted"  # type: ignore[union-attr]
+    assert "retries are used up" in failed.reason.message  # type: ignore[union-attr]
