@@ -256,6 +256,10 @@ class JobSpec(_Spec):
     max_runtime_s: DurationS = Field(default=86400.0, alias="maxRuntime", gt=0)
     # how often the job is run again after its node was lost or its GPU failed under it
     max_retries: int = Field(default=3, alias="maxRetries", ge=0, le=100)
+    # OnFailure: a replica that exits with an error runs again too (same budget), after a backoff
+    # that doubles from retryBackoff (capped at 10 minutes); Never: an error fails the job
+    restart_policy: Literal["Never", "OnFailure"] = Field(default="Never", alias="restartPolicy")
+    retry_backoff_s: DurationS = Field(default=10.0, alias="retryBackoff", ge=0)
     image: str | None = Field(default=None, max_length=512)
     command: tuple[str, ...] = Field(default=(), max_length=256)
     env: dict[str, str] = Field(default_factory=dict)
@@ -294,7 +298,7 @@ def _field_path(loc: tuple[int | str, ...]) -> str:
         "cpu_milli": "cpu", "memory_mib": "memory", "gpu_models": "gpuModels", "gpu_memory_mib": "gpuMemory",
         "gpu_sharing": "gpuSharing", "gpu_milli": "gpuMilli", "node_selector": "nodeSelector",
         "max_runtime_s": "maxRuntime", "interval_s": "interval", "duration_s": "duration", "exit_code": "exitCode",
-        "priority_class": "priorityClass", "max_retries": "maxRetries", "gpu_util_pct": "gpuUtil",
+        "priority_class": "priorityClass", "max_retries": "maxRetries", "restart_policy": "restartPolicy", "retry_backoff_s": "retryBackoff", "gpu_util_pct": "gpuUtil",
         "cpu_util_pct": "cpuUtil", "iowait_pct": "ioWait", "gpu_mem_used_mib": "gpuMemoryUsed",
         "leave_zombie": "leaveZombie",
     }

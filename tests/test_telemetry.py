@@ -255,3 +255,39 @@ async def test_a_lost_process_node_that_comes_back_kills_what_was_run_again_else
     assert sorted((e.attempt, e.node_id, e.reason) for e in exits) == [  # type: ignore[union-attr]
         (1, "pa", "node_lost"), (2, "pb", "completed")]
     assert marker.read_text().split("\n")[:2] == ["1 pa", "2 pb"]
+
+
+async def test_a_gpu_failing_under_a_job_runs_it_again_on_healthy_gpus(bus: Bus, nats_url: str) -> None:
+    async with mesh(nats_url, {"n0": node("n0")}) as (_, tel):
+        job = submit_cmd(spec(gpu=1, duration="1s"))
+        await bus.publish(job)
+        nid, (g,) = await gpus_of(bus, job.job_id or "")
+        await wait_for_type(bus, "job.started", job.job_id)
+        tel.world.backends[nid].inject_xid(g, 79)  # type: ignore[union-attr]
+        resume = (await wait_for_type(bus, "job.resume_requested", job.job_id))[0].payload
+        assert resume.reason.code == "gpu_unhealthy" and "XID 79" in resume.reason.message  # type: ignore[union-attr]
+        placed = (await wait_for_type(bus, "job.placed", job.job_id, n=2))[-1].payload
+        assert placed.attempt == 2 and placed.allocations[0].gpu_indices == (1 - g,)  # type: ignore[union-attr]
+
+        async def done() -> bool:
+            return await job_status(bus, job.job_id or "") == "succeeded"
+        await wait_until(done, timeout_s=15)
+    first = [e.payload for e in await of_type(bus, "job.exited", job.job_id)]
+    assert [(e.attempt, e.reason) for e in first] == [(1, "killed"), (2, "completed")]  # type: ignore[union-attr]
+
+
+async def test_on_failure_retries_with_backoff_then_fails(bus: Bus, nats_url: str) -> None:
+    async with mesh(nats_url, {"n0": node("n0")}):
+        job = submit_cmd({**spec(gpu=1, duration="0.1s", exitCode=3), "restartPolicy": "OnFailure",
+                          "maxRetries": 2, "retryBackoff": "0.3s"})
+        await bus.publish(job)
+        failed = (await wait_for_type(bus, "job.failed", job.job_id))[0]
+    assert failed.payload.reason.code == "retries_exhausted"  # type: ignore[union-attr]
+    assert failed.payload.exit_code == 3  # type: ignore[union-attr]
+    exits = await of_type(bus, "job.exited", job.job_id)
+    resumes = await of_type(bus, "job.resume_requested", job.job_id)
+    assert [e.payload.attempt for e in exits] == [1, 2, 3]  # type: ignore[union-attr]
+    assert [r.payload.reason.code for r in resumes] == ["crashed", "crashed"]  # type: ignore[union-attr]
+    # the backoff doubles: 0.3 s, then 0.6 s, between an exit and the next run
+    waits = [(r.occurred_at - e.occurred_at).total_seconds() for e, r in zip(exits, resumes, strict=False)]
+    assert 0.3 <= waits[0] < 1.5 and 0.6 <= waits[1] < 2.0

@@ -28,11 +28,13 @@ from gpufleet.shared.events import (
     JobCheckpointVerified,
     JobExited,
     JobFailed,
+    JobPlaced,
     JobPreempted,
     JobResumeRequested,
     JobStarted,
     JobSubmitted,
     JobSucceeded,
+    NodeGpuUnhealthy,
     Reason,
     utc,
 )
@@ -55,6 +57,10 @@ class GuardianState:
     verified: set[tuple[str, int]] = field(default_factory=set)  # (job, attempt)
     invalid_said: set[tuple[str, int]] = field(default_factory=set)  # (job, step)
     overdue_said: set[tuple[str, int, int]] = field(default_factory=set)  # (job, attempt, last step)
+    placed: dict[str, tuple[int, frozenset[tuple[str, int]]]] = field(default_factory=dict)  # job -> (attempt, GPUs)
+    on_failure: dict[str, float] = field(default_factory=dict)  # job -> retry backoff base (restartPolicy OnFailure)
+    # job -> (due, attempt, exit): a crashed run waiting out its backoff before it runs again
+    retry_at: dict[str, tuple[float, int, JobExited]] = field(default_factory=dict)
 
     def watched(self) -> list[str]:
         """Training / finetune jobs running now: their locations are watched."""
@@ -68,8 +74,10 @@ class GuardianCore(BaseCore[GuardianState]):
         "fleet.evt.*.job.*.succeeded", "fleet.evt.*.job.*.failed", "fleet.evt.*.job.*.cancelled",
         "fleet.evt.*.job.*.rejected", "fleet.evt.*.job.*.preempted", "fleet.evt.*.job.*.resume_requested",
         "fleet.evt.*.job.*.checkpoint_saved", "fleet.evt.*.job.*.started", "fleet.evt.*.job.*.checkpoint_verified",
-        "fleet.evt.*.job.*.checkpoint_invalid", "fleet.evt.*.job.*.checkpoint_overdue",
+        "fleet.evt.*.job.*.checkpoint_invalid", "fleet.evt.*.job.*.checkpoint_overdue", "fleet.evt.*.job.*.placed",
+        "fleet.evt.sys.node.*.gpu_unhealthy",
     )
+    tick_s = 1.0
 
     def initial_state(self) -> GuardianState:
         return GuardianState()
@@ -78,10 +86,17 @@ class GuardianCore(BaseCore[GuardianState]):
         p, job_id = env.payload, env.job_id
         if job_id is None:
             return state
+        if isinstance(p, JobPlaced):
+            if job_id not in state.ended:
+                state.placed[job_id] = (p.attempt, frozenset((a.node_id, g) for a in p.allocations
+                                                             for g in a.gpu_indices))
+            return state
         if isinstance(p, JobSubmitted):
             state.replicas[job_id] = p.spec.replicas
             state.max_retries[job_id] = p.spec.max_retries
             state.tenants[job_id] = env.tenant
+            if p.spec.restart_policy == "OnFailure":
+                state.on_failure[job_id] = p.spec.retry_backoff_s
             if p.spec.type in CHECKPOINTED_TYPES:
                 state.specs[job_id] = p.spec
         elif isinstance(p, JobStarted):
@@ -97,12 +112,18 @@ class GuardianCore(BaseCore[GuardianState]):
             attempt = state.started.get(job_id, (1, 0.0, ""))[0]
             state.overdue_said.add((job_id, attempt, state.step.get(job_id, -1)))
         elif isinstance(p, JobExited):
-            if job_id not in state.ended and p.attempt >= state.attempt.get(job_id, 1):
+            attempt = state.attempt.get(job_id, 1)
+            if job_id not in state.ended and p.attempt >= attempt:
                 state.exits.setdefault(job_id, {})[p.replica] = p
+                if (p.reason == "error" and job_id in state.on_failure and job_id not in state.retry_at
+                        and attempt - 1 < state.max_retries.get(job_id, 3)):
+                    backoff = min(600.0, state.on_failure[job_id] * 2 ** (attempt - 1))
+                    state.retry_at[job_id] = (env.occurred_at.timestamp() + backoff, attempt, p)
         elif isinstance(p, JobResumeRequested):
             if job_id not in state.ended:
                 state.attempt[job_id] = state.attempt.get(job_id, 1) + 1
                 state.exits.pop(job_id, None)
+                state.retry_at.pop(job_id, None)
         elif isinstance(p, JobCheckpointSaved):
             at = p.saved_at.timestamp() if p.saved_at else env.occurred_at.timestamp()
             if p.step >= state.step.get(job_id, -1):
@@ -111,33 +132,36 @@ class GuardianCore(BaseCore[GuardianState]):
         else:
             state.ended.add(job_id)
             for d in (state.exits, state.replicas, state.max_retries, state.attempt, state.checkpoint, state.specs,
-                      state.tenants, state.started, state.step):
+                      state.tenants, state.started, state.step, state.placed, state.on_failure, state.retry_at):
                 d.pop(job_id, None)
         return state
 
     def decide(self, state: GuardianState, env: Envelope, ctx: Ctx) -> list[Envelope]:
+        p = env.payload
+        if isinstance(p, NodeGpuUnhealthy):
+            # the jobs running on that GPU run again elsewhere (the placer keeps the GPU out)
+            out: list[Envelope] = []
+            for job_id, (attempt, gpus) in sorted(state.placed.items()):
+                if (p.node_id, p.gpu_index) in gpus and attempt == state.attempt.get(job_id, 1) \
+                        and job_id not in state.ended:
+                    out += self._resume(state, job_id, "gpu_unhealthy",
+                                        f"GPU {p.gpu_index} of {p.node_id} failed under it ({p.reason})", None, ctx,
+                                        key=f"resume:{job_id}:{attempt}")
+            return out
         if env.type != "job.exited" or env.job_id in state.ended:
             return []
-        p = env.payload
         assert isinstance(p, JobExited)
         attempt = state.attempt.get(p.job_id, 1)
         if p.attempt < attempt:
             return []  # a replica of an attempt that was already started again
         if p.reason == "node_lost":
-            retries = attempt - 1
-            budget = state.max_retries.get(p.job_id, 3)
-            if retries >= budget:
-                return [ctx.emit(JobFailed(job_id=p.job_id, reason=Reason(code="retries_exhausted", message=(
-                    f"replica {p.replica} lost with node {p.node_id}, and its {budget} retries are used up")),
-                    exit_code=p.exit_code), key="end")]
-            ckpt = state.checkpoint.get(p.job_id)
-            now = ctx.now.timestamp()
-            lost = now - ckpt[1] if ckpt else p.runtime_s
-            return [ctx.emit(JobResumeRequested(
-                job_id=p.job_id, checkpoint_uri=ckpt[0] if ckpt else None, lost_work_s=round(max(0.0, lost), 3),
-                reason=Reason(code="node_lost", message=(
-                    f"replica {p.replica} lost with node {p.node_id}; run {attempt + 1} of at most {budget + 1}, "
-                    + (f"from checkpoint {ckpt[0]}" if ckpt else "from the start")))), key=f"resume:{attempt}")]
+            return self._resume(state, p.job_id, "node_lost", f"replica {p.replica} lost with node {p.node_id}",
+                                p, ctx, key=f"resume:{attempt}")
+        if p.reason == "error" and p.job_id in state.retry_at:
+            return []  # restartPolicy OnFailure: it runs again once its backoff is over (tick)
+        if p.reason == "error" and p.job_id in state.on_failure:  # ... and no retry is left
+            return self._resume(state, p.job_id, "crashed", f"replica {p.replica} on {p.node_id} exited with code "
+                                f"{p.exit_code}", p, ctx, key=f"resume:{attempt}")
         if p.reason == "cancelled":
             return [ctx.emit(JobCancelled(job_id=p.job_id, reason="cancelled by user"), key="end")]
         if p.reason == "preempted":
@@ -154,6 +178,35 @@ class GuardianCore(BaseCore[GuardianState]):
         if len(exits) >= state.replicas.get(p.job_id, 1) and all(e.exit_code == 0 for e in exits.values()):
             return [ctx.emit(JobSucceeded(job_id=p.job_id), key="end")]
         return []
+
+    def tick(self, state: GuardianState, ctx: Ctx) -> list[Envelope]:
+        now = ctx.now.timestamp()
+        out: list[Envelope] = []
+        for job_id, (due, attempt, ex) in sorted(state.retry_at.items()):
+            if due <= now and job_id not in state.ended:
+                out += self._resume(state, job_id, "crashed", f"replica {ex.replica} on {ex.node_id} exited with code "
+                                    f"{ex.exit_code}", ex, ctx, key=f"retry:{job_id}:{attempt}")
+        return out
+
+    def _resume(self, state: GuardianState, job_id: str, code: str, what: str, ex: JobExited | None, ctx: Ctx,
+                key: str) -> list[Envelope]:
+        """Run the job again from its last checkpoint, or fail it when its retries are used up."""
+        attempt = state.attempt.get(job_id, 1)
+        budget = state.max_retries.get(job_id, 3)
+        tenant = state.tenants.get(job_id)
+        if attempt - 1 >= budget:
+            return [ctx.emit(JobFailed(job_id=job_id, reason=Reason(code="retries_exhausted", message=(
+                f"{what}, and its {budget} retries are used up")), exit_code=ex.exit_code if ex else None),
+                tenant=tenant, key="end" if ex else f"end:{job_id}")]
+        ckpt = state.checkpoint.get(job_id)
+        now = ctx.now.timestamp()
+        started = state.started.get(job_id)
+        since = ckpt[1] if ckpt else (started[1] if started else now - (ex.runtime_s if ex else 0.0))
+        return [ctx.emit(JobResumeRequested(
+            job_id=job_id, checkpoint_uri=ckpt[0] if ckpt else None, lost_work_s=round(max(0.0, now - since), 3),
+            reason=Reason(code=code, message=(
+                f"{what}; run {attempt + 1} of at most {budget + 1}, "
+                + (f"from checkpoint {ckpt[0]}" if ckpt else "from the start")))), tenant=tenant, key=key)]
 
     # ------------------------------------------------------------ checkpoints (the agent's observations)
 
