@@ -145,3 +145,72 @@ async def test_retries_used_up_fail_the_job_with_the_reason(bus: Bus, nats_url: 
         failed = (await wait_for_type(bus, "job.failed", job.job_id))[0].payload
     assert failed.reason.code == "retries_exhausted"  # type: ignore[union-attr]
     assert "retries are used up" in failed.reason.message  # type: ignore[union-attr]
+
+
+PREEMPTIBLE = '''
+import json, os, sys, time
+from gpufleet.sdk import checkpoint
+
+steps, out = int(sys.argv[1]), sys.argv[2]
+checkpoint.stop_requested()  # SIGTERM now means: save, then exit
+start = checkpoint.resume()
+x, first = (json.loads((start.path / "state.json").read_text())["x"], start.step + 1) if start else (1, 0)
+with open(out + ".runs", "a") as f:
+    f.write(f"{os.environ['GPUFLEET_ATTEMPT']} {first}\\n")
+for step in range(first, steps):
+    x = (x * 31 + step) % 1000003
+    time.sleep(0.1)
+    if step % 10 == 9 or checkpoint.stop_requested():
+        checkpoint.save(step, {"state.json": json.dumps({"x": x}).encode()})
+    if checkpoint.stop_requested():
+        sys.exit(0)
+with open(out, "w") as f:
+    f.write(str(x))
+'''
+
+
+async def test_preempted_training_checkpoints_in_its_grace_and_resumes_later(
+        bus: Bus, nats_url: str, tmp_path: Path) -> None:
+    from gpufleet.shared.clusterconfig import parse_config
+
+    root = tmp_path / "ckpt"
+    config = parse_config({"queues": {"research": {"nominal": {"gpu": 1}}}})
+    script = tmp_path / "train.py"
+    script.write_text(PREEMPTIBLE)
+    out = tmp_path / "result"
+    low = submit_cmd({"name": "low", "tenant": "acme", "type": "training", "queue": "research", "priority": 0,
+                      "resources": {"gpu": 1}, "command": [sys.executable, str(script), str(STEPS), str(out)]})
+    high = submit_cmd({"name": "high", "tenant": "acme", "type": "batch", "queue": "research", "priority": 10,
+                       "resources": {"gpu": 1}, "command": ["sleep", "1"]})
+    cores = [AdmissionCore(config), QuotaCore(config), PlacerCore(config), GuardianCore()]
+    async with running(nats_url, cores) as rts, proc_executor(nats_url, "a", tmp_path, root):
+        watcher = GuardianAgent(rts[3], str(root), watch_s=0.2)
+        task = asyncio.create_task(watcher.run())
+        await bus.publish(low)
+        await wait_for_type(bus, "job.checkpoint_saved", low.job_id)  # step 9 saved
+        await bus.publish(high)
+        request = (await wait_for_type(bus, "job.preemption_requested", low.job_id))[0]
+
+        async def both_done() -> bool:
+            return (await job_status(bus, high.job_id or "") == "succeeded"
+                    and await job_status(bus, low.job_id or "") == "succeeded")
+        await wait_until(both_done, timeout_s=40)
+        watcher.stop()
+        await task
+    assert out.read_text() == str(expected(STEPS))
+    runs = [line.split() for line in (tmp_path / "result.runs").read_text().splitlines()]
+    assert [r[0] for r in runs] == ["1", "2"]
+    resumed_from = int(runs[1][1])
+    assert resumed_from % 10 != 0  # from the checkpoint saved in the grace, not the last periodic one
+    exit1 = (await of_type(bus, "job.exited", low.job_id))[0].payload
+    assert (exit1.reason, exit1.exit_code, exit1.attempt) == ("preempted", 0, 1)  # type: ignore[union-attr]
+    assert exit1.runtime_s < 10  # type: ignore[union-attr]  # it stopped in its grace, once saved
+    resume = (await of_type(bus, "job.resume_requested", low.job_id))[0]
+    assert resume.payload.reason.code == "preempted"  # type: ignore[union-attr]
+    assert not await of_type(bus, "job.preempted", low.job_id)  # it did not end: it ran again
+    placed = [e.payload for e in await of_type(bus, "job.placed", low.job_id)]
+    assert [p.attempt for p in placed] == [1, 2]  # type: ignore[union-attr]
+    # the second run started only after the high-priority job gave its quota back
+    high_end = (await of_type(bus, "job.succeeded", high.job_id))[0].occurred_at
+    second = [e for e in await of_type(bus, "job.quota_reserved", low.job_id)][-1].occurred_at
+    assert second >= high_end and request.occurred_at < high_end

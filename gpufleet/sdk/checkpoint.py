@@ -30,7 +30,27 @@ from pathlib import Path
 
 from gpufleet.shared.checkpoints import MANIFEST, Checkpoint, latest_good, prune, sha256_file, verify
 
-__all__ = ["Checkpoint", "location", "resume", "save"]
+__all__ = ["Checkpoint", "location", "resume", "save", "stop_requested"]
+
+_stop = False
+_installed = False
+
+
+def stop_requested() -> bool:
+    """True once gpufleet asked the job to stop (a preemption, a cancel): save a checkpoint and
+    exit. gpufleet sends SIGTERM and waits the grace period before SIGKILL; a job that saves and
+    exits in time resumes from that checkpoint. The first call installs the SIGTERM handler."""
+    global _installed
+    if not _installed:
+        import signal
+
+        def on_term(signum: int, frame: object) -> None:
+            global _stop
+            _stop = True
+
+        signal.signal(signal.SIGTERM, on_term)
+        _installed = True
+    return _stop
 
 
 def location(explicit: str | os.PathLike[str] | None = None) -> Path:

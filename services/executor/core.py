@@ -145,6 +145,9 @@ class ExecutorCore(BaseCore[ExecutorState]):
             state.attempt[job_id] = state.attempt.get(job_id, 1) + 1
             if p.checkpoint_uri:
                 state.resume_from[job_id] = p.checkpoint_uri
+            if state.stop_reason.get(job_id) == "preempted":  # that stop was for the run before this one
+                del state.stop_reason[job_id]
+                state.stop_grace.pop(job_id, None)
             for key in [k for k, d in state.desired.items() if k[0] == job_id and d.attempt < state.attempt[job_id]]:
                 old = state.desired.pop(key)
                 run = state.running.get(key)

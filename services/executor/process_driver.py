@@ -29,7 +29,9 @@ from .drivers import GRACE_S, DriverError, Launch, Workload
 
 log = logging.getLogger(__name__)
 
-WRAPPER = '"$@"; echo $? > "$GPUFLEET_EXIT_FILE"'
+# The shell outlives a SIGTERM to the group (a trap, reset to default in the command it runs), so
+# a job that saves a checkpoint and exits in its grace period has its own exit code recorded.
+WRAPPER = 'trap ":" TERM INT; "$@"; echo $? > "$GPUFLEET_EXIT_FILE"'
 
 
 def _stat(pid: int) -> list[str] | None:

@@ -61,6 +61,7 @@ class GuardianState:
     on_failure: dict[str, float] = field(default_factory=dict)  # job -> retry backoff base (restartPolicy OnFailure)
     # job -> (due, attempt, exit): a crashed run waiting out its backoff before it runs again
     retry_at: dict[str, tuple[float, int, JobExited]] = field(default_factory=dict)
+    failures: dict[str, int] = field(default_factory=dict)  # job -> runs that failed (the retry budget)
 
     def watched(self) -> list[str]:
         """Training / finetune jobs running now: their locations are watched."""
@@ -115,15 +116,18 @@ class GuardianCore(BaseCore[GuardianState]):
             attempt = state.attempt.get(job_id, 1)
             if job_id not in state.ended and p.attempt >= attempt:
                 state.exits.setdefault(job_id, {})[p.replica] = p
+                failures = state.failures.get(job_id, 0)
                 if (p.reason == "error" and job_id in state.on_failure and job_id not in state.retry_at
-                        and attempt - 1 < state.max_retries.get(job_id, 3)):
-                    backoff = min(600.0, state.on_failure[job_id] * 2 ** (attempt - 1))
+                        and failures < state.max_retries.get(job_id, 3)):
+                    backoff = min(600.0, state.on_failure[job_id] * 2 ** failures)
                     state.retry_at[job_id] = (env.occurred_at.timestamp() + backoff, attempt, p)
         elif isinstance(p, JobResumeRequested):
             if job_id not in state.ended:
                 state.attempt[job_id] = state.attempt.get(job_id, 1) + 1
                 state.exits.pop(job_id, None)
                 state.retry_at.pop(job_id, None)
+                if p.reason.code != "preempted":
+                    state.failures[job_id] = state.failures.get(job_id, 0) + 1
         elif isinstance(p, JobCheckpointSaved):
             at = p.saved_at.timestamp() if p.saved_at else env.occurred_at.timestamp()
             if p.step >= state.step.get(job_id, -1):
@@ -132,7 +136,8 @@ class GuardianCore(BaseCore[GuardianState]):
         else:
             state.ended.add(job_id)
             for d in (state.exits, state.replicas, state.max_retries, state.attempt, state.checkpoint, state.specs,
-                      state.tenants, state.started, state.step, state.placed, state.on_failure, state.retry_at):
+                      state.tenants, state.started, state.step, state.placed, state.on_failure, state.retry_at,
+                      state.failures):
                 d.pop(job_id, None)
         return state
 
@@ -164,6 +169,20 @@ class GuardianCore(BaseCore[GuardianState]):
                                 f"{p.exit_code}", p, ctx, key=f"resume:{attempt}")
         if p.reason == "cancelled":
             return [ctx.emit(JobCancelled(job_id=p.job_id, reason="cancelled by user"), key="end")]
+        if p.reason == "preempted" and p.job_id in state.specs:
+            # a training / finetune job gives its quota back and runs again later from its checkpoint
+            exits = state.exits.get(p.job_id, {})
+            if len(exits) < state.replicas.get(p.job_id, 1):
+                return []  # the rest of its gang is still stopping
+            ckpt = state.checkpoint.get(p.job_id)
+            now = ctx.now.timestamp()
+            started = state.started.get(p.job_id)
+            since = ckpt[1] if ckpt else (started[1] if started else now - p.runtime_s)
+            return [ctx.emit(JobResumeRequested(
+                job_id=p.job_id, checkpoint_uri=ckpt[0] if ckpt else None, lost_work_s=round(max(0.0, now - since), 3),
+                reason=Reason(code="preempted", message=(
+                    "preempted: its quota went to a higher-priority job; it runs again when quota frees, "
+                    + (f"from checkpoint {ckpt[0]}" if ckpt else "from the start")))), key=f"resume:{attempt}")]
         if p.reason == "preempted":
             return [ctx.emit(JobPreempted(job_id=p.job_id, reason=Reason(
                 code="preempted", message=f"replica {p.replica} on {p.node_id} stopped to give its quota back")),
@@ -191,10 +210,10 @@ class GuardianCore(BaseCore[GuardianState]):
     def _resume(self, state: GuardianState, job_id: str, code: str, what: str, ex: JobExited | None, ctx: Ctx,
                 key: str) -> list[Envelope]:
         """Run the job again from its last checkpoint, or fail it when its retries are used up."""
-        attempt = state.attempt.get(job_id, 1)
         budget = state.max_retries.get(job_id, 3)
         tenant = state.tenants.get(job_id)
-        if attempt - 1 >= budget:
+        failures = state.failures.get(job_id, 0)
+        if failures >= budget:
             return [ctx.emit(JobFailed(job_id=job_id, reason=Reason(code="retries_exhausted", message=(
                 f"{what}, and its {budget} retries are used up")), exit_code=ex.exit_code if ex else None),
                 tenant=tenant, key="end" if ex else f"end:{job_id}")]
@@ -205,7 +224,7 @@ class GuardianCore(BaseCore[GuardianState]):
         return [ctx.emit(JobResumeRequested(
             job_id=job_id, checkpoint_uri=ckpt[0] if ckpt else None, lost_work_s=round(max(0.0, now - since), 3),
             reason=Reason(code=code, message=(
-                f"{what}; run {attempt + 1} of at most {budget + 1}, "
+                f"{what}; retry {failures + 1} of {budget}, "
                 + (f"from checkpoint {ckpt[0]}" if ckpt else "from the start")))), tenant=tenant, key=key)]
 
     # ------------------------------------------------------------ checkpoints (the agent's observations)

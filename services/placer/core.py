@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 
+from gpufleet.shared.checkpoints import CHECKPOINTED_TYPES
 from gpufleet.shared.clusterconfig import ClusterConfig
 from gpufleet.shared.events import (
     Envelope,
@@ -107,6 +108,7 @@ class PlacerState:
     cordoned: set[str] = field(default_factory=set)
     attempts: dict[str, int] = field(default_factory=dict)  # job -> attempt (resumed jobs run again)
     alloc_attempt: dict[str, int] = field(default_factory=dict)  # job -> the attempt its allocations belong to
+    requota: set[str] = field(default_factory=set)  # preempted, to run again: waits for quota first
     jobs_on: dict[str, set[str]] = field(default_factory=dict)  # node -> jobs holding something there
 
 
@@ -302,6 +304,7 @@ class PlacerCore(BaseCore[PlacerState]):
                 if state.shapes[old] <= 0:
                     del state.shapes[old]
         elif isinstance(p, JobQuotaReserved):
+            state.requota.discard(job_id)
             if job_id not in state.ended and job_id not in state.allocations:
                 state.pending[job_id] = None
                 flavor = p.flavor
@@ -335,7 +338,12 @@ class PlacerCore(BaseCore[PlacerState]):
             if job_id in state.ended:
                 return state
             state.attempts[job_id] = state.attempts.get(job_id, 1) + 1
-            if not state.allocations.get(job_id):
+            if p.reason.code == "preempted":
+                state.requota.add(job_id)
+                state.pending.pop(job_id, None)  # its quota is taken back: it waits for quota again
+            # after a preemption the job waits for quota again (job.quota_reserved makes it pending);
+            # after a failure it kept its quota and is placed again as soon as its old run is gone
+            if not state.allocations.get(job_id) and p.reason.code != "preempted":
                 state.pending[job_id] = None
         elif t in ("job.exited", "job.succeeded", "job.failed", "job.cancelled", "job.preempted"):
             if isinstance(p, JobExited) and p.attempt != state.alloc_attempt.get(job_id, p.attempt):
@@ -371,7 +379,8 @@ class PlacerCore(BaseCore[PlacerState]):
             if not keep and t == "job.exited":
                 state.ends_at.pop(job_id, None)
                 if (isinstance(p, JobExited) and p.attempt < state.attempts.get(job_id, 1)
-                        and job_id not in state.ended and job_id not in state.pending):
+                        and job_id not in state.ended and job_id not in state.pending
+                        and job_id not in state.requota):
                     state.pending[job_id] = None  # the last replica of a resumed job's old attempt is gone
             if isinstance(p, JobExited) and p.unclean_gpus:
                 self._quarantine(state, p.node_id, p.unclean_gpus, "unclean")
@@ -408,7 +417,12 @@ class PlacerCore(BaseCore[PlacerState]):
             return []  # placed: the executor stops it, the guardian ends it
         if isinstance(p, JobPreemptionRequested):
             job_id = p.job_id
-            if job_id in state.specs and job_id not in state.allocations and job_id not in state.ended:
+            spec = state.specs.get(job_id)
+            if spec is not None and job_id not in state.allocations and job_id not in state.ended:
+                if spec.type in CHECKPOINTED_TYPES:  # not started: it simply waits for quota again
+                    return [ctx.emit(JobResumeRequested(job_id=job_id, reason=Reason(
+                        code="preempted", message=f"{p.reason.message}; not placed yet, it waits for quota again")),
+                        key="preempted")]
                 return [ctx.emit(JobPreempted(job_id=job_id, reason=p.reason), key="preempted")]
             return []
         self._refresh_typical(state)

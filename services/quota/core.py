@@ -37,6 +37,7 @@ from gpufleet.shared.events import (
     JobPreemptionRequested,
     JobQueued,
     JobQuotaReserved,
+    JobResumeRequested,
     JobSubmitted,
     Reason,
 )
@@ -75,6 +76,7 @@ class QuotaState:
     reserved_order: dict[str, int] = field(default_factory=dict)  # later = more recently admitted to run
     preempting: dict[str, str] = field(default_factory=dict)  # victim -> the job it makes room for
     protected: set[str] = field(default_factory=set)  # reserved after starving: safe from reclaim
+    requeued: dict[str, int] = field(default_factory=dict)  # job -> times it gave its quota back to run again
 
 
 def demand(spec: JobSpec, flavor: str | None) -> dict[str, int]:
@@ -91,7 +93,7 @@ class QuotaCore(BaseCore[QuotaState]):
     name = "quota"
     subjects = (
         "fleet.evt.*.job.*.submitted", "fleet.evt.*.job.*.admitted", "fleet.evt.*.job.*.quota_reserved",
-        "fleet.evt.*.job.*.queued", "fleet.evt.*.job.*.preemption_requested",
+        "fleet.evt.*.job.*.queued", "fleet.evt.*.job.*.preemption_requested", "fleet.evt.*.job.*.resume_requested",
         "fleet.evt.*.job.*.succeeded", "fleet.evt.*.job.*.failed", "fleet.evt.*.job.*.cancelled",
         "fleet.evt.*.job.*.preempted",
     )
@@ -141,6 +143,23 @@ class QuotaCore(BaseCore[QuotaState]):
         elif isinstance(p, JobPreemptionRequested):
             if job_id in state.reserved:
                 state.preempting.setdefault(job_id, p.by_job_id or "")
+        elif isinstance(p, JobResumeRequested) and p.reason.code == "preempted":
+            # a preempted job that will run again from its checkpoint: its quota goes back now, and
+            # it waits for quota again (at the back of its queue) like a newly admitted job
+            held = state.reserved.pop(job_id, None)
+            state.preempting.pop(job_id, None)
+            state.reserved_order.pop(job_id, None)
+            state.protected.discard(job_id)
+            if held is not None:
+                use = state.usage.setdefault(held[0], {})
+                for r, v in held[1].items():
+                    use[r] = use.get(r, 0) - v
+            spec = state.specs.get(job_id)
+            if spec is not None and job_id not in state.ended:
+                state.admitted_n += 1
+                state.requeued[job_id] = state.requeued.get(job_id, 0) + 1
+                state.pending[job_id] = Pending(job_id, env.tenant, spec.queue, spec.priority, state.admitted_n,
+                                                env.occurred_at.timestamp())
         elif t in ENDED_TYPES:
             state.ended.add(job_id)
             state.preempting.pop(job_id, None)
@@ -149,6 +168,7 @@ class QuotaCore(BaseCore[QuotaState]):
             state.pending.pop(job_id, None)
             state.specs.pop(job_id, None)
             state.said.pop(job_id, None)
+            state.requeued.pop(job_id, None)
             held = state.reserved.pop(job_id, None)
             if held is not None:
                 use = state.usage.setdefault(held[0], {})
@@ -159,7 +179,8 @@ class QuotaCore(BaseCore[QuotaState]):
     # ------------------------------------------------------------ decide
 
     def decide(self, state: QuotaState, env: Envelope, ctx: Ctx) -> list[Envelope]:
-        if env.type == "job.admitted" or env.type in ENDED_TYPES and env.job_id in state.ended:
+        resumed = isinstance(env.payload, JobResumeRequested) and env.payload.reason.code == "preempted"
+        if env.type == "job.admitted" or resumed or env.type in ENDED_TYPES and env.job_id in state.ended:
             # A cycle per event while few jobs wait (the usual case: quota at once); with a
             # backlog, one cycle per tick, so a flood of events costs a cycle a second, not one each.
             if len(state.pending) <= CYCLE_ON_EVENT_MAX:
@@ -218,7 +239,8 @@ class QuotaCore(BaseCore[QuotaState]):
                 out.append(ctx.emit(JobQuotaReserved(
                     job_id=job.job_id, queue=job.queue, cpu_milli=d["cpu"], memory_mib=d["memory"],
                     gpus=spec.gpus_total, flavor=flavor or None, mig=spec.mig_total,
-                ), tenant=job.tenant, cause_id=job.job_id, key="reserved"))
+                ), tenant=job.tenant, cause_id=job.job_id,
+                    key="reserved" + (f":{state.requeued[job.job_id]}" if job.job_id in state.requeued else "")))
                 continue
             if reason is not None and reason.code in ("queue_limit", "cohort_limit"):
                 if job.job_id in state.preempting.values():
