@@ -322,6 +322,10 @@ def explain(job_id: str, data_dir: DataDir = None, as_json: JsonOut = False) -> 
         return
     for s, e in hist:
         _echo_event(s, e, False)
+    from gpufleet.shared.view import interruptions
+
+    for it in interruptions(hist):
+        typer.echo(it.line())
     last = hist[-1][1]
     if last.type not in TERMINAL_JOB_TYPES:
         why = [(s, e) for s, e in hist if e.type in ("job.queued", "job.unschedulable")]

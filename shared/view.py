@@ -215,3 +215,51 @@ def apply(view: ClusterView, env: Envelope, seq: int) -> tuple[set[str], set[str
     job.last_seq = seq
     jobs_touched.add(job_id)
     return jobs_touched, nodes_touched
+
+
+@dataclass
+class Interruption:
+    """One run of a job that ended before the job did, and what came after it (for `explain`)."""
+
+    attempt: int
+    node_id: str
+    reason: str  # the exit's reason (node_lost, preempted, error, killed) or the resume's code
+    seq: int  # of the exit, or of the resume when nothing exited
+    resume_seq: int
+    resume_code: str
+    checkpoint_uri: str | None
+    lost_work_s: float
+    next_node: str | None = None  # where the next run was placed, once it was
+    next_seq: int | None = None
+
+    def line(self) -> str:
+        where = f"on {self.node_id}" if self.node_id else "before it started"
+        frm = f"from {self.checkpoint_uri}" if self.checkpoint_uri else "from the start"
+        nxt = (f"run {self.attempt + 1} placed on {self.next_node} (seq {self.next_seq})" if self.next_node
+               else f"run {self.attempt + 1} not placed yet")
+        return (f"interrupted: run {self.attempt} {where} ended {self.reason} (seq {self.seq}); "
+                f"{self.resume_code}: {nxt}, {frm}, {self.lost_work_s:.1f} s of work lost (seq {self.resume_seq})")
+
+
+def interruptions(history: list[tuple[int, Envelope]]) -> list[Interruption]:
+    """Each interruption of a job's history: the run that ended, why, and where it resumed from."""
+    out: list[Interruption] = []
+    last_exit: dict[int, tuple[int, JobExited]] = {}
+    for seq, env in history:
+        p = env.payload
+        if isinstance(p, JobExited):
+            last_exit.setdefault(p.attempt, (seq, p))
+        elif isinstance(p, JobResumeRequested):
+            attempt = len(out) + 1
+            ex = last_exit.get(attempt)
+            out.append(Interruption(
+                attempt=attempt, node_id=ex[1].node_id if ex else "", reason=ex[1].reason if ex else p.reason.code,
+                seq=ex[0] if ex else seq, resume_seq=seq, resume_code=p.reason.code,
+                checkpoint_uri=p.checkpoint_uri, lost_work_s=p.lost_work_s))
+        elif env.type == "job.placed" and out:
+            placed = env.payload
+            if getattr(placed, "attempt", 1) == out[-1].attempt + 1 and out[-1].next_node is None:
+                allocs = getattr(placed, "allocations", ())
+                out[-1].next_node = ",".join(sorted({a.node_id for a in allocs}))
+                out[-1].next_seq = seq
+    return out

@@ -132,6 +132,15 @@ async def test_node_lost_mid_run_resumes_elsewhere_from_the_last_checkpoint(
     assert verified[1].latest_step == resumed_from - 1  # type: ignore[union-attr]
     assert [r.field for r in verified[1].skipped] == [newest.resolve().as_uri()]  # type: ignore[union-attr]
     assert "the manifest says" in verified[1].skipped[0].message  # type: ignore[union-attr]
+    # `gpufleet explain` names the interruption and what resumed from where
+    from gpufleet.shared.view import interruptions
+
+    from .helpers import read_log
+
+    (it,) = interruptions([(s, e) for s, e in await read_log(bus) if e.job_id == job_id])
+    assert (it.attempt, it.node_id, it.reason, it.next_node) == (1, "a", "node_lost", "b")
+    assert it.checkpoint_uri == resume.checkpoint_uri and it.lost_work_s == resume.lost_work_s  # type: ignore[union-attr]
+    assert it.line().startswith("interrupted: run 1 on a ended node_lost") and "run 2 placed on b" in it.line()
 
 
 async def test_retries_used_up_fail_the_job_with_the_reason(bus: Bus, nats_url: str, tmp_path: Path) -> None:
