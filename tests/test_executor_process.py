@@ -258,3 +258,40 @@ async def test_training_jobs_get_a_persistent_checkpoint_dir(bus: Bus, nats_url:
         await until_status(bus, train.job_id or "", "succeeded")
         await until_status(bus, batch.job_id or "", "succeeded")  # a batch job gets none
     assert (root / "acme" / (train.job_id or "") / "ckpt").read_text().strip() == "step-1"
+
+
+async def test_a_workload_stuck_terminating_is_force_ended_and_its_gpu_kept_out(
+        bus: Bus, nats_url: str, tmp_path: Path) -> None:
+    class Unkillable(ProcessDriver):
+        async def stop(self, key: str, grace_s: float = 1.0) -> None:
+            return None  # as if SIGKILL did not end it (a process stuck in the kernel)
+
+    gpu = SimGpuBackend(process_node().gpus)
+    job = submit_cmd(spec(["sleep", "30"], gpu=1))
+    b = await Bus.connect(nats_url, name="executor")
+    a = ExecutorAgent(ExecutorCore({NODE: process_node()}), b, Unkillable(NODE, tmp_path), gpu=gpu,
+                      reconcile_s=0.1, grace_s=0.2, force_after_s=0.5)
+    a.runtime.fetch_timeout_s = 0.05
+    await a.start()
+    task = asyncio.create_task(a.run())
+    try:
+        async with running(nats_url, control_cores()):
+            await bus.publish(job)
+
+            async def started() -> Any:
+                found = await events_of(bus, job.job_id or "", "job.started")
+                return found[0].payload if found else None
+            st = await wait_until(started)
+            index = (await events_of(bus, job.job_id or "", "job.placed"))[0].payload.allocations[0].gpu_indices[0]
+            for pid in group_pids(st.pid):
+                gpu.add_process(index, pid, used_mib=1024)
+            await bus.publish(cancel_cmd(job.job_id or ""))
+            await until_status(bus, job.job_id or "", "cancelled")
+            assert alive(st.pid)  # still there: the end was reported without it
+    finally:
+        a.stop()
+        await task
+        await b.close()
+        os.killpg(st.pid, signal.SIGKILL)
+    ex = (await events_of(bus, job.job_id or "", "job.exited"))[0].payload
+    assert (ex.reason, ex.exit_code, ex.unclean_gpus) == ("cancelled", 137, (index,))

@@ -17,6 +17,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from gpufleet.shared.bus import Bus
@@ -43,6 +44,9 @@ from .drivers import Driver, DriverError, Workload
 log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 5.0
+# a workload still there this long after its grace ran out (SIGKILL did not end it: a process stuck
+# in the kernel) is reported ended anyway, its GPUs through the cleanliness check
+FORCE_AFTER_S = 30.0
 RECONCILE_S = 0.5
 HEARTBEAT_CHUNK = 500  # node ids per heartbeat message (one executor may host thousands of sim nodes)
 EXIT_CANNOT_RUN = 126
@@ -51,7 +55,7 @@ EXIT_CANNOT_RUN = 126
 class ExecutorAgent:
     def __init__(self, core: ExecutorCore, bus: Bus, driver: Driver | None = None, gpu: GpuBackend | None = None,
                  instance: str = "0", heartbeat_s: float = HEARTBEAT_S, reconcile_s: float = RECONCILE_S,
-                 grace_s: float = 10.0, checkpoint_root: str | None = None,
+                 grace_s: float = 10.0, checkpoint_root: str | None = None, force_after_s: float = FORCE_AFTER_S,
                  clock: Callable[[], float] = time.time, batch: int = 256,
                  runtime: ServiceRuntime[ExecutorState] | None = None) -> None:
         self.core = core
@@ -61,6 +65,7 @@ class ExecutorAgent:
         self.heartbeat_s = heartbeat_s
         self.reconcile_s = reconcile_s
         self.grace_s = grace_s
+        self.force_after_s = force_after_s
         self.checkpoint_root = checkpoint_root
         self.clock = clock
         # in a co-located group the group owns the runtime; the agent adds heartbeats (and reconcile)
@@ -69,7 +74,8 @@ class ExecutorAgent:
             core, bus, instance=instance, batch=batch, clock=clock)
         self._stop = asyncio.Event()
         self._beat: asyncio.Task[None] | None = None
-        self._stopping: set[str] = set()
+        self._stopping: dict[str, float] = {}  # workload key -> when we asked it to stop
+        self._forced: set[str] = set()
         self.beating = True  # tests turn heartbeats off to play a lost node
         self.heartbeats_sent = 0
 
@@ -162,7 +168,8 @@ class ExecutorAgent:
         for key in cleanups:
             try:
                 await self.driver.cleanup(key)
-                self._stopping.discard(key)
+                self._stopping.pop(key, None)
+                self._forced.discard(key)
             except Exception:  # noqa: BLE001
                 log.exception("%s: clean-up failed; retrying next round", key)
         return len(actions)
@@ -186,7 +193,9 @@ class ExecutorAgent:
             if a.key not in self._stopping:
                 log.info("stopping %s (%s), grace %.1fs", a.key, a.reason, a.grace_s)
                 await self.driver.stop(a.key, a.grace_s)
-                self._stopping.add(a.key)  # (only once it was asked: a failed stop is tried again)
+                self._stopping[a.key] = now + a.grace_s  # (only once it was asked: a failed stop is tried again)
+            elif now > self._stopping[a.key] + self.force_after_s and a.key not in self._forced:
+                await self._force_end(a, ctx, now, out)
         elif isinstance(a, ReportExit):
             unclean = await self.unclean_gpus(a)
             if unclean:
@@ -196,6 +205,22 @@ class ExecutorAgent:
                 cleanups.append(a.workload.key)
         elif isinstance(a, Cleanup):
             cleanups.append(a.key)
+
+    async def _force_end(self, a: Stop, ctx: Ctx, now: float, out: list[Envelope]) -> None:
+        """Stuck terminating: report the end the workload will not report itself (once)."""
+        w = next((x for x in await self.driver.list() if x.key == a.key), None) if self.driver else None
+        self._forced.add(a.key)
+        if w is None or not w.running or w.key in self.state.exits_logged:
+            return
+        run = self.state.running.get((w.job_id, w.replica))
+        run = run if run is not None and run.attempt == w.attempt else None
+        d = self.state.desired.get((w.job_id, w.replica))
+        report = ReportExit(replace(w, running=False, exit_code=137), a.reason, run,
+                            d if d is not None and d.attempt == w.attempt else None)
+        unclean = await self.unclean_gpus(report)
+        log.error("%s did not end %.0fs after its grace (stuck in the kernel?): reported ended; GPUs %s unclean",
+                  a.key, self.force_after_s, list(unclean))
+        out.append(exited_event(ctx, report, unclean))
 
     async def unclean_gpus(self, a: ReportExit) -> tuple[int, ...]:
         """GPUs of the allocation on which a process of this workload still holds memory."""
