@@ -33,7 +33,8 @@ def make_core(name: str, args: argparse.Namespace) -> Core[Any]:
         return TelemetryCore()
     if name == "guardian":
         from gpufleet.services.guardian.core import GuardianCore
-        return GuardianCore()
+        from gpufleet.shared.clusterconfig import load_config
+        return GuardianCore(load_config(getattr(args, "config", None)))
     if name == "billing":
         from gpufleet.services.billing.core import BillingCore
         return BillingCore()

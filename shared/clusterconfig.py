@@ -9,6 +9,8 @@
         allowedImages: ["registry.local/acme/*"]   # fnmatch patterns; absent: any image
         checkpointRequiredAfter: 4h        # training / finetune jobs longer than this need `checkpoint`
         ephemeralCheckpoints: correct      # checkpoint.path on /tmp or in the container: correct | reject
+        idleAction: warn                   # a job found idle: warn | reclaim (checkpoint, then release)
+        idleReclaimAfter: 10m              # reclaim: still idle this long after the warning
         submitRatePerS: 50                 # token bucket: sustained rate ...
         submitBurst: 100                   # ... and burst
         maxPendingJobs: 1000               # submitted, not yet placed
@@ -55,6 +57,10 @@ class TenantPolicy(BaseModel):
     # a checkpoint path on ephemeral storage (/tmp, a relative path in the container): `correct`
     # admits the job with its checkpoints under the cluster's root and a warning; `reject` refuses it
     ephemeral_checkpoints: Literal["correct", "reject"] = Field(default="correct", alias="ephemeralCheckpoints")
+    # a job telemetry found idle (job.idle_detected): `warn` only, or `reclaim` it (checkpoint in its
+    # grace, then release its GPUs) when it is still idle this long after the warning
+    idle_action: Literal["warn", "reclaim"] = Field(default="warn", alias="idleAction")
+    idle_reclaim_after_s: DurationS = Field(default=600.0, alias="idleReclaimAfter", ge=0)
     submit_rate_per_s: float = Field(default=200.0, alias="submitRatePerS", gt=0)
     submit_burst: int = Field(default=2000, alias="submitBurst", ge=1)
     max_pending_jobs: int = Field(default=100_000, alias="maxPendingJobs", ge=1)

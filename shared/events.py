@@ -313,6 +313,14 @@ class JobIdleDetected(_JobPayload):
     threshold_pct: float | None = None
 
 
+class JobIdleEnded(_JobPayload):
+    """The job's GPUs are busy again after `job.idle_detected`."""
+
+    type: Literal["job.idle_ended"] = "job.idle_ended"
+    node_id: str | None = None
+    gpu_util_pct: float = 0.0
+
+
 class JobGpuStarved(_JobPayload):
     """The job's GPUs are underused while its CPUs are saturated (`cause: cpu`) or it waits on
     I/O (`cause: io`): its input pipeline cannot feed the GPUs."""
@@ -453,7 +461,7 @@ Payload = Annotated[
         JobStarted, JobHeartbeat, JobCheckpointSaved, JobCheckpointVerified, JobCheckpointInvalid,
         JobCheckpointOverdue, JobPreemptionRequested, JobPreempted,
         JobRequestRefused, JobCancelRequested, JobExited, JobSucceeded, JobFailed, JobCancelled, JobResumeRequested,
-        JobIdleDetected, JobGpuStarved, JobBackfillReserved,
+        JobIdleDetected, JobIdleEnded, JobGpuStarved, JobBackfillReserved,
         NodeRegistered, NodeHeartbeat, NodeLost, NodeCordoned, NodeUncordoned, NodeGpuUnhealthy, NodeDatasetsCached,
         NodeGpuZombieDetected, NodeGpuCleared,
         DeadLetter,

@@ -77,7 +77,8 @@ async def test_stop_kills_the_whole_group_and_escalates(tmp_path: Path) -> None:
     # a child in the background, and a parent that ignores SIGTERM: only SIGKILL ends them
     w = await d.start(launch("stubborn", "sh", "-c", "trap '' TERM; sleep 60 & wait; sleep 60"))
     assert w.pid is not None
-    await wait_until(lambda: len(group_pids(w.pid or 0)) >= 2, timeout_s=5, every_s=0.05)
+    # the wrapper, the shell and its sleep: by then the shell ignores SIGTERM
+    await wait_until(lambda: len(group_pids(w.pid or 0)) >= 3, timeout_s=5, every_s=0.02)
     t0 = time.monotonic()
     await d.stop(w.key, grace_s=0.5)
     code = await wait_exit(d, w.key)

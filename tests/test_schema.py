@@ -34,6 +34,7 @@ from gpufleet.shared.events import (
     JobGpuStarved,
     JobHeartbeat,
     JobIdleDetected,
+    JobIdleEnded,
     JobPlaced,
     JobPreempted,
     JobPreemptionRequested,
@@ -120,6 +121,7 @@ EXAMPLES: dict[str, Any] = {
         job_id=JOB, checkpoint_uri="file:///ckpt/resnet50/step-100", reason=OOM, lost_work_s=30.0,
     ),
     "job.idle_detected": JobIdleDetected(job_id=JOB, gpu_util_pct=1.5, idle_s=900.0),
+    "job.idle_ended": JobIdleEnded(job_id=JOB, node_id=NODE, gpu_util_pct=64.0),
     "job.gpu_starved": JobGpuStarved(job_id=JOB, node_id=NODE, cause="cpu", gpu_util_pct=12.0,
                                      cpu_util_pct=98.0, window_s=60.0),
     "node.registered": NodeRegistered(node_id=NODE, inventory=NodeInventory(

@@ -291,3 +291,34 @@ async def test_on_failure_retries_with_backoff_then_fails(bus: Bus, nats_url: st
     # the backoff doubles: 0.3 s, then 0.6 s, between an exit and the next run
     waits = [(r.occurred_at - e.occurred_at).total_seconds() for e, r in zip(exits, resumes, strict=False)]
     assert 0.3 <= waits[0] < 1.5 and 0.6 <= waits[1] < 2.0
+
+
+async def test_idle_jobs_are_warned_then_reclaimed_by_policy(bus: Bus, nats_url: str) -> None:
+    from gpufleet.shared.clusterconfig import parse_config
+
+    config = parse_config({"tenants": {"acme": {"idleAction": "reclaim", "idleReclaimAfter": "0.5s"}, "globex": {}}})
+    async with AsyncExitStack() as stack:
+        await stack.enter_async_context(running(nats_url, [AdmissionCore(config), QuotaCore(config), PlacerCore(config),
+                                                            GuardianCore(config)]))
+        await stack.enter_async_context(executor(nats_url, {"n0": node("n0")}, "0"))
+        tel = await stack.enter_async_context(telemetry(nats_url))
+        idle = submit_cmd(spec(gpuUtil=1))
+        waking = submit_cmd(spec(gpuUtil=1))
+        warned_only = submit_cmd({**spec(gpuUtil=1), "tenant": "globex"}, tenant="globex")
+        for c in (idle, waking, warned_only):
+            await bus.publish(c)
+        # `waking` gets busy again right after its warning: it is not reclaimed
+        await wait_for_type(bus, "job.idle_detected", waking.job_id)
+        assert tel.world is not None
+        tel.world.backends["n0"].set_process_util(tel.world.pid_of(waking.job_id or "") or 0, 80)
+        await wait_for_type(bus, "job.idle_ended", waking.job_id)
+        ended = (await wait_for_type(bus, "job.preempted", idle.job_id))[0].payload
+        assert ended.reason.code == "idle_reclaimed"  # type: ignore[union-attr]
+        ask = (await of_type(bus, "job.preemption_requested", idle.job_id))[0].payload
+        assert ask.reason.code == "idle_reclaimed" and ask.grace_s == 30  # type: ignore[union-attr]
+        await wait_for_type(bus, "job.idle_detected", warned_only.job_id)
+        await asyncio.sleep(1.0)
+        assert not await of_type(bus, "job.preemption_requested", waking.job_id)
+        assert not await of_type(bus, "job.preemption_requested", warned_only.job_id)
+        assert await job_status(bus, warned_only.job_id or "") == "running"
+        assert await job_status(bus, waking.job_id or "") == "running"

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from gpufleet.shared.checkpoints import CHECKPOINTED_TYPES, Scanned
+from gpufleet.shared.clusterconfig import ClusterConfig
 from gpufleet.shared.events import (
     Envelope,
     JobCancelled,
@@ -28,8 +29,11 @@ from gpufleet.shared.events import (
     JobCheckpointVerified,
     JobExited,
     JobFailed,
+    JobIdleDetected,
+    JobIdleEnded,
     JobPlaced,
     JobPreempted,
+    JobPreemptionRequested,
     JobResumeRequested,
     JobStarted,
     JobSubmitted,
@@ -62,6 +66,8 @@ class GuardianState:
     # job -> (due, attempt, exit): a crashed run waiting out its backoff before it runs again
     retry_at: dict[str, tuple[float, int, JobExited]] = field(default_factory=dict)
     failures: dict[str, int] = field(default_factory=dict)  # job -> runs that failed (the retry budget)
+    idle_since: dict[str, float] = field(default_factory=dict)  # job -> warned idle at (reclaim policy)
+    reclaiming: set[str] = field(default_factory=set)  # idle jobs asked to stop: they end, not resume
 
     def watched(self) -> list[str]:
         """Training / finetune jobs running now: their locations are watched."""
@@ -76,9 +82,13 @@ class GuardianCore(BaseCore[GuardianState]):
         "fleet.evt.*.job.*.rejected", "fleet.evt.*.job.*.preempted", "fleet.evt.*.job.*.resume_requested",
         "fleet.evt.*.job.*.checkpoint_saved", "fleet.evt.*.job.*.started", "fleet.evt.*.job.*.checkpoint_verified",
         "fleet.evt.*.job.*.checkpoint_invalid", "fleet.evt.*.job.*.checkpoint_overdue", "fleet.evt.*.job.*.placed",
-        "fleet.evt.sys.node.*.gpu_unhealthy",
+        "fleet.evt.sys.node.*.gpu_unhealthy", "fleet.evt.*.job.*.idle_detected", "fleet.evt.*.job.*.idle_ended",
+        "fleet.evt.*.job.*.preemption_requested",
     )
     tick_s = 1.0
+
+    def __init__(self, config: ClusterConfig | None = None) -> None:
+        self.config = config or ClusterConfig()
 
     def initial_state(self) -> GuardianState:
         return GuardianState()
@@ -105,6 +115,16 @@ class GuardianCore(BaseCore[GuardianState]):
             if (job_id in state.specs and p.driver != "sim" and job_id not in state.ended
                     and p.attempt >= state.started.get(job_id, (0, 0.0, ""))[0]):
                 state.started[job_id] = (p.attempt, env.occurred_at.timestamp(), env.event_id)
+        elif isinstance(p, JobIdleDetected):
+            policy = self.config.policy(env.tenant)
+            if policy is not None and policy.idle_action == "reclaim" and job_id not in state.ended:
+                state.idle_since.setdefault(job_id, env.occurred_at.timestamp())
+        elif isinstance(p, JobIdleEnded):
+            state.idle_since.pop(job_id, None)
+        elif isinstance(p, JobPreemptionRequested):
+            if p.reason.code == "idle_reclaimed":
+                state.reclaiming.add(job_id)
+            state.idle_since.pop(job_id, None)
         elif isinstance(p, JobCheckpointVerified):
             state.verified.add((job_id, p.attempt))
         elif isinstance(p, JobCheckpointInvalid):
@@ -137,8 +157,9 @@ class GuardianCore(BaseCore[GuardianState]):
             state.ended.add(job_id)
             for d in (state.exits, state.replicas, state.max_retries, state.attempt, state.checkpoint, state.specs,
                       state.tenants, state.started, state.step, state.placed, state.on_failure, state.retry_at,
-                      state.failures):
+                      state.failures, state.idle_since):
                 d.pop(job_id, None)
+            state.reclaiming.discard(job_id)
         return state
 
     def decide(self, state: GuardianState, env: Envelope, ctx: Ctx) -> list[Envelope]:
@@ -169,6 +190,10 @@ class GuardianCore(BaseCore[GuardianState]):
                                 f"{p.exit_code}", p, ctx, key=f"resume:{attempt}")
         if p.reason == "cancelled":
             return [ctx.emit(JobCancelled(job_id=p.job_id, reason="cancelled by user"), key="end")]
+        if p.reason == "preempted" and p.job_id in state.reclaiming:
+            return [ctx.emit(JobPreempted(job_id=p.job_id, reason=Reason(code="idle_reclaimed", message=(
+                f"its GPUs stayed idle past the tenant's policy; released (replica {p.replica} on {p.node_id} "
+                "was asked to checkpoint first)"))), key="end")]
         if p.reason == "preempted" and p.job_id in state.specs:
             # a training / finetune job gives its quota back and runs again later from its checkpoint
             exits = state.exits.get(p.job_id, {})
@@ -201,6 +226,16 @@ class GuardianCore(BaseCore[GuardianState]):
     def tick(self, state: GuardianState, ctx: Ctx) -> list[Envelope]:
         now = ctx.now.timestamp()
         out: list[Envelope] = []
+        for job_id, since in sorted(state.idle_since.items()):
+            tenant = state.tenants.get(job_id)
+            policy = self.config.policy(tenant or "")
+            if policy is None or job_id in state.ended or now - since < policy.idle_reclaim_after_s:
+                continue
+            out.append(ctx.emit(JobPreemptionRequested(job_id=job_id, grace_s=30.0, reason=Reason(
+                code="idle_reclaimed", message=(
+                    f"idle {now - since:.0f}s after the warning (policy: reclaim after "
+                    f"{policy.idle_reclaim_after_s:.0f}s): checkpoint, then release its GPUs"))),
+                tenant=tenant, key=f"reclaim:{job_id}:{state.attempt.get(job_id, 1)}"))
         for job_id, (due, attempt, ex) in sorted(state.retry_at.items()):
             if due <= now and job_id not in state.ended:
                 out += self._resume(state, job_id, "crashed", f"replica {ex.replica} on {ex.node_id} exited with code "

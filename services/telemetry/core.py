@@ -26,6 +26,7 @@ from gpufleet.shared.events import (
     JobExited,
     JobGpuStarved,
     JobIdleDetected,
+    JobIdleEnded,
     JobPlaced,
     JobStarted,
     JobSubmitted,
@@ -88,6 +89,7 @@ class TelemetryState:
     episodes: dict[tuple[str, int], int] = field(default_factory=dict)  # (node, gpu) -> quarantines so far
     zombies_said: set[tuple[str, int, int]] = field(default_factory=set)  # (node, gpu, pid)
     idle_said: set[tuple[str, int]] = field(default_factory=set)  # (job, attempt)
+    idle_episodes: dict[tuple[str, int], int] = field(default_factory=dict)  # idle spells that ended
     starved_said: set[tuple[str, int]] = field(default_factory=set)
     last_job_on: dict[tuple[str, int], str] = field(default_factory=dict)  # (node, gpu) -> last job there
     by_node: dict[str, dict[tuple[str, int], Replica]] = field(default_factory=dict)
@@ -150,6 +152,7 @@ class TelemetryCore(BaseCore[TelemetryState]):
         "fleet.evt.sys.node.*.*",
         "fleet.evt.*.job.*.submitted", "fleet.evt.*.job.*.placed", "fleet.evt.*.job.*.started",
         "fleet.evt.*.job.*.exited", "fleet.evt.*.job.*.idle_detected", "fleet.evt.*.job.*.gpu_starved",
+        "fleet.evt.*.job.*.idle_ended",
         "fleet.evt.*.job.*.succeeded", "fleet.evt.*.job.*.failed", "fleet.evt.*.job.*.cancelled",
         "fleet.evt.*.job.*.preempted",
     )
@@ -204,6 +207,10 @@ class TelemetryCore(BaseCore[TelemetryState]):
                 _hold(state, (p.node_id, g), "unclean")
         elif isinstance(p, JobIdleDetected):
             state.idle_said.add((p.job_id, self._attempt(state, p.job_id)))
+        elif isinstance(p, JobIdleEnded):
+            key = (p.job_id, self._attempt(state, p.job_id))
+            state.idle_said.discard(key)
+            state.idle_episodes[key] = state.idle_episodes.get(key, 0) + 1
         elif isinstance(p, JobGpuStarved):
             state.starved_said.add((p.job_id, self._attempt(state, p.job_id)))
         elif env.type in ("job.succeeded", "job.failed", "job.cancelled", "job.preempted") and env.job_id:
@@ -296,13 +303,18 @@ class TelemetryCore(BaseCore[TelemetryState]):
         key = (r.job_id, r.attempt)
         if util >= self.rules.idle_pct:
             w.low_since.pop(key, None)
+            if key in state.idle_said:  # busy again: the warning is over (and the rule re-armed)
+                n = state.idle_episodes.get(key, 0)
+                return [ctx.emit(JobIdleEnded(job_id=r.job_id, node_id=r.node_id, gpu_util_pct=round(util, 2)),
+                                 tenant=r.tenant, cause_id=r.started_event_id, key=f"idle_ended:{r.attempt}:{n}")]
             return []
         since = w.low_since.setdefault(key, now)
         if now - since < self.rules.idle_after_s or key in state.idle_said:
             return []
+        n = state.idle_episodes.get(key, 0)
         return [ctx.emit(JobIdleDetected(job_id=r.job_id, gpu_util_pct=round(util, 2), idle_s=round(now - since, 3),
                                          node_id=r.node_id, threshold_pct=self.rules.idle_pct),
-                         tenant=r.tenant, cause_id=r.started_event_id, key=f"idle:{r.attempt}")]
+                         tenant=r.tenant, cause_id=r.started_event_id, key=f"idle:{r.attempt}:{n}")]
 
     def _starved(self, state: TelemetryState, w: Windows, r: Replica, util: float, use: JobUse | None, now: float,
                  ctx: Ctx) -> list[Envelope]:
