@@ -25,8 +25,10 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 MANIFEST = "manifest.json"
 STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -159,3 +161,48 @@ def check_writable(location_dir: str | Path) -> str | None:
     except OSError as exc:
         return f"{d} is not writable: {exc.strerror or exc}"
     return None
+
+
+# ---------------------------------------------------------------- stores: where locations live
+
+
+class CheckpointStore(Protocol):
+    """What the guardian needs of a checkpoint location's storage. `file://` (and plain paths) are
+    built in; an object store (s3://, gs://) registers its own with `register_store`."""
+
+    def check_writable(self, location: str) -> str | None: ...
+    def scan(self, location: str) -> list[Scanned]: ...
+    def prune(self, location: str, keep: int) -> list[str]: ...
+
+
+class LocalStore:
+    """A local or mounted filesystem (NFS, a persistent volume): the embedded default."""
+
+    def check_writable(self, location: str) -> str | None:
+        return check_writable(_path(location))
+
+    def scan(self, location: str) -> list[Scanned]:
+        return scan(_path(location))
+
+    def prune(self, location: str, keep: int) -> list[str]:
+        return [str(p) for p in prune(_path(location), keep)]
+
+
+_STORES: dict[str, Callable[[], CheckpointStore]] = {"file": LocalStore}
+
+
+def register_store(scheme: str, factory: Callable[[], CheckpointStore]) -> None:
+    _STORES[scheme] = factory
+
+
+def store_for(location: str) -> CheckpointStore:
+    scheme = location.split("://", 1)[0] if "://" in location else "file"
+    factory = _STORES.get(scheme)
+    if factory is None:
+        raise ValueError(f"no checkpoint store for {scheme}:// locations (known: {', '.join(sorted(_STORES))}); "
+                         "register one with gpufleet.shared.checkpoints.register_store")
+    return factory()
+
+
+def _path(location: str) -> Path:
+    return Path(location.removeprefix("file://"))

@@ -146,3 +146,24 @@ def test_ephemeral_checkpoint_path_is_corrected_or_rejected_by_policy() -> None:
     assert [(r.code, r.field) for r in rej.payload.reasons] == [("checkpoint_ephemeral", "checkpoint.path")]
     assert "container's own filesystem" in rej.payload.reasons[0].message
     assert [e.type for e in submit(strict, "/mnt/nfs/ckpt")] == ["job.submitted", "job.admitted"]
+
+
+def test_stores_by_scheme(tmp_path: Path) -> None:
+    local = checkpoints.store_for(tmp_path.as_uri())
+    checkpoint.save(1, state(1), where=tmp_path)
+    assert [s.step for s in local.scan(tmp_path.as_uri())] == [1]
+    assert checkpoints.store_for(str(tmp_path)).check_writable(str(tmp_path)) is None
+    with pytest.raises(ValueError, match="no checkpoint store for s3://"):
+        checkpoints.store_for("s3://bucket/run")
+
+    class Memory:
+        def check_writable(self, location: str) -> str | None:
+            return None
+
+        def scan(self, location: str) -> list[checkpoints.Scanned]:
+            return []
+
+        def prune(self, location: str, keep: int) -> list[str]:
+            return []
+    checkpoints.register_store("mem", Memory)
+    assert isinstance(checkpoints.store_for("mem://x"), Memory)

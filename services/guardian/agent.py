@@ -66,13 +66,18 @@ class GuardianAgent:
         for job_id in state.watched():
             where = self.location_of(state, job_id)
             attempt = state.started[job_id][0]
+            try:
+                store = checkpoints.store_for(where)
+            except ValueError as exc:
+                log.warning("%s: %s", job_id, exc)
+                continue
             unwritable = None
             if (job_id, attempt) not in state.verified:
-                unwritable = await asyncio.to_thread(checkpoints.check_writable, where)
-            scans = await asyncio.to_thread(checkpoints.scan, where)
+                unwritable = await asyncio.to_thread(store.check_writable, where)
+            scans = await asyncio.to_thread(store.scan, where)
             facts += self.core.watch(state, job_id, where, unwritable, scans, self.clock(), self.runtime.ctx())
             spec = state.specs[job_id]
-            await asyncio.to_thread(checkpoints.prune, where, spec.checkpoint.keep if spec.checkpoint else 3)
+            await asyncio.to_thread(store.prune, where, spec.checkpoint.keep if spec.checkpoint else 3)
         for f in facts:
             if f.type in ("job.checkpoint_invalid", "job.checkpoint_overdue", "job.failed"):
                 log.warning("%s %s: %s", f.job_id, f.type, f.payload.model_dump(exclude={"type"}))
