@@ -59,11 +59,12 @@ class Scanned:
 
 def ephemeral_reason(path: str) -> str | None:
     """Why a checkpoint path would not outlive the job's container, or None if it would."""
-    if not path.startswith("/") and "://" not in path:
-        return f"{path!r} is relative: it lands in the container's own filesystem"
-    if "://" in path:
+    if "://" in path and not path.startswith("file://"):
         scheme = path.split("://", 1)[0]
-        return None if scheme in ("file", "s3", "gs", "az") else f"unknown storage scheme {scheme!r}"
+        return None if scheme in _STORES else f"no checkpoint store for {scheme}:// locations"
+    path = path.removeprefix("file://")
+    if not path.startswith("/"):
+        return f"{path!r} is relative: it lands in the container's own filesystem"
     norm = os.path.normpath(path)
     for prefix in EPHEMERAL_PREFIXES:
         if norm == prefix or norm.startswith(prefix + "/"):
@@ -87,6 +88,14 @@ def sha256_file(path: Path) -> str:
 
 
 def verify(path: Path) -> tuple[Checkpoint | None, str]:
+    """(the checkpoint, "") if it is good, else (None, why). Never raises: a bad one is just bad."""
+    try:
+        return _verify(path)
+    except Exception as exc:  # noqa: BLE001 - any malformed manifest or unreadable file
+        return None, f"unreadable ({type(exc).__name__}: {exc})"[:300]
+
+
+def _verify(path: Path) -> tuple[Checkpoint | None, str]:
     m = STEP_DIR.match(path.name)
     if m is None:
         return None, "not a step-<n> directory"
@@ -113,7 +122,10 @@ def verify(path: Path) -> tuple[Checkpoint | None, str]:
             return None, f"{name} does not match its sha256"
         total += size
     digest = hashlib.sha256((path / MANIFEST).read_bytes()).hexdigest()
-    return Checkpoint(step, path, total, digest, float(manifest.get("created_at", 0.0))), ""
+    created = float(manifest.get("created_at", 0.0))
+    if not 0.0 <= created < 4e9:  # not a time this code can turn into a date
+        created = 0.0
+    return Checkpoint(step, path, total, digest, created), ""
 
 
 def scan(location_dir: str | Path) -> list[Scanned]:

@@ -271,6 +271,10 @@ class JobExited(_JobPayload):
     # GPUs where a process of the replica still held memory after it was stopped: they are not
     # free until telemetry's occupancy check passes (`node.gpu_cleared`)
     unclean_gpus: tuple[int, ...] = ()
+    # the latest good checkpoint in the job's location as the node saw it at the end (training jobs)
+    checkpoint_uri: str | None = None
+    checkpoint_step: int | None = None
+    checkpoint_saved_at: datetime | None = None
 
 
 class JobSucceeded(_JobPayload):

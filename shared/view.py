@@ -13,6 +13,7 @@ from .events import (
     Envelope,
     JobCancelled,
     JobCancelRequested,
+    JobCheckpointVerified,
     JobExited,
     JobFailed,
     JobPlaced,
@@ -231,10 +232,12 @@ class Interruption:
     lost_work_s: float
     next_node: str | None = None  # where the next run was placed, once it was
     next_seq: int | None = None
+    resumed_from: str | None = None  # the checkpoint the next run really found good (its verification)
 
     def line(self) -> str:
         where = f"on {self.node_id}" if self.node_id else "before it started"
-        frm = f"from {self.checkpoint_uri}" if self.checkpoint_uri else "from the start"
+        uri = self.resumed_from or self.checkpoint_uri
+        frm = f"from {uri}" if uri else "from the start"
         nxt = (f"run {self.attempt + 1} placed on {self.next_node} (seq {self.next_seq})" if self.next_node
                else f"run {self.attempt + 1} not placed yet")
         return (f"interrupted: run {self.attempt} {where} ended {self.reason} (seq {self.seq}); "
@@ -249,6 +252,9 @@ def interruptions(history: list[tuple[int, Envelope]]) -> list[Interruption]:
         p = env.payload
         if isinstance(p, JobExited):
             last_exit.setdefault(p.attempt, (seq, p))
+            late = next((i for i in out if i.attempt == p.attempt and not i.node_id), None)
+            if late is not None:  # the run was told to stop (a failing GPU) and ended after the resume
+                late.node_id, late.reason, late.seq = p.node_id, f"{late.reason} ({p.reason})", seq
         elif isinstance(p, JobResumeRequested):
             attempt = len(out) + 1
             ex = last_exit.get(attempt)
@@ -256,6 +262,8 @@ def interruptions(history: list[tuple[int, Envelope]]) -> list[Interruption]:
                 attempt=attempt, node_id=ex[1].node_id if ex else "", reason=ex[1].reason if ex else p.reason.code,
                 seq=ex[0] if ex else seq, resume_seq=seq, resume_code=p.reason.code,
                 checkpoint_uri=p.checkpoint_uri, lost_work_s=p.lost_work_s))
+        elif isinstance(p, JobCheckpointVerified) and out and p.attempt == out[-1].attempt + 1:
+            out[-1].resumed_from = p.latest_uri
         elif env.type == "job.placed" and out:
             placed = env.payload
             if getattr(placed, "attempt", 1) == out[-1].attempt + 1 and out[-1].next_node is None:

@@ -69,7 +69,8 @@ def test_bad_file_names_are_refused(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("path", "ephemeral"), [
     ("/tmp/ckpt", True), ("/var/tmp/x", True), ("/dev/shm/run", True), ("ckpt/run1", True), ("./out", True),
-    ("/mnt/shared/ckpt", False), ("/data/tmp/ckpt", False), ("s3://bucket/run", False), ("file:///nfs/c", False),
+    ("/mnt/shared/ckpt", False), ("/data/tmp/ckpt", False), ("s3://bucket/run", True), ("file:///nfs/c", False),
+    ("file:///tmp/ck", True),
     ("ftp://x/y", True),
 ])
 def test_ephemeral_paths(path: str, ephemeral: bool) -> None:

@@ -291,3 +291,53 @@ def test_a_resumed_attempt_never_started_here_still_gives_its_allocation_back() 
     # attempt 2 placed here again: started as attempt 2
     (b,) = reconcile(fold(core, st, placed("j", attempt=2)), core.nodes, [], T0 + 4)
     assert isinstance(b, Start) and b.launch.key == "j.0.2"
+
+
+# ---------------------------------------------------------------- recovery races (the guardian)
+
+
+def _guardian(job_type: str = "training", **spec: Any) -> tuple[Any, Any]:
+    from gpufleet.services.guardian.core import GuardianCore
+    from gpufleet.shared.clusterconfig import parse_config
+
+    core = GuardianCore(parse_config({"tenants": {"acme": {"idleAction": "reclaim", "idleReclaimAfter": "60s"}}}))
+    st = fold(core, core.initial_state(), submitted("j", type=job_type, **spec), placed("j"),
+              ev(JobStarted(job_id="j", node_id=NODE, driver="process")))
+    return core, st
+
+
+def test_a_lost_node_during_a_preemption_gives_the_quota_back_anyway() -> None:
+    from gpufleet.shared.events import JobPreemptionRequested, Reason
+
+    preempt = ev(JobPreemptionRequested(job_id="j", reason=Reason(code="priority", message="x"), by_job_id="p"))
+    lost = ev(JobExited(job_id="j", node_id=NODE, exit_code=137, reason="node_lost"), at=T0 + 3)
+    core, st = _guardian()
+    st = fold(core, st, preempt, lost)
+    (r,) = core.decide(st, lost, ctx(T0 + 3))
+    assert r.type == "job.resume_requested" and r.payload.reason.code == "preempted"  # type: ignore[union-attr]
+    core, st = _guardian("batch")
+    st = fold(core, st, preempt, lost)
+    (e,) = core.decide(st, lost, ctx(T0 + 3))
+    assert e.type == "job.preempted"
+
+
+def test_an_idle_warning_of_a_run_does_not_reclaim_the_next_one() -> None:
+    from gpufleet.shared.events import JobIdleDetected, JobResumeRequested, Reason
+
+    core, st = _guardian()
+    st = fold(core, st, ev(JobIdleDetected(job_id="j", gpu_util_pct=1, idle_s=900), at=T0 + 10),
+              ev(JobResumeRequested(job_id="j", reason=Reason(code="node_lost", message="x")), at=T0 + 20))
+    assert core.tick(st, ctx(T0 + 200)) == []
+
+
+def test_executor_keeps_a_preemption_stop_across_a_resume_for_another_reason() -> None:
+    from gpufleet.shared.events import JobPreemptionRequested, JobResumeRequested, Reason
+
+    core, st = executor(submitted("j"), placed("j"), ev(JobStarted(job_id="j", node_id=NODE, driver="process")),
+                        ev(JobPreemptionRequested(job_id="j", reason=Reason(code="priority", message="x"))),
+                        ev(JobResumeRequested(job_id="j", reason=Reason(code="node_lost", message="x"))))
+    assert st.stop_reason["j"] == "preempted"
+    _, st2 = executor(submitted("j"), placed("j"), ev(JobStarted(job_id="j", node_id=NODE, driver="process")),
+                      ev(JobPreemptionRequested(job_id="j", reason=Reason(code="priority", message="x"))),
+                      ev(JobResumeRequested(job_id="j", reason=Reason(code="preempted", message="x"))))
+    assert "j" not in st2.stop_reason

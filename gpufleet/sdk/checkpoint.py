@@ -97,7 +97,15 @@ def save(step: int, files: Mapping[str, bytes] | Callable[[Path], None], where: 
     body = json.dumps(manifest, sort_keys=True).encode()
     (tmp / MANIFEST).write_bytes(body)
     _fsync(tmp / MANIFEST)
-    os.rename(tmp, final)  # the publish: atomic on one filesystem
+    try:
+        os.rename(tmp, final)  # the publish: atomic on one filesystem
+    except OSError:
+        # another rank of the gang published this step first: keep theirs if it is good
+        shutil.rmtree(tmp, ignore_errors=True)
+        ckpt, reason = verify(final)
+        if ckpt is None:
+            raise RuntimeError(f"checkpoint {final} exists and is bad: {reason}") from None
+        return ckpt
     _fsync_dir(root)
     keep = keep if keep is not None else int(os.environ.get("GPUFLEET_CHECKPOINT_KEEP", "3"))
     prune(root, keep)

@@ -21,6 +21,8 @@ from dataclasses import replace
 from typing import Any
 
 from gpufleet.shared.bus import Bus
+from gpufleet.shared.checkpoints import CHECKPOINTED_TYPES, latest_good
+from gpufleet.shared.checkpoints import location as checkpoint_location
 from gpufleet.shared.events import SYS_TENANT, Envelope, NodeHeartbeat, utc
 from gpufleet.shared.gpu import GpuBackend
 from gpufleet.shared.ids import derive_id
@@ -200,7 +202,7 @@ class ExecutorAgent:
             unclean = await self.unclean_gpus(a)
             if unclean:
                 log.warning("%s exited but still holds memory on GPU(s) %s", a.workload.key, unclean)
-            out.append(exited_event(ctx, a, unclean))
+            out.append(exited_event(ctx, a, unclean, await self.last_checkpoint(a.workload.job_id)))
             if a.workload.handle:
                 cleanups.append(a.workload.key)
         elif isinstance(a, Cleanup):
@@ -221,6 +223,19 @@ class ExecutorAgent:
         log.error("%s did not end %.0fs after its grace (stuck in the kernel?): reported ended; GPUs %s unclean",
                   a.key, self.force_after_s, list(unclean))
         out.append(exited_event(ctx, report, unclean))
+
+    async def last_checkpoint(self, job_id: str) -> tuple[str, int, float] | None:
+        """The latest good checkpoint of a training job, as the run ends (one saved in its grace
+        included), so the guardian resumes from exactly that one."""
+        spec = self.state.specs.get(job_id)
+        if self.checkpoint_root is None or spec is None or spec.type not in CHECKPOINTED_TYPES:
+            return None
+        run = next((r for (j, _), r in self.state.running.items() if j == job_id), None)
+        d = next((d for (j, _), d in self.state.desired.items() if j == job_id), None)
+        tenant = run.tenant if run else (d.tenant if d else spec.tenant)
+        where = checkpoint_location(self.checkpoint_root, tenant, job_id, spec.checkpoint.path if spec.checkpoint else None)
+        c = await asyncio.to_thread(latest_good, where)
+        return (c.uri, c.step, c.created_at) if c else None
 
     async def unclean_gpus(self, a: ReportExit) -> tuple[int, ...]:
         """GPUs of the allocation on which a process of this workload still holds memory."""

@@ -31,6 +31,7 @@ from gpufleet.shared.events import (
     NodeLost,
     NodeRegistered,
     ReplicaAllocation,
+    utc,
 )
 from gpufleet.shared.runtime import BaseCore, Ctx
 from gpufleet.shared.spec import JobSpec
@@ -145,7 +146,8 @@ class ExecutorCore(BaseCore[ExecutorState]):
             state.attempt[job_id] = state.attempt.get(job_id, 1) + 1
             if p.checkpoint_uri:
                 state.resume_from[job_id] = p.checkpoint_uri
-            if state.stop_reason.get(job_id) == "preempted":  # that stop was for the run before this one
+            if p.reason.code == "preempted" and state.stop_reason.get(job_id) == "preempted":
+                # it gave its quota back and waits for it again: that stop was for the run before
                 del state.stop_reason[job_id]
                 state.stop_grace.pop(job_id, None)
             for key in [k for k, d in state.desired.items() if k[0] == job_id and d.attempt < state.attempt[job_id]]:
@@ -457,7 +459,8 @@ def started_event(ctx: Ctx, w: Workload, d: Desired, driver: str) -> Envelope:
                     tenant=d.tenant, cause_id=d.placed_event_id, key=f"start:{w.replica}")
 
 
-def exited_event(ctx: Ctx, a: ReportExit, unclean: tuple[int, ...] = ()) -> Envelope:
+def exited_event(ctx: Ctx, a: ReportExit, unclean: tuple[int, ...] = (),
+                 checkpoint: tuple[str, int, float] | None = None) -> Envelope:
     w = a.workload
     code = w.exit_code if w.exit_code is not None else EXIT_KILLED
     if a.reason == "timeout":
@@ -467,7 +470,9 @@ def exited_event(ctx: Ctx, a: ReportExit, unclean: tuple[int, ...] = ()) -> Enve
     started = a.run.started_at_s if a.run else w.started_at
     payload = JobExited(job_id=w.job_id, node_id=w.node_id, replica=w.replica, exit_code=code, reason=a.reason,
                         runtime_s=round(max(0.0, ctx.now.timestamp() - started), 3), attempt=w.attempt,
-                        unclean_gpus=unclean)
+                        unclean_gpus=unclean, checkpoint_uri=checkpoint[0] if checkpoint else None,
+                        checkpoint_step=checkpoint[1] if checkpoint else None,
+                        checkpoint_saved_at=utc(checkpoint[2]) if checkpoint and checkpoint[2] else None)
     if a.run is None and a.desired is not None:  # never started: the exit takes the start's slot
         return ctx.emit(payload, tenant=tenant, cause_id=cause, key=f"start:{w.replica}")
     return ctx.emit(payload, tenant=tenant, cause_id=cause, key=f"exit:{w.attempt}")

@@ -64,14 +64,17 @@ class GuardianState:
     placed: dict[str, tuple[int, frozenset[tuple[str, int]]]] = field(default_factory=dict)  # job -> (attempt, GPUs)
     on_failure: dict[str, float] = field(default_factory=dict)  # job -> retry backoff base (restartPolicy OnFailure)
     # job -> (due, attempt, exit): a crashed run waiting out its backoff before it runs again
-    retry_at: dict[str, tuple[float, int, JobExited]] = field(default_factory=dict)
+    retry_at: dict[str, tuple[float, int, JobExited, str]] = field(default_factory=dict)
     failures: dict[str, int] = field(default_factory=dict)  # job -> runs that failed (the retry budget)
-    idle_since: dict[str, float] = field(default_factory=dict)  # job -> warned idle at (reclaim policy)
+    idle_since: dict[str, tuple[float, str]] = field(default_factory=dict)  # job -> (warned idle at, event id)
+    running: set[str] = field(default_factory=set)  # watched jobs with a run going now
+    preempt_pending: set[str] = field(default_factory=set)  # asked to give quota back, not yet done
+    good: dict[str, dict[int, tuple[str, float]]] = field(default_factory=dict)  # job -> step -> (uri, at)
     reclaiming: set[str] = field(default_factory=set)  # idle jobs asked to stop: they end, not resume
 
     def watched(self) -> list[str]:
         """Training / finetune jobs running now: their locations are watched."""
-        return sorted(j for j in self.started if j in self.specs and j not in self.ended)
+        return sorted(j for j in self.running if j in self.specs and j not in self.ended)
 
 
 class GuardianCore(BaseCore[GuardianState]):
@@ -115,20 +118,32 @@ class GuardianCore(BaseCore[GuardianState]):
             if (job_id in state.specs and p.driver != "sim" and job_id not in state.ended
                     and p.attempt >= state.started.get(job_id, (0, 0.0, ""))[0]):
                 state.started[job_id] = (p.attempt, env.occurred_at.timestamp(), env.event_id)
+                state.running.add(job_id)
         elif isinstance(p, JobIdleDetected):
             policy = self.config.policy(env.tenant)
             if policy is not None and policy.idle_action == "reclaim" and job_id not in state.ended:
-                state.idle_since.setdefault(job_id, env.occurred_at.timestamp())
+                state.idle_since.setdefault(job_id, (env.occurred_at.timestamp(), env.event_id))
         elif isinstance(p, JobIdleEnded):
             state.idle_since.pop(job_id, None)
         elif isinstance(p, JobPreemptionRequested):
             if p.reason.code == "idle_reclaimed":
                 state.reclaiming.add(job_id)
             state.idle_since.pop(job_id, None)
+            if job_id not in state.ended:
+                state.preempt_pending.add(job_id)
         elif isinstance(p, JobCheckpointVerified):
             state.verified.add((job_id, p.attempt))
         elif isinstance(p, JobCheckpointInvalid):
             state.invalid_said.add((job_id, p.step))
+            good = state.good.get(job_id, {})
+            if good.pop(p.step, None) is not None and state.step.get(job_id) == p.step:
+                # a checkpoint reported good went bad: the previous good one is the one to resume from
+                if good:
+                    step = max(good)
+                    state.checkpoint[job_id], state.step[job_id] = good[step], step
+                else:
+                    state.checkpoint.pop(job_id, None)
+                    state.step.pop(job_id, None)
         elif isinstance(p, JobCheckpointOverdue):
             attempt = state.started.get(job_id, (1, 0.0, ""))[0]
             state.overdue_said.add((job_id, attempt, state.step.get(job_id, -1)))
@@ -136,20 +151,33 @@ class GuardianCore(BaseCore[GuardianState]):
             attempt = state.attempt.get(job_id, 1)
             if job_id not in state.ended and p.attempt >= attempt:
                 state.exits.setdefault(job_id, {})[p.replica] = p
+                if len(state.exits[job_id]) >= state.replicas.get(job_id, 1):
+                    state.running.discard(job_id)
+                if p.checkpoint_uri and p.checkpoint_step is not None:  # what the node saw as it ended
+                    at = p.checkpoint_saved_at.timestamp() if p.checkpoint_saved_at else env.occurred_at.timestamp()
+                    state.good.setdefault(job_id, {})[p.checkpoint_step] = (p.checkpoint_uri, at)
+                    if p.checkpoint_step >= state.step.get(job_id, -1):
+                        state.checkpoint[job_id] = (p.checkpoint_uri, at)
+                        state.step[job_id] = p.checkpoint_step
                 failures = state.failures.get(job_id, 0)
                 if (p.reason == "error" and job_id in state.on_failure and job_id not in state.retry_at
                         and failures < state.max_retries.get(job_id, 3)):
                     backoff = min(600.0, state.on_failure[job_id] * 2 ** failures)
-                    state.retry_at[job_id] = (env.occurred_at.timestamp() + backoff, attempt, p)
+                    state.retry_at[job_id] = (env.occurred_at.timestamp() + backoff, attempt, p, env.event_id)
         elif isinstance(p, JobResumeRequested):
             if job_id not in state.ended:
                 state.attempt[job_id] = state.attempt.get(job_id, 1) + 1
                 state.exits.pop(job_id, None)
                 state.retry_at.pop(job_id, None)
+                state.idle_since.pop(job_id, None)  # warnings and stops were about the run before
+                state.reclaiming.discard(job_id)
+                state.preempt_pending.discard(job_id)
+                state.running.discard(job_id)
                 if p.reason.code != "preempted":
                     state.failures[job_id] = state.failures.get(job_id, 0) + 1
         elif isinstance(p, JobCheckpointSaved):
             at = p.saved_at.timestamp() if p.saved_at else env.occurred_at.timestamp()
+            state.good.setdefault(job_id, {})[p.step] = (p.uri, at)
             if p.step >= state.step.get(job_id, -1):
                 state.checkpoint[job_id] = (p.uri, at)
                 state.step[job_id] = p.step
@@ -157,9 +185,11 @@ class GuardianCore(BaseCore[GuardianState]):
             state.ended.add(job_id)
             for d in (state.exits, state.replicas, state.max_retries, state.attempt, state.checkpoint, state.specs,
                       state.tenants, state.started, state.step, state.placed, state.on_failure, state.retry_at,
-                      state.failures, state.idle_since):
+                      state.failures, state.idle_since, state.good):
                 d.pop(job_id, None)
-            state.reclaiming.discard(job_id)
+            for st in (state.reclaiming, state.running, state.preempt_pending):
+                st.discard(job_id)
+            state.verified = {v for v in state.verified if v[0] != job_id} if state.verified else state.verified
         return state
 
     def decide(self, state: GuardianState, env: Envelope, ctx: Ctx) -> list[Envelope]:
@@ -199,15 +229,8 @@ class GuardianCore(BaseCore[GuardianState]):
             exits = state.exits.get(p.job_id, {})
             if len(exits) < state.replicas.get(p.job_id, 1):
                 return []  # the rest of its gang is still stopping
-            ckpt = state.checkpoint.get(p.job_id)
-            now = ctx.now.timestamp()
-            started = state.started.get(p.job_id)
-            since = ckpt[1] if ckpt else (started[1] if started else now - p.runtime_s)
-            return [ctx.emit(JobResumeRequested(
-                job_id=p.job_id, checkpoint_uri=ckpt[0] if ckpt else None, lost_work_s=round(max(0.0, now - since), 3),
-                reason=Reason(code="preempted", message=(
-                    "preempted: its quota went to a higher-priority job; it runs again when quota frees, "
-                    + (f"from checkpoint {ckpt[0]}" if ckpt else "from the start")))), key=f"resume:{attempt}")]
+            return self._resume(state, p.job_id, "preempted", "preempted: its quota went to a higher-priority job; "
+                                "it runs again when quota frees", p, ctx, key=f"resume:{attempt}")
         if p.reason == "preempted":
             return [ctx.emit(JobPreempted(job_id=p.job_id, reason=Reason(
                 code="preempted", message=f"replica {p.replica} on {p.node_id} stopped to give its quota back")),
@@ -226,7 +249,7 @@ class GuardianCore(BaseCore[GuardianState]):
     def tick(self, state: GuardianState, ctx: Ctx) -> list[Envelope]:
         now = ctx.now.timestamp()
         out: list[Envelope] = []
-        for job_id, since in sorted(state.idle_since.items()):
+        for job_id, (since, idle_event) in sorted(state.idle_since.items()):
             tenant = state.tenants.get(job_id)
             policy = self.config.policy(tenant or "")
             if policy is None or job_id in state.ended or now - since < policy.idle_reclaim_after_s:
@@ -235,32 +258,44 @@ class GuardianCore(BaseCore[GuardianState]):
                 code="idle_reclaimed", message=(
                     f"idle {now - since:.0f}s after the warning (policy: reclaim after "
                     f"{policy.idle_reclaim_after_s:.0f}s): checkpoint, then release its GPUs"))),
-                tenant=tenant, key=f"reclaim:{job_id}:{state.attempt.get(job_id, 1)}"))
-        for job_id, (due, attempt, ex) in sorted(state.retry_at.items()):
+                tenant=tenant, cause_id=idle_event, key="reclaim"))
+        for job_id, (due, _attempt, ex, exit_event) in sorted(state.retry_at.items()):
             if due <= now and job_id not in state.ended:
                 out += self._resume(state, job_id, "crashed", f"replica {ex.replica} on {ex.node_id} exited with code "
-                                    f"{ex.exit_code}", ex, ctx, key=f"retry:{job_id}:{attempt}")
+                                    f"{ex.exit_code}", ex, ctx, key="retry", cause_id=exit_event)
         return out
 
     def _resume(self, state: GuardianState, job_id: str, code: str, what: str, ex: JobExited | None, ctx: Ctx,
-                key: str) -> list[Envelope]:
-        """Run the job again from its last checkpoint, or fail it when its retries are used up."""
+                key: str, cause_id: str | None = None) -> list[Envelope]:
+        """Run the job again from its last checkpoint, or fail it when its retries are used up.
+
+        A job that was asked to give its quota back meanwhile does so now: it resumes as preempted
+        (a training job, waiting for quota again) or ends preempted, whatever else happened."""
         budget = state.max_retries.get(job_id, 3)
         tenant = state.tenants.get(job_id)
         failures = state.failures.get(job_id, 0)
-        if failures >= budget:
+        if job_id in state.preempt_pending:
+            if job_id not in state.specs or job_id in state.reclaiming:
+                return [ctx.emit(JobPreempted(job_id=job_id, reason=Reason(
+                    code="idle_reclaimed" if job_id in state.reclaiming else "preempted",
+                    message=f"{what} while it was giving its quota back")), tenant=tenant, cause_id=cause_id,
+                    key="end" if ex else f"end:{job_id}")]
+            code, what = "preempted", f"{what} while it was giving its quota back"
+        elif failures >= budget:
             return [ctx.emit(JobFailed(job_id=job_id, reason=Reason(code="retries_exhausted", message=(
                 f"{what}, and its {budget} retries are used up")), exit_code=ex.exit_code if ex else None),
-                tenant=tenant, key="end" if ex else f"end:{job_id}")]
+                tenant=tenant, cause_id=cause_id, key="end" if ex else f"end:{job_id}")]
         ckpt = state.checkpoint.get(job_id)
         now = ctx.now.timestamp()
         started = state.started.get(job_id)
-        since = ckpt[1] if ckpt else (started[1] if started else now - (ex.runtime_s if ex else 0.0))
+        run_start = started[1] if started else now - (ex.runtime_s if ex else 0.0)
+        since = max(ckpt[1], run_start) if ckpt else run_start  # work of this run only, not time queued
+        retry = "" if code == "preempted" else f"retry {failures + 1} of {budget}, "
         return [ctx.emit(JobResumeRequested(
             job_id=job_id, checkpoint_uri=ckpt[0] if ckpt else None, lost_work_s=round(max(0.0, now - since), 3),
             reason=Reason(code=code, message=(
-                f"{what}; retry {failures + 1} of {budget}, "
-                + (f"from checkpoint {ckpt[0]}" if ckpt else "from the start")))), tenant=tenant, key=key)]
+                f"{what}; {retry}" + (f"from checkpoint {ckpt[0]}" if ckpt else "from the start")))),
+            tenant=tenant, cause_id=cause_id, key=key)]
 
     # ------------------------------------------------------------ checkpoints (the agent's observations)
 
@@ -296,8 +331,10 @@ class GuardianCore(BaseCore[GuardianState]):
                     job_id=job_id, uri=c.uri, step=c.step, size_bytes=c.size_bytes, sha256=c.sha256,
                     saved_at=utc(c.created_at) if c.created_at else None),
                     tenant=tenant, cause_id=started_id, key=f"ckpt:{c.step}"))
-        for s in newer_bad:
-            if (job_id, s.step) not in state.invalid_said and s.step > reported:
+        reported_good = state.good.get(job_id, {})
+        for s in scans:  # newer bad ones, and reported ones that went bad since (then not resumed from)
+            if s.checkpoint is None and (job_id, s.step) not in state.invalid_said and (
+                    s.step > reported or s.step in reported_good):
                 out.append(ctx.emit(JobCheckpointInvalid(
                     job_id=job_id, uri=s.path.resolve().as_uri(), step=s.step, reason=s.reason),
                     tenant=tenant, cause_id=started_id, key=f"invalid:{s.step}"))

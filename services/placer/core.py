@@ -341,6 +341,8 @@ class PlacerCore(BaseCore[PlacerState]):
             if p.reason.code == "preempted":
                 state.requota.add(job_id)
                 state.pending.pop(job_id, None)  # its quota is taken back: it waits for quota again
+                if state.reservation is not None and state.reservation.job_id == job_id:
+                    state.reservation = None
             # after a preemption the job waits for quota again (job.quota_reserved makes it pending);
             # after a failure it kept its quota and is placed again as soon as its old run is gone
             if not state.allocations.get(job_id) and p.reason.code != "preempted":
@@ -354,6 +356,7 @@ class PlacerCore(BaseCore[PlacerState]):
                 return state
             if t != "job.exited":
                 state.ended.add(job_id)
+                state.requota.discard(job_id)
                 state.specs.pop(job_id, None)
                 state.pending.pop(job_id, None)
                 state.unschedulable_said.pop(job_id, None)

@@ -254,7 +254,7 @@ class QuotaCore(BaseCore[QuotaState]):
                         for victim, why in victims:
                             out.append(ctx.emit(JobPreemptionRequested(
                                 job_id=victim, by_job_id=job.job_id, reason=why, grace_s=PREEMPT_GRACE_S,
-                            ), tenant=self._tenant(state, victim), cause_id=job.job_id, key=f"preempt:{victim}"))
+                            ), tenant=self._tenant(state, victim), cause_id=job.job_id, key=f"preempt:{victim}:{state.reserved_order.get(victim, 0)}"))
                         reason = Reason(code="preempting", message=(
                             f"waiting for {len(victims)} preempted job(s) to give back quota in queue {job.queue}"))
             if now - job.since_s >= starve_s and cohort not in blocked and (
