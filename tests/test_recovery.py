@@ -216,6 +216,9 @@ async def test_preempted_training_checkpoints_in_its_grace_and_resumes_later(
     assert exit1.runtime_s < 10  # type: ignore[union-attr]  # it stopped in its grace, once saved
     resume = (await of_type(bus, "job.resume_requested", low.job_id))[0]
     assert resume.payload.reason.code == "preempted"  # type: ignore[union-attr]
+    # it names the checkpoint saved in the grace (the executor looked as the run ended)
+    assert int(resume.payload.checkpoint_uri.rsplit("step-", 1)[1]) == resumed_from - 1  # type: ignore[union-attr]
+    assert exit1.checkpoint_step == resumed_from - 1  # type: ignore[union-attr]
     assert not await of_type(bus, "job.preempted", low.job_id)  # it did not end: it ran again
     placed = [e.payload for e in await of_type(bus, "job.placed", low.job_id)]
     assert [p.attempt for p in placed] == [1, 2]  # type: ignore[union-attr]
