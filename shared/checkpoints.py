@@ -87,12 +87,38 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+_VERIFIED: dict[Path, tuple[tuple[tuple[str, int, int], ...], Checkpoint | None, str]] = {}
+_VERIFIED_MAX = 4096
+
+
+def _signature(path: Path) -> tuple[tuple[str, int, int], ...]:
+    """Names, sizes and modification times of a checkpoint's files: unchanged, no need to hash again."""
+    out = []
+    for f in sorted(path.iterdir()):
+        st = f.stat()
+        out.append((f.name, st.st_size, st.st_mtime_ns))
+    return tuple(out)
+
+
 def verify(path: Path) -> tuple[Checkpoint | None, str]:
-    """(the checkpoint, "") if it is good, else (None, why). Never raises: a bad one is just bad."""
+    """(the checkpoint, "") if it is good, else (None, why). Never raises: a bad one is just bad.
+    A result is remembered while the files keep their sizes and times (hashing GBs every few
+    seconds would cost more than the job's own I/O)."""
     try:
-        return _verify(path)
-    except Exception as exc:  # noqa: BLE001 - any malformed manifest or unreadable file
+        sig = _signature(path)
+    except OSError as exc:
         return None, f"unreadable ({type(exc).__name__}: {exc})"[:300]
+    hit = _VERIFIED.get(path)
+    if hit is not None and hit[0] == sig:
+        return hit[1], hit[2]
+    try:
+        ckpt, reason = _verify(path)
+    except Exception as exc:  # noqa: BLE001 - any malformed manifest or unreadable file
+        ckpt, reason = None, f"unreadable ({type(exc).__name__}: {exc})"[:300]
+    if len(_VERIFIED) >= _VERIFIED_MAX:
+        _VERIFIED.clear()
+    _VERIFIED[path] = (sig, ckpt, reason)
+    return ckpt, reason
 
 
 def _verify(path: Path) -> tuple[Checkpoint | None, str]:

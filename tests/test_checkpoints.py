@@ -168,3 +168,14 @@ def test_stores_by_scheme(tmp_path: Path) -> None:
             return []
     checkpoints.register_store("mem", Memory)
     assert isinstance(checkpoints.store_for("mem://x"), Memory)
+
+
+def test_verification_is_remembered_until_a_file_changes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    c = checkpoint.save(1, state(1), where=tmp_path)
+    calls = []
+    real = checkpoints.sha256_file
+    monkeypatch.setattr(checkpoints, "sha256_file", lambda p: calls.append(p) or real(p))
+    assert checkpoints.verify(c.path)[0] is not None and calls == []  # known: not hashed again
+    (c.path / "weights.bin").write_bytes(b"\1" * 10240)  # same size, new bytes, new mtime
+    bad, reason = checkpoints.verify(c.path)
+    assert bad is None and reason == "weights.bin does not match its sha256" and calls
