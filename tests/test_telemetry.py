@@ -322,3 +322,29 @@ async def test_idle_jobs_are_warned_then_reclaimed_by_policy(bus: Bus, nats_url:
         assert not await of_type(bus, "job.preemption_requested", warned_only.job_id)
         assert await job_status(bus, warned_only.job_id or "") == "running"
         assert await job_status(bus, waking.job_id or "") == "running"
+
+
+async def test_a_gang_loses_one_node_and_runs_again_whole(bus: Bus, nats_url: str) -> None:
+    async with AsyncExitStack() as stack:
+        await stack.enter_async_context(running(nats_url, [AdmissionCore(), QuotaCore(), PlacerCore(), GuardianCore()]))
+        await stack.enter_async_context(telemetry(nats_url))
+        node_a = executor(nats_url, {"a": node("a")}, "a")
+        await node_a.__aenter__()
+        await stack.enter_async_context(executor(nats_url, {"b": node("b")}, "b"))
+        gang = submit_cmd({**spec(gpu=2, duration="3s"), "replicas": 2})
+        await bus.publish(gang)
+        await wait_for_type(bus, "job.started", gang.job_id, n=2)
+        await stack.enter_async_context(executor(nats_url, {"c": node("c")}, "c"))
+        await node_a.__aexit__(None, None, None)
+        placed = (await wait_for_type(bus, "job.placed", gang.job_id, n=2))[-1].payload
+        assert placed.attempt == 2  # type: ignore[union-attr]
+        assert sorted(a.node_id for a in placed.allocations) == ["b", "c"]  # type: ignore[union-attr]
+
+        async def done() -> bool:
+            return await job_status(bus, gang.job_id or "") == "succeeded"
+        await wait_until(done, timeout_s=20)
+    exits = sorted((e.payload.attempt, e.payload.node_id, e.payload.reason)  # type: ignore[union-attr]
+                   for e in await of_type(bus, "job.exited", gang.job_id))
+    # run 1: a lost, b's replica stopped for the resume; run 2: both complete
+    assert exits == [(1, "a", "node_lost"), (1, "b", "killed"), (2, "b", "completed"), (2, "c", "completed")]
+    assert len(await of_type(bus, "job.resume_requested", gang.job_id)) == 1
