@@ -306,6 +306,35 @@ def replay(data_dir: DataDir = None, as_json: JsonOut = False,
 
 
 @app.command()
+def audit(data_dir: DataDir = None, as_json: JsonOut = False,
+          grace: Annotated[float, typer.Option(help="seconds a waiting job may go untold (its answer in flight)")] = 10.0,
+          ) -> None:
+    """Check invariants over the whole log; name the first event that breaks each. Exit 1 if any breaks."""
+    from gpufleet.audit import INVARIANTS
+    from gpufleet.audit import audit as run_audit
+
+    config = _mesh_config(data_dir)
+    hist = _run(_with_fleet(data_dir, lambda f: f.history()))
+    report = run_audit(hist, config, pending_grace_s=grace)
+    if as_json:
+        _print_json(report.as_json())
+    else:
+        first = report.first()
+        for name in INVARIANTS:
+            v = first[name]
+            n = sum(1 for x in report.violations if x.invariant == name)
+            if v is None:
+                typer.echo(f"ok    {name}")
+            else:
+                typer.echo(f"FAIL  {name}: {n} violation(s); first at seq {v.seq} ({v.event_type} "
+                           f"{v.job_id or v.node_id or ''}): {v.message}")
+        typer.echo(f"{report.events} events to seq {report.head_seq}: "
+                   + ("every invariant holds" if report.ok else f"{len(report.violations)} violation(s)"))
+    if not report.ok:
+        raise typer.Exit(1)
+
+
+@app.command()
 def explain(job_id: str, data_dir: DataDir = None, as_json: JsonOut = False) -> None:
     """The job's timeline: each event with its sequence, time, actor and cause."""
     from gpufleet.sdk import job_filter

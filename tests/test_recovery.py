@@ -26,7 +26,7 @@ from gpufleet.services.placer.core import PlacerCore
 from gpufleet.services.quota.core import QuotaCore
 from gpufleet.shared.bus import Bus
 
-from .helpers import job_status, running, submit_cmd, wait_until
+from .helpers import job_status, read_log, running, submit_cmd, wait_until
 from .test_telemetry import node, of_type, telemetry, wait_for_type
 
 STEPS = 40
@@ -135,8 +135,6 @@ async def test_node_lost_mid_run_resumes_elsewhere_from_the_last_checkpoint(
     # `gpufleet explain` names the interruption and what resumed from where
     from gpufleet.shared.view import interruptions
 
-    from .helpers import read_log
-
     (it,) = interruptions([(s, e) for s, e in await read_log(bus) if e.job_id == job_id])
     assert (it.attempt, it.node_id, it.reason, it.next_node) == (1, "a", "node_lost", "b")
     assert it.checkpoint_uri == resume.checkpoint_uri and it.lost_work_s == resume.lost_work_s  # type: ignore[union-attr]
@@ -226,3 +224,7 @@ async def test_preempted_training_checkpoints_in_its_grace_and_resumes_later(
     high_end = (await of_type(bus, "job.succeeded", high.job_id))[0].occurred_at
     second = [e for e in await of_type(bus, "job.quota_reserved", low.job_id)][-1].occurred_at
     assert second >= high_end and request.occurred_at < high_end
+    from gpufleet.audit import audit
+
+    report = audit(await read_log(bus), config, pending_grace_s=0)  # and the log holds every invariant
+    assert report.ok, report.violations

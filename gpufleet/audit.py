@@ -1,0 +1,212 @@
+"""`gpufleet audit`: check invariants over the whole log, and name the first event that breaks each.
+
+A pure fold, independent of the services' own code paths (it keeps its own books), so a bug in
+a service shows up here instead of being agreed with:
+
+- gpu_capacity: no GPU holds more than 1000 milli-GPU (whole GPUs and shares), and no allocation
+  names a GPU its node does not have;
+- quota_limit: no queue goes over nominal + borrowingLimit, no cohort over its subtree quota +
+  borrowingLimit, no root over the quota it holds (the cluster config's tree);
+- pending_reason: every job submitted either ended, runs, or waits with a reason it was told
+  (`job.queued`, `job.unschedulable`, `job.rejected` ...) — checked at the head of the log;
+- lost_node: no job is placed or started on a node after it was lost (until it registers again);
+- preemption_request: every preemption (`job.preempted`, an exit `preempted`) follows a
+  `job.preemption_requested` for that job.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from gpufleet.services.quota.tree import QuotaTree
+from gpufleet.shared.clusterconfig import ClusterConfig
+from gpufleet.shared.events import (
+    Envelope,
+    JobExited,
+    JobPlaced,
+    JobQuotaReserved,
+    JobResumeRequested,
+    JobStarted,
+    JobSubmitted,
+    NodeLost,
+    NodeRegistered,
+    ReplicaAllocation,
+)
+
+MILLI = 1000
+INVARIANTS = ("gpu_capacity", "quota_limit", "pending_reason", "lost_node", "preemption_request")
+ENDED = frozenset({"job.succeeded", "job.failed", "job.cancelled", "job.preempted", "job.rejected"})
+TOLD = frozenset({"job.queued", "job.unschedulable", "job.backfill_reserved", "job.rejected"})
+
+
+@dataclass
+class Violation:
+    invariant: str
+    seq: int
+    event_id: str
+    event_type: str
+    message: str
+    job_id: str | None = None
+    node_id: str | None = None
+
+
+@dataclass
+class _Books:
+    gpus: dict[str, set[int]] = field(default_factory=dict)  # node -> its whole-GPU indices
+    used: dict[tuple[str, int], int] = field(default_factory=dict)  # (node, gpu) -> milli held
+    held: dict[tuple[str, int], tuple[int, ReplicaAllocation]] = field(default_factory=dict)  # (job, replica)
+    lost: set[str] = field(default_factory=set)
+    reserved: dict[str, tuple[str, dict[str, int]]] = field(default_factory=dict)  # job -> (queue, demand)
+    usage: dict[str, dict[str, int]] = field(default_factory=dict)  # queue -> resource -> amount
+    asked_to_stop: set[str] = field(default_factory=set)
+    last: dict[str, tuple[int, Envelope]] = field(default_factory=dict)  # job -> its latest state event
+    told_since: dict[str, bool] = field(default_factory=dict)  # job -> a reason after its latest state
+
+
+@dataclass
+class Report:
+    events: int = 0
+    head_seq: int = 0
+    violations: list[Violation] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+    def first(self) -> dict[str, Violation | None]:
+        return {name: next((v for v in self.violations if v.invariant == name), None) for name in INVARIANTS}
+
+    def as_json(self) -> dict[str, Any]:
+        first = self.first()
+        return {"ok": self.ok, "events": self.events, "head_seq": self.head_seq,
+                "invariants": {name: {"ok": first[name] is None,
+                                      "violations": sum(1 for v in self.violations if v.invariant == name),
+                                      "first": asdict(v) if (v := first[name]) is not None else None}
+                               for name in INVARIANTS}}
+
+
+def audit(history: Iterable[tuple[int, Envelope]], config: ClusterConfig | None = None,
+          pending_grace_s: float = 10.0) -> Report:
+    """Fold the log once and report every broken invariant (the first of each is what to read)."""
+    tree = QuotaTree(config or ClusterConfig())
+    b = _Books()
+    rep = Report()
+    head_at = 0.0
+
+    def bad(name: str, seq: int, env: Envelope, message: str, node: str | None = None) -> None:
+        rep.violations.append(Violation(name, seq, env.event_id, env.type, message, env.job_id, node))
+
+    for seq, env in history:
+        rep.events += 1
+        rep.head_seq = max(rep.head_seq, seq)
+        head_at = max(head_at, env.occurred_at.timestamp())
+        p = env.payload
+        job = env.job_id
+        if isinstance(p, NodeRegistered):
+            b.gpus[p.node_id] = {g.index for g in p.inventory.gpus if not g.mig_enabled}
+            b.lost.discard(p.node_id)
+        elif isinstance(p, NodeLost):
+            b.lost.add(p.node_id)
+        elif isinstance(p, JobPlaced):
+            for a in p.allocations:
+                if a.node_id in b.lost:
+                    bad("lost_node", seq, env, f"replica {a.replica} placed on {a.node_id}, which was lost", a.node_id)
+                for g in a.gpu_indices:
+                    if a.node_id in b.gpus and g not in b.gpus[a.node_id]:
+                        bad("gpu_capacity", seq, env, f"GPU {g} of {a.node_id} does not exist", a.node_id)
+                    key = (a.node_id, g)
+                    b.used[key] = b.used.get(key, 0) + a.gpu_milli
+                    if b.used[key] > MILLI:
+                        bad("gpu_capacity", seq, env, f"GPU {g} of {a.node_id} holds {b.used[key]} milli-GPU "
+                            f"(more than {MILLI})", a.node_id)
+                b.held[(p.job_id, a.replica)] = (p.attempt, a)
+        elif isinstance(p, JobStarted):
+            if p.node_id in b.lost:
+                bad("lost_node", seq, env, f"started on {p.node_id}, which was lost", p.node_id)
+        elif isinstance(p, JobExited):
+            got = b.held.get((p.job_id, p.replica))
+            if got is not None and got[0] == p.attempt:
+                _free(b, p.job_id, p.replica)
+            if p.reason == "preempted" and p.job_id not in b.asked_to_stop:
+                bad("preemption_request", seq, env, "exited as preempted without a preemption request")
+        elif isinstance(p, JobQuotaReserved):
+            d = {"cpu": p.cpu_milli, "memory": p.memory_mib, "gpu": p.gpus}
+            if p.flavor and p.gpus:
+                d[f"gpu/{p.flavor}"] = p.gpus
+            for profile, n in p.mig.items():
+                d[f"mig/{profile}"] = n
+            _unreserve(b, p.job_id)
+            b.reserved[p.job_id] = (p.queue, d)
+            use = b.usage.setdefault(p.queue, {})
+            for r, v in d.items():
+                use[r] = use.get(r, 0) + v
+            for message in _over_quota(tree, b, p.queue):
+                bad("quota_limit", seq, env, message)
+        elif env.type == "job.preemption_requested" and job:
+            b.asked_to_stop.add(job)
+        elif isinstance(p, JobResumeRequested):
+            if p.reason.code == "preempted":
+                _unreserve(b, p.job_id)
+        if env.type == "job.preempted" and job and job not in b.asked_to_stop:
+            bad("preemption_request", seq, env, "preempted without a preemption request")
+        if env.type in ENDED and job:
+            _unreserve(b, job)
+            for held_job, replica in [k for k in b.held if k[0] == job]:
+                _free(b, held_job, replica)
+        if job is not None and env.type.startswith("job."):
+            if env.type in TOLD:
+                b.told_since[job] = True
+            elif isinstance(p, JobSubmitted) or env.type in (
+                    "job.admitted", "job.quota_reserved", "job.placed", "job.started", "job.resume_requested",
+                    "job.exited") or env.type in ENDED:
+                b.last[job] = (seq, env)
+                b.told_since[job] = False
+    for job, (seq, env) in sorted(b.last.items(), key=lambda kv: kv[1][0]):
+        if env.type in ENDED or env.type in ("job.placed", "job.started", "job.exited") or b.told_since.get(job):
+            continue  # ended, running, or just ended a run (the guardian decides what follows)
+        if head_at - env.occurred_at.timestamp() < pending_grace_s:
+            continue  # just happened: its answer may be on its way
+        bad("pending_reason", seq, env, f"waiting since {env.type} (seq {seq}) and never told why")
+    rep.violations.sort(key=lambda v: v.seq)
+    return rep
+
+
+def _free(b: _Books, job: str, replica: int) -> None:
+    _, a = b.held.pop((job, replica))
+    for g in a.gpu_indices:
+        key = (a.node_id, g)
+        b.used[key] = b.used.get(key, 0) - a.gpu_milli
+
+
+def _unreserve(b: _Books, job: str) -> None:
+    held = b.reserved.pop(job, None)
+    if held is not None:
+        use = b.usage.setdefault(held[0], {})
+        for r, v in held[1].items():
+            use[r] = use.get(r, 0) - v
+
+
+def _over_quota(tree: QuotaTree, b: _Books, queue: str) -> list[str]:
+    key = f"queue:{queue}"
+    if key not in tree.nodes:
+        return []
+
+    def used(q: str, r: str) -> int:
+        return b.usage.get(q, {}).get(r, 0)
+
+    out = []
+    for node_key in tree.path(key):
+        node = tree.nodes[node_key]
+        for r in sorted(tree.limited(queue)):
+            u = tree.usage(node_key, r, used)
+            if node.parent is None:
+                cap = tree.subtree(node_key, r)
+                if u > cap:
+                    out.append(f"{node.label} uses {u} {r}, over the {cap} it holds")
+            elif r in node.borrowing_limit:
+                cap = tree.subtree(node_key, r) + node.borrowing_limit[r]
+                if u > cap:
+                    out.append(f"{node.label} uses {u} {r}, over its quota + borrowing limit ({cap})")
+    return out

@@ -1,0 +1,121 @@
+"""`gpufleet audit`: a healthy log passes; each broken invariant is caught at its first event."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gpufleet.audit import audit
+from gpufleet.shared.bus import Bus
+from gpufleet.shared.clusterconfig import parse_config
+from gpufleet.shared.events import (
+    Envelope,
+    JobAdmitted,
+    JobExited,
+    JobPreempted,
+    JobQueued,
+    JobQuotaReserved,
+    JobStarted,
+    NodeLost,
+    NodeRegistered,
+    Reason,
+)
+
+from .helpers import read_log, running, submit_cmd, wait_until
+from .test_node_cores import INV, NODE, T0, ev, placed, submitted
+from .test_telemetry import executor, node, telemetry, wait_for_type
+
+
+def log(*envs: Envelope) -> list[tuple[int, Envelope]]:
+    return list(enumerate(envs, start=1))
+
+
+def reserved(job: str, queue: str = "a", gpus: int = 1, at: float = T0) -> Envelope:
+    return ev(JobQuotaReserved(job_id=job, queue=queue, cpu_milli=1000, memory_mib=1024, gpus=gpus), at=at)
+
+
+def firsts(report: Any) -> dict[str, tuple[int, str] | None]:
+    return {k: (v.seq, v.message) if v else None for k, v in report.first().items()}
+
+
+def test_a_gpu_given_twice_is_caught_at_the_second_placement() -> None:
+    report = audit(log(ev(NodeRegistered(node_id=NODE, inventory=INV)), submitted("j1"), placed("j1", gpus=(0,)),
+                       submitted("j2"), placed("j2", gpus=(0,)), placed("j3", gpus=(7,))))
+    f = firsts(report)
+    assert f["gpu_capacity"] == (5, "GPU 0 of n0 holds 2000 milli-GPU (more than 1000)")
+    assert [v.seq for v in report.violations if v.invariant == "gpu_capacity"] == [5, 6]  # GPU 7 does not exist
+    # once the first is gone, the GPU may be given again
+    ok = audit(log(ev(NodeRegistered(node_id=NODE, inventory=INV)), placed("j1", gpus=(0,)),
+                   ev(JobExited(job_id="j1", node_id=NODE, exit_code=0)), placed("j2", gpus=(0,))))
+    assert ok.first()["gpu_capacity"] is None
+
+
+def test_a_late_exit_of_an_earlier_run_frees_nothing() -> None:
+    report = audit(log(ev(NodeRegistered(node_id=NODE, inventory=INV)), placed("j", gpus=(0,), attempt=2),
+                       ev(JobExited(job_id="j", node_id=NODE, exit_code=0, attempt=1)), placed("k", gpus=(0,))))
+    assert firsts(report)["gpu_capacity"] == (4, "GPU 0 of n0 holds 2000 milli-GPU (more than 1000)")
+
+
+def test_work_on_a_lost_node_and_preemption_without_request() -> None:
+    report = audit(log(ev(NodeRegistered(node_id=NODE, inventory=INV)), ev(NodeLost(node_id=NODE)),
+                       placed("j"), ev(JobStarted(job_id="j", node_id=NODE)),
+                       ev(JobPreempted(job_id="k", reason=Reason(code="x", message="y")))))
+    f = firsts(report)
+    assert f["lost_node"] == (3, "replica 0 placed on n0, which was lost")
+    assert f["preemption_request"] == (5, "preempted without a preemption request")
+    back = audit(log(ev(NodeRegistered(node_id=NODE, inventory=INV)), ev(NodeLost(node_id=NODE)),
+                     ev(NodeRegistered(node_id=NODE, inventory=INV)), placed("j")))
+    assert back.first()["lost_node"] is None
+
+
+def test_quota_over_a_queue_or_cohort_limit() -> None:
+    config = parse_config({"cohorts": {"c": {}},  # the cohort holds what its queues bring: 2 + 2
+                           "queues": {"a": {"cohort": "c", "nominal": {"gpu": 2}, "borrowingLimit": {"gpu": 1}},
+                                      "b": {"cohort": "c", "nominal": {"gpu": 2}}}})
+    fine = audit(log(reserved("j1", gpus=3)), config)
+    assert fine.first()["quota_limit"] is None  # 2 + borrowing 1
+    report = audit(log(reserved("j1", gpus=3), reserved("j2", gpus=1)), config)
+    assert firsts(report)["quota_limit"] == (2, "queue a uses 4 gpu, over its quota + borrowing limit (3)")
+    root = audit(log(reserved("j1", gpus=3), reserved("j2", "b", gpus=2)), config)
+    assert firsts(root)["quota_limit"] == (2, "cohort c uses 5 gpu, over the 4 it holds")
+
+
+def test_a_waiting_job_must_have_been_told_why() -> None:
+    waiting = log(submitted("j"), ev(JobAdmitted(job_id="j")), ev(JobAdmitted(job_id="x"), at=T0 + 60))
+    report = audit(waiting)
+    assert firsts(report)["pending_reason"] == (2, "waiting since job.admitted (seq 2) and never told why")
+    told = audit(log(*[e for _, e in waiting], ev(JobQueued(job_id="j", queue="a", reason=Reason(
+        code="queue_limit", message="full")), at=T0 + 1)))
+    assert told.first()["pending_reason"] is None
+    # admitted 2 s before the head of the log: its answer may still be in flight
+    recent = audit(log(submitted("j"), ev(JobAdmitted(job_id="j"), at=T0 + 58), ev(JobAdmitted(job_id="x"), at=T0 + 60)))
+    assert recent.first()["pending_reason"] is None
+
+
+async def test_a_real_mesh_log_passes(bus: Bus, nats_url: str) -> None:
+    from gpufleet.services.admission.core import AdmissionCore
+    from gpufleet.services.guardian.core import GuardianCore
+    from gpufleet.services.placer.core import PlacerCore
+    from gpufleet.services.quota.core import QuotaCore
+
+    config = parse_config({"queues": {"research": {"nominal": {"gpu": 2}}}})
+    async with running(nats_url, [AdmissionCore(config), QuotaCore(config), PlacerCore(config), GuardianCore(config)]):
+        async with telemetry(nats_url):
+            node_a = executor(nats_url, {"a": node("a")}, "a")
+            await node_a.__aenter__()
+            async with executor(nats_url, {"b": node("b")}, "b"):
+                jobs = [submit_cmd({"name": f"j{i}", "tenant": "acme", "queue": "research", "priority": i,
+                                    "type": "training", "resources": {"gpu": 1}, "sim": {"duration": "1s"}})
+                        for i in range(4)]
+                for j in jobs:
+                    await bus.publish(j)
+                await wait_for_type(bus, "job.started", n=2)
+                await node_a.__aexit__(None, None, None)  # a node lost mid-run
+                await wait_for_type(bus, "node.lost")
+
+                async def settled() -> bool:
+                    ends = [e for _, e in await read_log(bus) if e.type in ("job.succeeded", "job.failed")]
+                    return len(ends) == 4
+                await wait_until(settled, timeout_s=30)
+    report = audit(await read_log(bus), config, pending_grace_s=0)
+    assert report.ok, report.violations
+    assert report.events > 40
