@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import sys
+import time
 from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
@@ -273,12 +274,16 @@ def watch(data_dir: DataDir = None, as_json: JsonOut = False,
           tenant: Annotated[str | None, typer.Option()] = None,
           job: Annotated[str | None, typer.Option()] = None,
           type_: Annotated[str | None, typer.Option("--type", help="event type, e.g. placed or job.placed")] = None,
-          from_start: Annotated[bool, typer.Option("--from-start")] = False) -> None:
+          from_start: Annotated[bool, typer.Option("--from-start")] = False,
+          since: Annotated[str | None, typer.Option(help="from this time on: 10m (ago), or an ISO time")] = None,
+          ) -> None:
     """Live tail of the log, filtered; one JSON object per line with --json."""
     from gpufleet.sdk import job_filter
 
+    start = _parse_time(since) if since else None
+
     async def go(fleet: Any) -> None:
-        async for seq, env in fleet.watch(job_filter(tenant, job, type_), from_start=from_start):
+        async for seq, env in fleet.watch(job_filter(tenant, job, type_), from_start=from_start, since=start):
             _echo_event(seq, env, as_json)
 
     try:
@@ -289,9 +294,12 @@ def watch(data_dir: DataDir = None, as_json: JsonOut = False,
 
 @app.command()
 def replay(data_dir: DataDir = None, as_json: JsonOut = False,
-           seq: Annotated[int | None, typer.Option("--seq", help="fold up to this sequence")] = None) -> None:
-    """Fold the log (to the head or --seq) and print the cluster state it gives."""
-    view = _run(_with_fleet(data_dir, lambda f: f.fold(until_seq=seq)))
+           seq: Annotated[int | None, typer.Option("--seq", help="fold up to this sequence")] = None,
+           until: Annotated[str | None, typer.Option(help="the state at this time: 10m (ago), or an ISO time")] = None,
+           ) -> None:
+    """Fold the log (to the head, --seq or --until) and print the cluster state it gives."""
+    at = _parse_time(until) if until else None
+    view = _run(_with_fleet(data_dir, lambda f: f.fold(until_seq=seq, until_time=at)))
     doc = view.as_json()
     if as_json:
         _print_json(doc)
@@ -303,6 +311,24 @@ def replay(data_dir: DataDir = None, as_json: JsonOut = False,
     used = sum(n["gpus_allocated"] for n in doc["nodes"])
     typer.echo(f"state at seq {doc['seq']}: {len(doc['jobs'])} jobs {by_status}, {len(doc['nodes'])} nodes, "
                f"GPUs {used}/{gpus} allocated")
+
+
+def _parse_time(text: str) -> float:
+    """'10m' / '2h' / '30s' ago, or an ISO 8601 time (UTC when it names no zone) -> unix seconds."""
+    from datetime import UTC, datetime
+
+    from gpufleet.shared.spec import parse_duration_s
+
+    try:
+        return time.time() - parse_duration_s(text)
+    except (ValueError, TypeError):
+        pass
+    try:
+        t = datetime.fromisoformat(text)
+    except ValueError:
+        typer.echo(f"error: {text!r} is neither a duration (10m) nor an ISO time (2026-11-30T05:00:00)", err=True)
+        raise typer.Exit(2) from None
+    return (t if t.tzinfo else t.replace(tzinfo=UTC)).timestamp()
 
 
 @app.command()

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 from types import TracebackType
 from typing import Any
 
-from nats.js.api import DeliverPolicy
+from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from gpufleet.shared.bus import Bus
 from gpufleet.shared.config import resolve_nats_url
@@ -87,17 +87,23 @@ class Fleet:
         )
         await self.bus.publish(env)
 
-    async def fold(self, until_seq: int | None = None) -> ClusterView:
-        """The cluster state after `until_seq` (default: the head), folded from the log."""
+    async def fold(self, until_seq: int | None = None, until_time: float | None = None) -> ClusterView:
+        """The cluster state after `until_seq` (default: the head), or as it was at `until_time`
+        (the last event that occurred by then), folded from the log."""
         view = ClusterView()
+        last = 0
         async for batch in read_stream(self.bus, ("fleet.evt.>",), until_seq=until_seq):
             for msg in batch:
                 try:
                     env = parse_envelope(msg.data)
                 except Exception:  # noqa: BLE001 - dead letters are the services' business
                     continue
-                apply(view, env, msg.metadata.sequence.stream)
-        view.seq = max(view.seq, until_seq or await self.bus.last_seq())
+                if until_time is not None and env.occurred_at.timestamp() > until_time:
+                    view.seq = max(view.seq, last)
+                    return view
+                last = msg.metadata.sequence.stream
+                apply(view, env, last)
+        view.seq = max(view.seq, until_seq or (last if until_time is not None else await self.bus.last_seq()))
         return view
 
     async def history(self, subject: str = "fleet.>") -> list[tuple[int, Envelope]]:
@@ -111,13 +117,19 @@ class Fleet:
         return out
 
     async def watch(self, subject: str = "fleet.>", from_start: bool = False,
-                    until_terminal: str | None = None) -> AsyncIterator[tuple[int, Envelope]]:
-        """Live events on `subject` (an ordered consumer); stops after the terminal event of
-        job `until_terminal` if given."""
-        sub = await self.bus.js.subscribe(
-            subject, ordered_consumer=True,
-            deliver_policy=DeliverPolicy.ALL if from_start else DeliverPolicy.NEW,
-        )
+                    until_terminal: str | None = None, since: float | None = None,
+                    ) -> AsyncIterator[tuple[int, Envelope]]:
+        """Live events on `subject` (an ordered consumer), new ones, all (`from_start`) or those
+        stored since the unix time `since`; stops after the terminal event of job `until_terminal`."""
+        if since is not None:
+            sub = await self.bus.js.subscribe(
+                subject, ordered_consumer=True, deliver_policy=DeliverPolicy.BY_START_TIME,
+                config=ConsumerConfig(opt_start_time=utc(since)))
+        else:
+            sub = await self.bus.js.subscribe(
+                subject, ordered_consumer=True,
+                deliver_policy=DeliverPolicy.ALL if from_start else DeliverPolicy.NEW,
+            )
         try:
             async for msg in sub.messages:
                 try:
