@@ -1,0 +1,351 @@
+"""`gpufleet sim SCENARIO.yaml --seed S`: the whole mesh, deterministic, in one process.
+
+The real service cores (admission, quota, placer, executor with the sim driver, guardian,
+telemetry's lease and facts) run against a simulated clock and an in-memory log. Every event is
+appended with a sequence number, delivered in order to each core whose subjects match, and
+decided as the runtime does (own outputs folded at once; ids derived from causes; duplicates
+dropped by event id, as JetStream does). Time jumps from one thing that can happen to the next.
+Same scenario and seed: the same log, byte for byte (the report prints its sha256).
+
+Scenario (YAML; examples/sim/):
+
+    seed: 7                      # default seed (the command line's --seed wins)
+    until: 4h                    # stop when the clock reaches this (default: when all jobs ended)
+    config: {...}                # the cluster config (tenants, queues, placement), as docs/config.md
+    nodes: [{shape: h100x8, count: 12, prefix: h}]
+    jobs:                        # submits; `count` repeats one, `every` spaces the repeats
+      - {at: 0s, name: gang, spec: {replicas: 8, resources: {gpu: 8}, sim: {duration: 2h}}}
+      - {at: 1m, name: small, count: 40, every: 2m, spec: {resources: {gpu: 8}, sim: {duration: 20m}},
+         jitter: 0.2}            # duration x uniform(1 - j, 1 + j), from the seed
+    faults:
+      - {at: 30m, node_lost: h03}          # its executor goes silent: telemetry's lease does the rest
+      - {at: 40m, gpu_unhealthy: {node: h04, gpu: 2, reason: XID 79}}
+      - {at: 50m, zombie: {node: h05, gpu: 1, pid: 4242, used_mib: 4096}}
+      - {at: 60m, restart: placer}         # the service folds the log again, as after a crash
+      - {at: 70m, duplicate: job.placed}   # the next such event is delivered twice to everyone
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import statistics
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from gpufleet.audit import audit
+from gpufleet.services.admission.core import AdmissionCore
+from gpufleet.services.executor.core import ExecutorCore
+from gpufleet.services.guardian.core import GuardianCore
+from gpufleet.services.placer.core import PlacerCore
+from gpufleet.services.quota.core import QuotaCore
+from gpufleet.services.telemetry.core import Rules, TelemetryCore
+from gpufleet.shared.cluster import SHAPES, shape_inventory
+from gpufleet.shared.clusterconfig import ClusterConfig, parse_config
+from gpufleet.shared.events import (
+    SYS_TENANT,
+    TERMINAL_JOB_TYPES,
+    Envelope,
+    NodeGpuUnhealthy,
+    NodeGpuZombieDetected,
+    NodeInventory,
+    SubmitRequested,
+    utc,
+)
+from gpufleet.shared.ids import derive_id
+from gpufleet.shared.runtime import Core, Ctx
+from gpufleet.shared.spec import parse_duration_s
+from gpufleet.shared.subjects import SubjectFilter
+
+EPOCH = datetime(2026, 1, 1, tzinfo=UTC).timestamp()
+MAX_STEPS = 2_000_000
+
+
+class ScenarioError(ValueError):
+    pass
+
+
+@dataclass
+class Submit:
+    at: float
+    job_id: str
+    tenant: str
+    spec: dict[str, Any]
+
+
+@dataclass
+class Fault:
+    at: float
+    kind: str
+    arg: Any
+
+
+@dataclass
+class Scenario:
+    nodes: dict[str, NodeInventory]
+    submits: list[Submit]
+    faults: list[Fault]
+    config: ClusterConfig
+    until: float | None
+    seed: int
+
+
+def _dur(v: Any, where: str) -> float:
+    try:
+        return parse_duration_s(v)
+    except (ValueError, TypeError) as exc:
+        raise ScenarioError(f"{where}: {exc}") from None
+
+
+def load_scenario(doc: dict[str, Any], seed: int | None = None) -> Scenario:
+    if not isinstance(doc, dict):
+        raise ScenarioError("a scenario is a mapping (nodes, jobs, faults ...)")
+    seed = int(doc.get("seed", 0)) if seed is None else seed
+    rng = random.Random(seed)
+    config = parse_config(doc.get("config") or {})
+    nodes: dict[str, NodeInventory] = {}
+    for i, group in enumerate(doc.get("nodes") or []):
+        shape = group.get("shape", "h100x8")
+        if shape not in SHAPES:
+            raise ScenarioError(f"nodes[{i}].shape: unknown {shape!r} (one of {', '.join(SHAPES)})")
+        prefix = group.get("prefix", shape.split("x")[0])
+        for k in range(int(group.get("count", 1))):
+            node_id = f"{prefix}{k:02d}"
+            if node_id in nodes:
+                raise ScenarioError(f"nodes[{i}]: node {node_id} twice (give each group its own prefix)")
+            nodes[node_id] = shape_inventory(shape, node_id, rack=group.get("rack", f"rack-{i}"))
+    if not nodes:
+        raise ScenarioError("nodes: at least one group of nodes")
+    submits: list[Submit] = []
+    for i, job in enumerate(doc.get("jobs") or []):
+        at = _dur(job.get("at", 0), f"jobs[{i}].at")
+        every = _dur(job.get("every", 0), f"jobs[{i}].every")
+        jitter = float(job.get("jitter", 0.0))
+        for k in range(int(job.get("count", 1))):
+            spec = json.loads(json.dumps(job.get("spec") or {}))
+            name = str(job.get("name", f"job{i}"))
+            spec.setdefault("name", name)
+            spec.setdefault("tenant", job.get("tenant", "acme"))
+            sim = spec.setdefault("sim", {})
+            if jitter:
+                base = _dur(sim.get("duration", "10s"), f"jobs[{i}].spec.sim.duration")
+                sim["duration"] = round(base * rng.uniform(1 - jitter, 1 + jitter), 3)
+            job_id = f"{name}-{k:04d}" if int(job.get("count", 1)) > 1 else name
+            submits.append(Submit(at + k * every, job_id, spec["tenant"], spec))
+    faults = []
+    for i, f in enumerate(doc.get("faults") or []):
+        kinds = [k for k in ("node_lost", "gpu_unhealthy", "zombie", "restart", "duplicate") if k in f]
+        if len(kinds) != 1:
+            raise ScenarioError(f"faults[{i}]: one of node_lost, gpu_unhealthy, zombie, restart, duplicate")
+        faults.append(Fault(_dur(f.get("at", 0), f"faults[{i}].at"), kinds[0], f[kinds[0]]))
+    until = _dur(doc["until"], "until") if "until" in doc else None
+    return Scenario(nodes, sorted(submits, key=lambda s: (s.at, s.job_id)), sorted(faults, key=lambda f: f.at),
+                    config, until, seed)
+
+
+@dataclass
+class _Member:
+    core: Core[Any]
+    interest: SubjectFilter
+    state: Any = None
+    delivered: int = 0  # log index up to which it has seen
+    own: set[str] = field(default_factory=set)
+    next_tick: float = 0.0
+
+
+class Simulation:
+    def __init__(self, scenario: Scenario, lease_s: float = 30.0) -> None:
+        self.sc = scenario
+        self.now = EPOCH
+        self.log: list[Envelope] = []
+        self.ids: set[str] = set()
+        self.dead: set[str] = set()
+        self.duplicate_next: set[str] = set()
+        self.rules = Rules(lease_s=lease_s)
+        self.telemetry = TelemetryCore(self.rules)
+        cfg = scenario.config
+        cores: list[Core[Any]] = [AdmissionCore(cfg), QuotaCore(cfg), PlacerCore(cfg), ExecutorCore(scenario.nodes),
+                                  GuardianCore(cfg), self.telemetry]
+        self.members = [_Member(c, SubjectFilter(c.subjects), c.initial_state()) for c in cores]
+        self.last_seen: dict[str, float] = {}
+
+    # ------------------------------------------------------------ the log
+
+    def ctx(self, actor: str, cause: Envelope | None = None) -> Ctx:
+        return Ctx(now=utc(self.now), actor=f"{actor}/sim", cause=cause)
+
+    def append(self, envs: list[Envelope], member: _Member | None = None) -> None:
+        for env in envs:
+            if env.subject().startswith("fleet.tel."):
+                continue  # samples and heartbeats are not in the main log
+            node = getattr(env.payload, "node_id", None)
+            if member is not None and member.core.name == "executor" and node in self.dead:
+                continue  # that node's executor is gone with it
+            if env.event_id in self.ids:
+                continue  # the server's duplicate window
+            self.ids.add(env.event_id)
+            self.log.append(env)
+            if member is not None and member.interest(env.subject()):
+                member.state = member.core.evolve(member.state, env)
+                member.own.add(env.event_id)
+
+    def deliver(self) -> int:
+        """Every member catches up with the log, in order, until nothing new is decided."""
+        n = 0
+        progress = True
+        while progress:
+            progress = False
+            for m in self.members:
+                while m.delivered < len(self.log):
+                    env = self.log[m.delivered]
+                    m.delivered += 1
+                    if not m.interest(env.subject()):
+                        continue
+                    times = 2 if env.type in self.duplicate_next else 1
+                    for _ in range(times):
+                        if env.event_id in m.own:
+                            m.own.discard(env.event_id)
+                        else:
+                            m.state = m.core.evolve(m.state, env)
+                        outs = m.core.decide(m.state, env, self.ctx(m.core.name, env))
+                        self.append(outs, m)
+                    n += 1
+                    progress = True
+        return n
+
+    def tick(self) -> None:
+        for m in self.members:
+            if m.core.tick_s is not None and self.now >= m.next_tick:
+                m.next_tick = self.now + m.core.tick_s
+                self.append(m.core.tick(m.state, self.ctx(m.core.name)), m)
+        for node in self.sc.nodes:
+            if node not in self.dead:
+                self.last_seen[node] = self.now
+        tel = next(m for m in self.members if m.core is self.telemetry)
+        self.append(self.telemetry.check_leases(tel.state, self.last_seen, self.now, self.ctx("telemetry")), tel)
+
+    # ------------------------------------------------------------ faults
+
+    def fault(self, f: Fault) -> None:
+        ctx = self.ctx("sim")
+        if f.kind == "node_lost":
+            if f.arg not in self.sc.nodes:
+                raise ScenarioError(f"fault node_lost: no node {f.arg!r}")
+            self.dead.add(str(f.arg))
+        elif f.kind == "gpu_unhealthy":
+            self.append([ctx.emit(NodeGpuUnhealthy(node_id=f.arg["node"], gpu_index=int(f.arg["gpu"]),
+                                                   reason=str(f.arg.get("reason", "XID 79"))),
+                                  tenant=SYS_TENANT, key=f"fault:{f.at}:{f.kind}")])
+        elif f.kind == "zombie":
+            self.append([ctx.emit(NodeGpuZombieDetected(
+                node_id=f.arg["node"], gpu_index=int(f.arg["gpu"]), pid=int(f.arg.get("pid", 4242)),
+                used_mib=int(f.arg.get("used_mib", 4096))), tenant=SYS_TENANT, key=f"fault:{f.at}:{f.kind}")])
+        elif f.kind == "restart":
+            m = next((m for m in self.members if m.core.name == f.arg), None)
+            if m is None:
+                raise ScenarioError(f"fault restart: no service {f.arg!r}")
+            m.state = m.core.initial_state()  # fold the log again, then decide as after a crash
+            m.own.clear()
+            for env in self.log[:m.delivered]:
+                if m.interest(env.subject()):
+                    m.state = m.core.evolve(m.state, env)
+            self.append(m.core.on_start(m.state, self.ctx(m.core.name)), m)
+        elif f.kind == "duplicate":
+            self.duplicate_next.add(str(f.arg))
+
+    # ------------------------------------------------------------ the loop
+
+    def run(self) -> None:
+        for m in self.members:
+            self.append(m.core.on_start(m.state, self.ctx(m.core.name)), m)
+        submits, faults = list(self.sc.submits), list(self.sc.faults)
+        end = EPOCH + self.sc.until if self.sc.until is not None else None
+        for _ in range(MAX_STEPS):
+            while submits and EPOCH + submits[0].at <= self.now:
+                s = submits.pop(0)
+                self.append([Envelope(event_id=derive_id(f"sim:{self.sc.seed}:{s.job_id}", "submit",
+                                                         time_ms=int(self.now * 1000)),
+                                      type="cmd.submit", occurred_at=utc(self.now), tenant=s.tenant, actor="sim",
+                                      correlation_id=s.job_id, payload=SubmitRequested(job_id=s.job_id, spec=s.spec))])
+            while faults and EPOCH + faults[0].at <= self.now:
+                self.fault(faults.pop(0))
+            self.deliver()
+            self.tick()
+            self.deliver()
+            self.duplicate_next.clear()
+            if end is not None and self.now >= end:
+                return
+            if end is None and not submits and not faults and self.all_ended():
+                return
+            self.now = round(self.now + 1.0, 3)  # the cores' ticks are 0.2-1 s: a second is their grain
+        raise ScenarioError(f"the simulation did not settle in {MAX_STEPS} steps")
+
+    def all_ended(self) -> bool:
+        jobs = {e.job_id for e in self.log if e.type == "job.submitted"}
+        done = {e.job_id for e in self.log if e.type in TERMINAL_JOB_TYPES or e.type == "job.preempted"}
+        return bool(jobs) and jobs <= done
+
+    # ------------------------------------------------------------ what it did
+
+    def log_bytes(self) -> bytes:
+        return b"".join(e.to_json() + b"\n" for e in self.log)
+
+    def report(self) -> dict[str, Any]:
+        first_submit: dict[str, float] = {}
+        first_place: dict[str, float] = {}
+        status: dict[str, str] = {}
+        alloc_gpu_s = 0.0
+        running_gpus: dict[tuple[str, int], tuple[float, int]] = {}
+        for e in self.log:
+            t = e.occurred_at.timestamp()
+            j = e.job_id
+            if j is None:
+                continue
+            if e.type == "job.submitted":
+                first_submit.setdefault(j, t)
+                status[j] = "pending"
+            elif e.type == "job.placed":
+                first_place.setdefault(j, t)
+                status[j] = "running"
+                for a in getattr(e.payload, "allocations", ()):
+                    running_gpus[(j, a.replica)] = (t, len(a.gpu_indices))
+            elif e.type == "job.exited":
+                start = running_gpus.pop((j, getattr(e.payload, "replica", 0)), None)
+                if start is not None:
+                    alloc_gpu_s += (t - start[0]) * start[1]
+            elif e.type in TERMINAL_JOB_TYPES or e.type == "job.preempted":
+                status[j] = e.type.removeprefix("job.")
+        waits = sorted(first_place[j] - first_submit[j] for j in first_place if j in first_submit)
+        total_gpus = sum(len([g for g in inv.gpus if not g.mig_enabled]) for inv in self.sc.nodes.values())
+        span = max(1.0, self.now - EPOCH)
+        by_status: dict[str, int] = {}
+        for s in status.values():
+            by_status[s] = by_status.get(s, 0) + 1
+        audited = audit(list(enumerate(self.log, start=1)), self.sc.config, pending_grace_s=self.rules.lease_s)
+        return {
+            "seed": self.sc.seed, "events": len(self.log), "sim_seconds": round(span, 3),
+            "log_sha256": hashlib.sha256(self.log_bytes()).hexdigest(),
+            "jobs": by_status,
+            "wait_p50_s": round(statistics.median(waits), 3) if waits else None,
+            "wait_p95_s": round(waits[min(len(waits) - 1, int(0.95 * len(waits)))], 3) if waits else None,
+            "gpu_allocation_pct": round(100 * alloc_gpu_s / (total_gpus * span), 2) if total_gpus else 0.0,
+            "preemptions": sum(1 for e in self.log if e.type == "job.preemption_requested"),
+            "resumes": sum(1 for e in self.log if e.type == "job.resume_requested"),
+            "nodes_lost": sum(1 for e in self.log if e.type == "node.lost"),
+            "audit": {"ok": audited.ok, "violations": [v.__dict__ for v in audited.violations[:20]]},
+        }
+
+
+def run_file(path: str | Path, seed: int | None = None) -> Simulation:
+    try:
+        doc = yaml.safe_load(Path(path).read_text())
+    except yaml.YAMLError as exc:
+        raise ScenarioError(f"{path}: not YAML ({exc})") from None
+    sim = Simulation(load_scenario(doc, seed))
+    sim.run()
+    return sim
