@@ -296,8 +296,14 @@ def watch(data_dir: DataDir = None, as_json: JsonOut = False,
 def replay(data_dir: DataDir = None, as_json: JsonOut = False,
            seq: Annotated[int | None, typer.Option("--seq", help="fold up to this sequence")] = None,
            until: Annotated[str | None, typer.Option(help="the state at this time: 10m (ago), or an ISO time")] = None,
+           what_if: Annotated[Path | None, typer.Option("--what-if", exists=True, dir_okay=False,
+                                                        help="re-run the recorded workload under this cluster config")] = None,
            ) -> None:
-    """Fold the log (to the head, --seq or --until) and print the cluster state it gives."""
+    """Fold the log (to the head, --seq or --until) and print the cluster state it gives; or,
+    with --what-if, run the recorded workload again through the real cores under another config."""
+    if what_if is not None:
+        _what_if(data_dir, what_if, as_json)
+        return
     at = _parse_time(until) if until else None
     view = _run(_with_fleet(data_dir, lambda f: f.fold(until_seq=seq, until_time=at)))
     doc = view.as_json()
@@ -311,6 +317,34 @@ def replay(data_dir: DataDir = None, as_json: JsonOut = False,
     used = sum(n["gpus_allocated"] for n in doc["nodes"])
     typer.echo(f"state at seq {doc['seq']}: {len(doc['jobs'])} jobs {by_status}, {len(doc['nodes'])} nodes, "
                f"GPUs {used}/{gpus} allocated")
+
+
+def _what_if(data_dir: str | None, path: Path, as_json: bool) -> None:
+    from gpufleet.shared.clusterconfig import load_config
+    from gpufleet.sim import ScenarioError, what_if
+
+    try:
+        other = load_config(path)
+    except SpecError as exc:
+        typer.echo(f"error: invalid cluster config {path}: {exc}", err=True)
+        raise typer.Exit(2) from None
+    hist = _run(_with_fleet(data_dir, lambda f: f.history()))
+    try:
+        doc = what_if(hist, _mesh_config(data_dir), other)
+    except ScenarioError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    if as_json:
+        _print_json(doc)
+        return
+    a, b = doc["recorded"], doc["what_if"]
+    typer.echo(f"{doc['jobs_compared']} jobs, the recorded workload run twice through the cores (simulated):")
+    typer.echo(f"{'':22}{'recorded config':>18}{'what-if':>14}")
+    for key, label in (("wait_p50_s", "wait p50 (s)"), ("wait_p95_s", "wait p95 (s)"),
+                       ("gpu_allocation_pct", "GPU allocation (%)"), ("preemptions", "preemptions")):
+        typer.echo(f"{label:22}{a[key]!s:>18}{b[key]!s:>14}")
+    typer.echo(f"finished earlier: {doc['finished_earlier']}, later: {doc['finished_later']}; "
+               f"would have failed: {', '.join(doc['would_have_failed']) or 'none'}")
 
 
 def _parse_time(text: str) -> float:

@@ -349,3 +349,67 @@ def run_file(path: str | Path, seed: int | None = None) -> Simulation:
     sim = Simulation(load_scenario(doc, seed))
     sim.run()
     return sim
+
+
+# ---------------------------------------------------------------- what-if: the recorded workload again
+
+
+def scenario_from_log(history: list[tuple[int, Envelope]], config: ClusterConfig) -> Scenario:
+    """The recorded workload as a scenario: the nodes as registered, each submit at its time with
+    the run time it really had (or its sim duration if it never ran), each lost node lost again."""
+    from gpufleet.shared.events import JobExited, NodeLost, NodeRegistered
+
+    if not history:
+        raise ScenarioError("the log is empty: nothing to replay")
+    t0 = min(e.occurred_at.timestamp() for _, e in history)
+    nodes: dict[str, NodeInventory] = {}
+    ran: dict[str, float] = {}
+    accepted: set[str] = set()
+    submits: list[Submit] = []
+    faults: list[Fault] = []
+    for _, e in history:
+        p = e.payload
+        if isinstance(p, NodeRegistered):
+            nodes.setdefault(p.node_id, p.inventory.model_copy(update={"driver": "sim"}))
+        elif isinstance(p, JobExited) and p.reason in ("completed", "error", "timeout"):
+            ran.setdefault(p.job_id, p.runtime_s)
+        elif e.type == "job.submitted" and e.job_id:
+            accepted.add(e.job_id)
+        elif isinstance(p, NodeLost):
+            faults.append(Fault(e.occurred_at.timestamp() - t0, "node_lost", p.node_id))
+    for _, e in history:
+        p = e.payload
+        if isinstance(p, SubmitRequested) and p.job_id in accepted:
+            spec = json.loads(json.dumps(p.spec))
+            if p.job_id in ran:
+                spec.setdefault("sim", {})["duration"] = max(0.001, ran[p.job_id])
+            submits.append(Submit(round(e.occurred_at.timestamp() - t0, 3), p.job_id, e.tenant, spec))
+    if not nodes:
+        raise ScenarioError("no node registered in the log")
+    return Scenario(nodes, submits, faults, config, None, 0)
+
+
+def what_if(history: list[tuple[int, Envelope]], base: ClusterConfig, other: ClusterConfig) -> dict[str, Any]:
+    """The recorded workload under the recorded config and under `other`, side by side."""
+    runs = {}
+    ends: dict[str, dict[str, tuple[str, float]]] = {}
+    for name, cfg in (("recorded", base), ("what_if", other)):
+        sim = Simulation(scenario_from_log(history, cfg))
+        sim.run()
+        runs[name] = sim.report()
+        ends[name] = {e.job_id: (e.type.removeprefix("job."), e.occurred_at.timestamp()) for e in sim.log
+                      if e.job_id and (e.type in TERMINAL_JOB_TYPES or e.type == "job.preempted")}
+    a, b = runs["recorded"], runs["what_if"]
+    common = set(ends["recorded"]) & set(ends["what_if"])
+    earlier = sorted(j for j in common if ends["what_if"][j][1] < ends["recorded"][j][1] - 1)
+    later = sorted(j for j in common if ends["what_if"][j][1] > ends["recorded"][j][1] + 1)
+    failed = sorted(j for j in ends["what_if"] if ends["what_if"][j][0] != "succeeded"
+                    and ends["recorded"].get(j, ("", 0))[0] == "succeeded")
+
+    def delta(k: str) -> float | None:
+        return round(b[k] - a[k], 3) if a.get(k) is not None and b.get(k) is not None else None
+
+    return {"recorded": a, "what_if": b,
+            "delta": {k: delta(k) for k in ("wait_p50_s", "wait_p95_s", "gpu_allocation_pct", "preemptions")},
+            "finished_earlier": len(earlier), "finished_later": len(later),
+            "would_have_failed": failed, "jobs_compared": len(common)}
