@@ -397,6 +397,25 @@ def sim(scenario: Annotated[Path, typer.Argument(exists=True, dir_okay=False, he
 
 
 @app.command()
+def dashboard(data_dir: DataDir = None,
+              port: Annotated[int, typer.Option(help="HTTP port")] = 8080,
+              host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1") -> None:
+    """A live web dashboard from the event stream: cluster map, queues, event feed, job pages."""
+    from gpufleet.dashboard import serve
+
+    async def go(fleet: Any) -> None:
+        _, server, follow = await serve(fleet.bus, host, port)
+        typer.echo(f"dashboard on http://{host}:{port}/ (Ctrl-C stops it)")
+        async with server:
+            await asyncio.gather(server.serve_forever(), follow)
+
+    try:
+        _run(_with_fleet(data_dir, go))
+    except KeyboardInterrupt:
+        pass
+
+
+@app.command()
 def audit(data_dir: DataDir = None, as_json: JsonOut = False,
           grace: Annotated[float, typer.Option(help="seconds a waiting job may go untold (its answer in flight)")] = 10.0,
           ) -> None:

@@ -1,0 +1,71 @@
+"""The dashboard: fed live from the event stream, over HTTP and server-sent events."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from gpufleet.dashboard import serve
+from gpufleet.shared.bus import Bus
+from gpufleet.shared.events import NodeGpuUnhealthy, NodeRegistered
+from gpufleet.shared.procs import free_port
+
+from .test_node_cores import INV, NODE, T0, ev, placed, submitted
+
+
+async def get(port: int, path: str) -> tuple[int, bytes]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+    await writer.drain()
+    raw = await reader.read()
+    writer.close()
+    head, _, body = raw.partition(b"\r\n\r\n")
+    return int(head.split()[1]), body
+
+
+async def until(pred: Any, timeout_s: float = 10) -> Any:
+    for _ in range(int(timeout_s * 20)):
+        got = await pred()
+        if got:
+            return got
+        await asyncio.sleep(0.05)
+    raise TimeoutError
+
+
+async def test_state_job_page_and_live_events(bus: Bus, nats_url: str) -> None:
+    for e in (ev(NodeRegistered(node_id=NODE, inventory=INV)), submitted("j1"), placed("j1", gpus=(1,))):
+        await bus.publish(e)
+    port = free_port()
+    _, server, follow = await serve(bus, "127.0.0.1", port)
+    try:
+        async def gpus() -> Any:
+            _, body = await get(port, "/state")
+            nodes = json.loads(body)["nodes"]
+            return nodes[0]["gpus"] if nodes and any(g["state"] == "allocated" for g in nodes[0]["gpus"]) else None
+        cells = await until(gpus)
+        assert [(c["gpu"], c["state"], c["job"]) for c in cells] == [(0, "free", None), (1, "allocated", "j1")]
+        status, page = await get(port, "/")
+        assert status == 200 and b"EventSource" in page
+        status, body = await get(port, "/job/j1")
+        doc = json.loads(body)
+        assert status == 200 and [e["type"] for e in doc["timeline"]] == ["job.submitted", "job.placed"]
+        assert (await get(port, "/job/nope"))[0] == 404
+        # a live page: the stream sends the state, then each new event as it lands
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /events HTTP/1.1\r\n\r\n")
+        await writer.drain()
+        assert b"text/event-stream" in await reader.readuntil(b"\r\n\r\n")
+        await bus.publish(ev(NodeGpuUnhealthy(node_id=NODE, gpu_index=0, reason="XID 79"), at=T0 + 5))
+        seen = b""
+        while b"node.gpu_unhealthy" not in seen:
+            seen += await asyncio.wait_for(reader.readuntil(b"\n\n"), 10)
+        last_state = None
+        while last_state is None or last_state["nodes"][0]["gpus"][0]["state"] != "unhealthy":
+            block = await asyncio.wait_for(reader.readuntil(b"\n\n"), 10)
+            if block.startswith(b"event: state"):
+                last_state = json.loads(block.split(b"data: ", 1)[1])
+        writer.close()
+    finally:
+        server.close()
+        follow.cancel()
