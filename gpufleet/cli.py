@@ -320,17 +320,16 @@ def replay(data_dir: DataDir = None, as_json: JsonOut = False,
 
 
 def _what_if(data_dir: str | None, path: Path, as_json: bool) -> None:
-    from gpufleet.shared.clusterconfig import load_config
-    from gpufleet.sim import ScenarioError, what_if
+    from gpufleet.sim import ScenarioError, what_if, what_if_file
 
     try:
-        other = load_config(path)
-    except SpecError as exc:
-        typer.echo(f"error: invalid cluster config {path}: {exc}", err=True)
+        other, nodes = what_if_file(path)
+    except (SpecError, ScenarioError) as exc:
+        typer.echo(f"error: invalid what-if file {path}: {exc}", err=True)
         raise typer.Exit(2) from None
     hist = _run(_with_fleet(data_dir, lambda f: f.history()))
     try:
-        doc = what_if(hist, _mesh_config(data_dir), other)
+        doc = what_if(hist, _mesh_config(data_dir), other, nodes)
     except ScenarioError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None

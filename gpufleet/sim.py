@@ -23,6 +23,8 @@ Scenario (YAML; examples/sim/):
       - {at: 50m, zombie: {node: h05, gpu: 1, pid: 4242, used_mib: 4096}}
       - {at: 60m, restart: placer}         # the service folds the log again, as after a crash
       - {at: 70m, duplicate: job.placed}   # the next such event is delivered twice to everyone
+      - {at: 80m, delay: {service: quota, by: 5m}}   # a slow service: it consumes nothing for 5 min,
+                                                     # then catches up, in order
 """
 
 from __future__ import annotations
@@ -139,9 +141,14 @@ def load_scenario(doc: dict[str, Any], seed: int | None = None) -> Scenario:
             submits.append(Submit(at + k * every, job_id, spec["tenant"], spec))
     faults = []
     for i, f in enumerate(doc.get("faults") or []):
-        kinds = [k for k in ("node_lost", "gpu_unhealthy", "zombie", "restart", "duplicate") if k in f]
+        kinds = [k for k in ("node_lost", "gpu_unhealthy", "zombie", "restart", "duplicate", "delay") if k in f]
         if len(kinds) != 1:
-            raise ScenarioError(f"faults[{i}]: one of node_lost, gpu_unhealthy, zombie, restart, duplicate")
+            raise ScenarioError(f"faults[{i}]: one of node_lost, gpu_unhealthy, zombie, restart, duplicate, delay")
+        if kinds[0] == "delay":
+            d = f["delay"]
+            if not isinstance(d, dict) or "service" not in d:
+                raise ScenarioError(f"faults[{i}].delay: {{service: NAME, by: DURATION}}")
+            f = {**f, "delay": {"service": d["service"], "by": _dur(d.get("by", "30s"), f"faults[{i}].delay.by")}}
         faults.append(Fault(_dur(f.get("at", 0), f"faults[{i}].at"), kinds[0], f[kinds[0]]))
     until = _dur(doc["until"], "until") if "until" in doc else None
     return Scenario(nodes, sorted(submits, key=lambda s: (s.at, s.job_id)), sorted(faults, key=lambda f: f.at),
@@ -156,6 +163,7 @@ class _Member:
     delivered: int = 0  # log index up to which it has seen
     own: set[str] = field(default_factory=set)
     next_tick: float = 0.0
+    paused_until: float = 0.0  # a slow service consumes nothing until then
 
 
 class Simulation:
@@ -201,6 +209,8 @@ class Simulation:
         while progress:
             progress = False
             for m in self.members:
+                if self.now < m.paused_until:
+                    continue
                 while m.delivered < len(self.log):
                     env = self.log[m.delivered]
                     m.delivered += 1
@@ -257,6 +267,11 @@ class Simulation:
             self.append(m.core.on_start(m.state, self.ctx(m.core.name)), m)
         elif f.kind == "duplicate":
             self.duplicate_next.add(str(f.arg))
+        elif f.kind == "delay":
+            m = next((m for m in self.members if m.core.name == f.arg["service"]), None)
+            if m is None:
+                raise ScenarioError(f"fault delay: no service {f.arg['service']!r}")
+            m.paused_until = self.now + float(f.arg["by"])
 
     # ------------------------------------------------------------ the loop
 
@@ -354,7 +369,8 @@ def run_file(path: str | Path, seed: int | None = None) -> Simulation:
 # ---------------------------------------------------------------- what-if: the recorded workload again
 
 
-def scenario_from_log(history: list[tuple[int, Envelope]], config: ClusterConfig) -> Scenario:
+def scenario_from_log(history: list[tuple[int, Envelope]], config: ClusterConfig,
+                      nodes_override: dict[str, NodeInventory] | None = None) -> Scenario:
     """The recorded workload as a scenario: the nodes as registered, each submit at its time with
     the run time it really had (or its sim duration if it never ran), each lost node lost again."""
     from gpufleet.shared.events import JobExited, NodeLost, NodeRegistered
@@ -384,17 +400,22 @@ def scenario_from_log(history: list[tuple[int, Envelope]], config: ClusterConfig
             if p.job_id in ran:
                 spec.setdefault("sim", {})["duration"] = max(0.001, ran[p.job_id])
             submits.append(Submit(round(e.occurred_at.timestamp() - t0, 3), p.job_id, e.tenant, spec))
+    if nodes_override:
+        nodes = nodes_override
+        faults = [f for f in faults if f.arg in nodes]
     if not nodes:
         raise ScenarioError("no node registered in the log")
     return Scenario(nodes, submits, faults, config, None, 0)
 
 
-def what_if(history: list[tuple[int, Envelope]], base: ClusterConfig, other: ClusterConfig) -> dict[str, Any]:
-    """The recorded workload under the recorded config and under `other`, side by side."""
+def what_if(history: list[tuple[int, Envelope]], base: ClusterConfig, other: ClusterConfig,
+            other_nodes: dict[str, NodeInventory] | None = None) -> dict[str, Any]:
+    """The recorded workload under the recorded config and under `other` (and, if given, on
+    another cluster: `other_nodes`), side by side."""
     runs = {}
     ends: dict[str, dict[str, tuple[str, float]]] = {}
-    for name, cfg in (("recorded", base), ("what_if", other)):
-        sim = Simulation(scenario_from_log(history, cfg))
+    for name, cfg, nodes in (("recorded", base, None), ("what_if", other, other_nodes)):
+        sim = Simulation(scenario_from_log(history, cfg, nodes))
         sim.run()
         runs[name] = sim.report()
         ends[name] = {e.job_id: (e.type.removeprefix("job."), e.occurred_at.timestamp()) for e in sim.log
@@ -413,3 +434,13 @@ def what_if(history: list[tuple[int, Envelope]], base: ClusterConfig, other: Clu
             "delta": {k: delta(k) for k in ("wait_p50_s", "wait_p95_s", "gpu_allocation_pct", "preemptions")},
             "finished_earlier": len(earlier), "finished_later": len(later),
             "would_have_failed": failed, "jobs_compared": len(common)}
+
+
+def what_if_file(path: str | Path) -> tuple[ClusterConfig, dict[str, NodeInventory] | None]:
+    """A what-if file: a cluster config, optionally with `nodes:` (scenario syntax) for another cluster."""
+    doc = yaml.safe_load(Path(path).read_text()) or {}
+    if not isinstance(doc, dict):
+        raise ScenarioError(f"{path}: a mapping (a cluster config, and optionally nodes:)")
+    nodes_doc = doc.pop("nodes", None)
+    nodes = load_scenario({"nodes": nodes_doc}).nodes if nodes_doc else None
+    return parse_config(doc), nodes

@@ -78,3 +78,25 @@ def test_what_if_runs_the_recorded_workload_under_another_config() -> None:
     other = what_if(history, config, no_guard)
     assert other["finished_later"] >= 1 and other["delta"]["wait_p95_s"] < 0
     assert other["would_have_failed"] == []
+
+
+def test_reclaim_preempts_borrowers_which_resume_and_a_slow_service_catches_up() -> None:
+    s = run_file(EXAMPLES / "preemption.yaml")
+    r = s.report()
+    assert (r["preemptions"], r["resumes"], r["jobs"], r["audit"]["ok"]) == (2, 2, {"succeeded": 6}, True)
+    resumes = [e for e in s.log if e.type == "job.resume_requested"]
+    assert all(e.payload.reason.code == "preempted" for e in resumes)  # type: ignore[union-attr]
+    # quota was paused 11m-13m: it decided nothing then, and caught up after
+    quota_times = [e.occurred_at.timestamp() - 1767225600 for e in s.log if e.actor == "quota/sim"]
+    assert not [t for t in quota_times if 660 < t < 780] and [t for t in quota_times if t >= 780]
+
+
+def test_what_if_on_another_cluster() -> None:
+    from gpufleet.sim import load_scenario, what_if
+
+    recorded = run_file(EXAMPLES / "faults.yaml")
+    history = list(enumerate(recorded.log, start=1))
+    smaller = load_scenario({"nodes": [{"shape": "h100x8", "count": 2, "prefix": "h"}]}).nodes
+    doc = what_if(history, recorded.sc.config, recorded.sc.config, smaller)
+    assert doc["what_if"]["wait_p95_s"] > doc["recorded"]["wait_p95_s"]  # half the GPUs: longer waits
+    assert doc["finished_later"] > 0
