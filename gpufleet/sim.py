@@ -66,6 +66,7 @@ from gpufleet.shared.subjects import SubjectFilter
 
 EPOCH = datetime(2026, 1, 1, tzinfo=UTC).timestamp()
 MAX_STEPS = 2_000_000
+QUIET_S = 86_400.0  # nothing in the log for a simulated day, and nothing scheduled: the run is over
 
 
 class ScenarioError(ValueError):
@@ -174,6 +175,9 @@ class Simulation:
         self.ids: set[str] = set()
         self.dead: set[str] = set()
         self.duplicate_next: set[str] = set()
+        self.duplicated: set[str] = set()
+        self.redeliveries = 0
+        self.last_event_at = EPOCH
         self.rules = Rules(lease_s=lease_s)
         self.telemetry = TelemetryCore(self.rules)
         cfg = scenario.config
@@ -198,6 +202,7 @@ class Simulation:
                 continue  # the server's duplicate window
             self.ids.add(env.event_id)
             self.log.append(env)
+            self.last_event_at = self.now
             if member is not None and member.interest(env.subject()):
                 member.state = member.core.evolve(member.state, env)
                 member.own.add(env.event_id)
@@ -217,11 +222,14 @@ class Simulation:
                     if not m.interest(env.subject()):
                         continue
                     times = 2 if env.type in self.duplicate_next else 1
-                    for _ in range(times):
-                        if env.event_id in m.own:
-                            m.own.discard(env.event_id)
-                        else:
-                            m.state = m.core.evolve(m.state, env)
+                    if times == 2:
+                        self.duplicated.add(env.type)
+                        self.redeliveries += 1
+                    if env.event_id in m.own:
+                        m.own.discard(env.event_id)
+                    else:
+                        m.state = m.core.evolve(m.state, env)
+                    for _ in range(times):  # a redelivery is decided again, not folded again
                         outs = m.core.decide(m.state, env, self.ctx(m.core.name, env))
                         self.append(outs, m)
                     n += 1
@@ -230,6 +238,8 @@ class Simulation:
 
     def tick(self) -> None:
         for m in self.members:
+            if self.now < m.paused_until:
+                continue  # a slow service decides nothing, time-driven or not
             if m.core.tick_s is not None and self.now >= m.next_tick:
                 m.next_tick = self.now + m.core.tick_s
                 self.append(m.core.tick(m.state, self.ctx(m.core.name)), m)
@@ -237,7 +247,8 @@ class Simulation:
             if node not in self.dead:
                 self.last_seen[node] = self.now
         tel = next(m for m in self.members if m.core is self.telemetry)
-        self.append(self.telemetry.check_leases(tel.state, self.last_seen, self.now, self.ctx("telemetry")), tel)
+        if self.now >= tel.paused_until:
+            self.append(self.telemetry.check_leases(tel.state, self.last_seen, self.now, self.ctx("telemetry")), tel)
 
     # ------------------------------------------------------------ faults
 
@@ -250,11 +261,11 @@ class Simulation:
         elif f.kind == "gpu_unhealthy":
             self.append([ctx.emit(NodeGpuUnhealthy(node_id=f.arg["node"], gpu_index=int(f.arg["gpu"]),
                                                    reason=str(f.arg.get("reason", "XID 79"))),
-                                  tenant=SYS_TENANT, key=f"fault:{f.at}:{f.kind}")])
+                                  tenant=SYS_TENANT, key=f"fault:{f.at}:{f.kind}:{f.arg}")])
         elif f.kind == "zombie":
             self.append([ctx.emit(NodeGpuZombieDetected(
                 node_id=f.arg["node"], gpu_index=int(f.arg["gpu"]), pid=int(f.arg.get("pid", 4242)),
-                used_mib=int(f.arg.get("used_mib", 4096))), tenant=SYS_TENANT, key=f"fault:{f.at}:{f.kind}")])
+                used_mib=int(f.arg.get("used_mib", 4096))), tenant=SYS_TENANT, key=f"fault:{f.at}:{f.kind}:{f.arg}")])
         elif f.kind == "restart":
             m = next((m for m in self.members if m.core.name == f.arg), None)
             if m is None:
@@ -292,11 +303,13 @@ class Simulation:
             self.deliver()
             self.tick()
             self.deliver()
-            self.duplicate_next.clear()
+            self.duplicate_next -= self.duplicated  # each duplicate fault doubles the next such event once
+            self.duplicated.clear()
             if end is not None and self.now >= end:
                 return
-            if end is None and not submits and not faults and self.all_ended():
-                return
+            if end is None and not submits and not faults and (
+                    self.all_ended() or self.now - self.last_event_at > QUIET_S):
+                return  # all ended, or nothing happened for a day: what still waits, waits for ever
             self.now = round(self.now + 1.0, 3)  # the cores' ticks are 0.2-1 s: a second is their grain
         raise ScenarioError(f"the simulation did not settle in {MAX_STEPS} steps")
 
@@ -352,6 +365,7 @@ class Simulation:
             "preemptions": sum(1 for e in self.log if e.type == "job.preemption_requested"),
             "resumes": sum(1 for e in self.log if e.type == "job.resume_requested"),
             "nodes_lost": sum(1 for e in self.log if e.type == "node.lost"),
+            "redeliveries": self.redeliveries,
             "audit": {"ok": audited.ok, "violations": [v.__dict__ for v in audited.violations[:20]]},
         }
 
@@ -379,7 +393,9 @@ def scenario_from_log(history: list[tuple[int, Envelope]], config: ClusterConfig
         raise ScenarioError("the log is empty: nothing to replay")
     t0 = min(e.occurred_at.timestamp() for _, e in history)
     nodes: dict[str, NodeInventory] = {}
-    ran: dict[str, float] = {}
+    ran: dict[str, tuple[float, int]] = {}
+    started_at: dict[str, float] = {}
+    head = max(e.occurred_at.timestamp() for _, e in history)
     accepted: set[str] = set()
     submits: list[Submit] = []
     faults: list[Fault] = []
@@ -388,7 +404,9 @@ def scenario_from_log(history: list[tuple[int, Envelope]], config: ClusterConfig
         if isinstance(p, NodeRegistered):
             nodes.setdefault(p.node_id, p.inventory.model_copy(update={"driver": "sim"}))
         elif isinstance(p, JobExited) and p.reason in ("completed", "error", "timeout"):
-            ran.setdefault(p.job_id, p.runtime_s)
+            ran.setdefault(p.job_id, (p.runtime_s, p.exit_code))  # how it ended, as it ended
+        elif e.type == "job.started" and e.job_id:
+            started_at.setdefault(e.job_id, e.occurred_at.timestamp())
         elif e.type == "job.submitted" and e.job_id:
             accepted.add(e.job_id)
         elif isinstance(p, NodeLost):
@@ -398,7 +416,15 @@ def scenario_from_log(history: list[tuple[int, Envelope]], config: ClusterConfig
         if isinstance(p, SubmitRequested) and p.job_id in accepted:
             spec = json.loads(json.dumps(p.spec))
             if p.job_id in ran:
-                spec.setdefault("sim", {})["duration"] = max(0.001, ran[p.job_id])
+                runtime, code = ran[p.job_id]
+                sim = spec.setdefault("sim", {})
+                sim["duration"], sim["exitCode"] = max(0.001, runtime), code
+                if code == 124:  # it ran past its max runtime: so it does again
+                    spec["maxRuntime"] = max(0.001, runtime)
+                    sim["exitCode"] = 0
+                    sim["duration"] = runtime * 2 + 1
+            elif p.job_id in started_at:  # still running at the head: it runs at least that long
+                spec.setdefault("sim", {})["duration"] = max(0.001, head - started_at[p.job_id])
             submits.append(Submit(round(e.occurred_at.timestamp() - t0, 3), p.job_id, e.tenant, spec))
     if nodes_override:
         nodes = nodes_override

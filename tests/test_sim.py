@@ -37,6 +37,8 @@ def test_faults_are_recovered_and_the_log_holds_every_invariant() -> None:
     s = run_file(EXAMPLES / "faults.yaml")
     r = s.report()
     assert r["nodes_lost"] == 1 and r["resumes"] >= 2 and r["audit"]["ok"]
+    assert r["redeliveries"] > 0  # the next job.placed after 8m went to every core twice: decided once
+    assert len({e.event_id for e in s.log}) == len(s.log)
     assert r["jobs"] == {"succeeded": 14}
     types = [e.type for e in s.log]
     assert "node.gpu_unhealthy" in types and "node.gpu_zombie_detected" in types
@@ -51,6 +53,7 @@ def test_faults_are_recovered_and_the_log_holds_every_invariant() -> None:
     ({"nodes": [{"shape": "tpu"}]}, "nodes[0].shape: unknown 'tpu'"),
     ({"nodes": [{"shape": "h100x8"}], "jobs": [{"at": "soon"}]}, "jobs[0].at"),
     ({"nodes": [{"shape": "h100x8"}], "faults": [{"at": 0, "meteor": 1}]}, "faults[0]: one of node_lost"),
+    ({"nodes": [{"shape": "h100x8"}], "faults": [{"at": 0, "delay": "quota"}]}, "faults[0].delay"),
 ])
 def test_bad_scenarios_name_the_field(doc: dict[str, object], message: str) -> None:
     with pytest.raises(ScenarioError, match=message.replace("[", r"\[").replace("]", r"\]")):
@@ -115,3 +118,23 @@ def test_same_log_across_processes_and_hash_seeds() -> None:
                              timeout=120, check=True).stdout
         shas.add(json.loads(out)["log_sha256"])
     assert len(shas) == 1  # set and dict orders inside the cores do not leak into the log
+
+
+def test_a_job_that_can_never_run_ends_the_run_instead_of_spinning() -> None:
+    doc = {"nodes": [{"shape": "h100x8", "count": 1}], "config": {"queues": {"default": {"nominal": {"gpu": 4}}}},
+           "jobs": [{"name": "big", "spec": {"resources": {"gpu": 8}, "sim": {"duration": "1m"}}}]}
+    s = Simulation(load_scenario(doc))
+    s.run()
+    assert s.report()["jobs"] == {"pending": 1}  # told why (quota), and the simulation stopped
+
+
+def test_what_if_keeps_failures_as_they_happened() -> None:
+    from gpufleet.sim import scenario_from_log
+
+    doc = {"nodes": [{"shape": "h100x8", "count": 1}],
+           "jobs": [{"name": "bad", "spec": {"resources": {"gpu": 1}, "sim": {"duration": "30s", "exitCode": 3}}}]}
+    s = Simulation(load_scenario(doc))
+    s.run()
+    sc = scenario_from_log(list(enumerate(s.log, start=1)), s.sc.config)
+    sim = sc.submits[0].spec["sim"]
+    assert (sim["exitCode"], round(sim["duration"])) == (3, 30)
