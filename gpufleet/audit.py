@@ -55,6 +55,8 @@ class Violation:
 @dataclass
 class _Books:
     gpus: dict[str, set[int]] = field(default_factory=dict)  # node -> its whole-GPU indices
+    mig: dict[str, set[str]] = field(default_factory=dict)  # node -> its MIG instance UUIDs
+    mig_held: dict[str, str] = field(default_factory=dict)  # MIG UUID -> the job holding it
     used: dict[tuple[str, int], int] = field(default_factory=dict)  # (node, gpu) -> milli held
     held: dict[tuple[str, int], tuple[int, ReplicaAllocation]] = field(default_factory=dict)  # (job, replica)
     lost: set[str] = field(default_factory=set)
@@ -106,6 +108,7 @@ def audit(history: Iterable[tuple[int, Envelope]], config: ClusterConfig | None 
         job = env.job_id
         if isinstance(p, NodeRegistered):
             b.gpus[p.node_id] = {g.index for g in p.inventory.gpus if not g.mig_enabled}
+            b.mig[p.node_id] = {m.uuid for g in p.inventory.gpus for m in g.mig_devices}
             b.lost.discard(p.node_id)
         elif isinstance(p, NodeLost):
             b.lost.add(p.node_id)
@@ -121,6 +124,14 @@ def audit(history: Iterable[tuple[int, Envelope]], config: ClusterConfig | None 
                     if b.used[key] > MILLI:
                         bad("gpu_capacity", seq, env, f"GPU {g} of {a.node_id} holds {b.used[key]} milli-GPU "
                             f"(more than {MILLI})", a.node_id)
+                for uuid in a.mig_devices:
+                    if a.node_id in b.mig and uuid not in b.mig[a.node_id]:
+                        bad("gpu_capacity", seq, env, f"MIG instance {uuid} is not on {a.node_id}", a.node_id)
+                    holder = b.mig_held.get(uuid)
+                    if holder is not None and holder != p.job_id:
+                        bad("gpu_capacity", seq, env, f"MIG instance {uuid} of {a.node_id} is held by {holder} already",
+                            a.node_id)
+                    b.mig_held[uuid] = p.job_id
                 b.held[(p.job_id, a.replica)] = (p.attempt, a)
         elif isinstance(p, JobStarted):
             if p.node_id in b.lost:
@@ -175,6 +186,9 @@ def audit(history: Iterable[tuple[int, Envelope]], config: ClusterConfig | None 
 
 def _free(b: _Books, job: str, replica: int) -> None:
     _, a = b.held.pop((job, replica))
+    for uuid in a.mig_devices:
+        if b.mig_held.get(uuid) == job:
+            del b.mig_held[uuid]
     for g in a.gpu_indices:
         key = (a.node_id, g)
         b.used[key] = b.used.get(key, 0) - a.gpu_milli

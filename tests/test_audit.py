@@ -119,3 +119,18 @@ async def test_a_real_mesh_log_passes(bus: Bus, nats_url: str) -> None:
     report = audit(await read_log(bus), config, pending_grace_s=0)
     assert report.ok, report.violations
     assert report.events > 40
+
+
+def test_mig_instances_are_counted_too() -> None:
+    from gpufleet.shared.cluster import shape_inventory
+    from gpufleet.shared.events import JobPlaced, ReplicaAllocation
+
+    inv = shape_inventory("h100mig", "m0")
+    uuid = next(m.uuid for g in inv.gpus for m in g.mig_devices)
+
+    def mig(job: str, u: str) -> Envelope:
+        return ev(JobPlaced(job_id=job, allocations=(ReplicaAllocation(replica=0, node_id="m0", mig_devices=(u,)),)))
+    report = audit(log(ev(NodeRegistered(node_id="m0", inventory=inv)), mig("j1", uuid), mig("j2", uuid),
+                       mig("j3", "MIG-nope")))
+    assert [v.message for v in report.violations] == [
+        f"MIG instance {uuid} of m0 is held by j1 already", "MIG instance MIG-nope is not on m0"]

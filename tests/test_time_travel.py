@@ -1,5 +1,5 @@
-"""The log at a moment: `replay --until TIME` folds what occurred by then; `watch --since TIME`
-starts from what was stored since then."""
+"""The log at a moment: `replay --until TIME` folds what was stored by then, and `watch --since
+TIME` starts from what was stored since then (the server's clock for both)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from gpufleet.sdk import Fleet
 from gpufleet.shared.bus import Bus
 from gpufleet.shared.events import NodeRegistered
 
-from .test_node_cores import INV, T0, ev
+from .test_node_cores import INV, T0, ev  # noqa: F401
 
 
 async def test_fold_until_a_time_and_watch_since_a_time(bus: Bus, nats_url: str) -> None:
@@ -24,10 +24,10 @@ async def test_fold_until_a_time_and_watch_since_a_time(bus: Bus, nats_url: str)
     for e in late:
         await bus.publish(e)
     async with await Fleet.connect(nats_url=nats_url) as fleet:
-        then = await fleet.fold(until_time=T0 + 50)
+        then = await fleet.fold(until_time=cut)
         assert sorted(then.nodes) == ["n0", "n1", "n2"] and then.seq == 3
         assert sorted((await fleet.fold()).nodes) == ["m0", "m1", "n0", "n1", "n2"]
-        assert (await fleet.fold(until_time=T0 - 1)).nodes == {}
+        assert (await fleet.fold(until_time=cut - 3600)).nodes == {}
         seen = []
 
         async def tail() -> None:

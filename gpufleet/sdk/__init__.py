@@ -48,6 +48,8 @@ def submit_envelope(spec: dict[str, Any], job_id: str, actor: str = "sdk") -> En
 
 
 def job_filter(tenant: str | None = None, job_id: str | None = None, type_pattern: str | None = None) -> str:
+    if type_pattern and type_pattern.startswith("node.") and not job_id and tenant in (None, "sys"):
+        return f"fleet.evt.sys.node.*.{type_pattern.removeprefix('node.')}"  # node facts: node.lost ...
     short = (type_pattern or "*").removeprefix("job.")
     if job_id or tenant or type_pattern:
         return f"fleet.evt.{tenant or '*'}.job.{job_id or '*'}.{short}"
@@ -98,7 +100,8 @@ class Fleet:
                     env = parse_envelope(msg.data)
                 except Exception:  # noqa: BLE001 - dead letters are the services' business
                     continue
-                if until_time is not None and env.occurred_at.timestamp() > until_time:
+                stored = msg.metadata.timestamp  # the server's clock, as `watch --since` uses
+                if until_time is not None and stored is not None and stored.timestamp() > until_time:
                     view.seq = max(view.seq, last)
                     return view
                 last = msg.metadata.sequence.stream
