@@ -24,6 +24,7 @@ from gpufleet.shared.events import (
     JobExited,
     JobPlaced,
     JobQuotaReserved,
+    JobResumeRequested,
     NodeGpuCleared,
     NodeGpuUnhealthy,
     NodeGpuZombieDetected,
@@ -41,8 +42,9 @@ FEED = 500
 class Board:
     view: ClusterView = field(default_factory=ClusterView)
     gpus: dict[str, list[int]] = field(default_factory=dict)  # node -> whole-GPU indices
-    held: dict[str, dict[int, str]] = field(default_factory=dict)  # node -> gpu -> job
-    placed: dict[str, list[tuple[str, tuple[int, ...]]]] = field(default_factory=dict)  # job -> (node, gpus)
+    held: dict[str, dict[int, dict[str, int]]] = field(default_factory=dict)  # node -> gpu -> job -> milli
+    placed: dict[str, list[tuple[int, str, tuple[int, ...]]]] = field(default_factory=dict)  # job -> (replica, node, gpus)
+    attempt: dict[str, int] = field(default_factory=dict)
     bad: dict[str, dict[int, set[str]]] = field(default_factory=dict)  # node -> gpu -> reasons
     queues: dict[str, dict[str, int]] = field(default_factory=dict)  # queue -> {gpus, jobs}
     reserved: dict[str, tuple[str, int]] = field(default_factory=dict)  # job -> (queue, gpus)
@@ -61,14 +63,18 @@ class Board:
             reasons -= {"zombie_detected", "unclean"}
         elif isinstance(p, JobPlaced):
             self._release(p.job_id)
-            self.placed[p.job_id] = [(a.node_id, a.gpu_indices) for a in p.allocations]
+            self.attempt[p.job_id] = p.attempt
+            self.placed[p.job_id] = [(a.replica, a.node_id, a.gpu_indices) for a in p.allocations]
             for a in p.allocations:
                 for g in a.gpu_indices:
-                    self.held.setdefault(a.node_id, {})[g] = p.job_id
+                    self.held.setdefault(a.node_id, {}).setdefault(g, {})[p.job_id] = a.gpu_milli
         elif isinstance(p, JobExited):
             for g in p.unclean_gpus:
                 self.bad.setdefault(p.node_id, {}).setdefault(g, set()).add("unclean")
-            self._release(p.job_id, p.node_id)
+            if p.attempt == self.attempt.get(p.job_id, p.attempt):  # a late exit of an earlier run frees nothing
+                self._release(p.job_id, p.replica)
+        elif isinstance(p, JobResumeRequested) and p.reason.code == "preempted":
+            self._unreserve(p.job_id)  # it gave its quota back
         elif isinstance(p, JobQuotaReserved):
             self._unreserve(p.job_id)
             self.reserved[p.job_id] = (p.queue, p.gpus)
@@ -83,13 +89,17 @@ class Board:
         self.feed.append(event_doc(seq, env))
         del self.feed[:-FEED]
 
-    def _release(self, job_id: str, node_id: str | None = None) -> None:
-        for node, gpus in self.placed.get(job_id, []):
-            if node_id is None or node == node_id:
+    def _release(self, job_id: str, replica: int | None = None) -> None:
+        left = []
+        for r, node, gpus in self.placed.get(job_id, []):
+            if replica is None or r == replica:
                 for g in gpus:
-                    if self.held.get(node, {}).get(g) == job_id:
-                        del self.held[node][g]
-        if node_id is None:
+                    self.held.get(node, {}).get(g, {}).pop(job_id, None)
+            else:
+                left.append((r, node, gpus))
+        if left:
+            self.placed[job_id] = left
+        else:
             self.placed.pop(job_id, None)
 
     def _unreserve(self, job_id: str) -> None:
@@ -112,10 +122,12 @@ class Board:
             cells = []
             for g in self.gpus.get(node_id, []):
                 bad = sorted(self.bad.get(node_id, {}).get(g, set()))
-                job = self.held.get(node_id, {}).get(g)
+                jobs = self.held.get(node_id, {}).get(g, {})
+                milli = sum(jobs.values())
                 state = ("unhealthy" if "unhealthy" in bad else "quarantined" if bad
-                         else "allocated" if job else "free")
-                cells.append({"gpu": g, "state": state, "job": job, "why": bad})
+                         else "allocated" if milli >= 1000 else "shared" if milli else "free")
+                cells.append({"gpu": g, "state": state, "job": ",".join(sorted(jobs)) or None, "milli": milli,
+                              "why": bad})
             nodes.append({"node_id": node_id, "status": row.status, "model": row.gpu_model, "gpus": cells,
                           "jobs": list(row.running_jobs)})
         queues = [{"queue": q, "gpus_used": v["gpus"], "running_or_placed": v["jobs"], "pending": pending.get(q, 0)}
@@ -168,10 +180,11 @@ class Dashboard:
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            line = (await reader.readline()).decode("latin-1").split()
-            while (await reader.readline()) not in (b"\r\n", b"\n", b""):
-                pass
-            path = line[1] if len(line) > 1 else "/"
+            async with asyncio.timeout(10):  # a client that does not send its request in time is dropped
+                line = (await reader.readline()).decode("latin-1").split()
+                while (await reader.readline()) not in (b"\r\n", b"\n", b""):
+                    pass
+            path = (line[1] if len(line) > 1 else "/").split("?", 1)[0]
             if path == "/events":
                 await self._events(writer)
                 return
@@ -185,7 +198,7 @@ class Dashboard:
                               json.dumps(doc or {"error": "no such job"}).encode())
             else:
                 await respond(writer, 404, "text/plain", b"not found")
-        except (ConnectionError, asyncio.IncompleteReadError):
+        except (ConnectionError, asyncio.IncompleteReadError, TimeoutError, ValueError):
             pass
         finally:
             with contextlib.suppress(Exception):
@@ -231,7 +244,7 @@ PAGE = """<!doctype html><html><head><meta charset="utf-8"><title>gpufleet</titl
 body{font:13px system-ui,sans-serif;margin:12px;background:#fafafa} h2{font-size:14px;margin:14px 0 6px}
 .node{display:inline-block;margin:3px;padding:4px;border:1px solid #ccc;background:#fff;vertical-align:top}
 .node.lost,.node.cordoned{opacity:.45} .gpu{display:inline-block;width:14px;height:14px;margin:1px;border-radius:2px}
-.free{background:#d9ead3}.allocated{background:#3c78d8}.unhealthy{background:#cc0000}.quarantined{background:#e69138}
+.free{background:#d9ead3}.allocated{background:#3c78d8}.shared{background:#9fc5e8}.unhealthy{background:#cc0000}.quarantined{background:#e69138}
 table{border-collapse:collapse} td,th{padding:2px 8px;border-bottom:1px solid #eee;text-align:left}
 #feed{height:300px;overflow:auto;font-family:monospace;background:#fff;border:1px solid #ddd}
 a{color:#1155cc;cursor:pointer}
@@ -257,9 +270,12 @@ function addEvent(e){
   const row = document.createElement("div");
   row.innerHTML = `${e.seq} ${esc(e.at.slice(11, 23))} ${esc(e.type)} ` + (e.job_id ? `<a onclick="job('${esc(e.job_id)}')">${esc(e.job_id)}</a>` : esc(e.node_id));
   $("feed").prepend(row);
+  while ($("feed").childNodes.length > 1000) $("feed").lastChild.remove();
 }
 async function job(id){
-  const d = await (await fetch("/job/" + id)).json();
+  const r = await fetch("/job/" + id);
+  if (!r.ok) { $("jobtitle").textContent = "Job " + id + ": no events"; $("job").innerHTML = ""; return; }
+  const d = await r.json();
   $("jobtitle").textContent = "Job " + id + ": " + d.status + " " + (d.reason || "");
   $("job").innerHTML = d.interruptions.map(l => `<div><b>${esc(l)}</b></div>`).join("")
     + d.timeline.map(e => `<div>${e.seq} ${esc(e.at.slice(11, 23))} ${esc(e.type)} <small>${esc(JSON.stringify(e.payload))}</small></div>`).join("");

@@ -69,3 +69,28 @@ async def test_state_job_page_and_live_events(bus: Bus, nats_url: str) -> None:
     finally:
         server.close()
         follow.cancel()
+
+
+def test_board_keeps_gpu_shares_and_quota_straight() -> None:
+    from gpufleet.dashboard import Board
+    from gpufleet.shared.events import (
+        JobExited,
+        JobPlaced,
+        JobQuotaReserved,
+        JobResumeRequested,
+        Reason,
+        ReplicaAllocation,
+    )
+
+    def share(job: str) -> Any:
+        return ev(JobPlaced(job_id=job, allocations=(ReplicaAllocation(replica=0, node_id=NODE, gpu_indices=(0,),
+                                                                         gpu_milli=500),)))
+    b = Board()
+    for seq, e in enumerate([ev(NodeRegistered(node_id=NODE, inventory=INV)), share("a"), share("b"),
+                             ev(JobExited(job_id="a", node_id=NODE, exit_code=0)),
+                             ev(JobQuotaReserved(job_id="t", queue="q", cpu_milli=1, memory_mib=1, gpus=2)),
+                             ev(JobResumeRequested(job_id="t", reason=Reason(code="preempted", message="x")))], 1):
+        b.fold(seq, e)
+    cell = b.state()["nodes"][0]["gpus"][0]
+    assert (cell["state"], cell["job"], cell["milli"]) == ("shared", "b", 500)  # a left; b still holds half
+    assert b.state()["queues"][0]["gpus_used"] == 0  # the preempted job gave its quota back
