@@ -72,7 +72,9 @@ def test_a_training_job_runs_end_to_end_and_replay_equals_the_read_model(mesh: P
     [row] = wait_jobs(mesh, {job_id}, "succeeded", timeout_s=60)
     assert row["gpus"] == 8 and row["tenant"] == "acme" and len(row["node_ids"]) == 1
 
-    timeline = [json.loads(line) for line in cli(mesh, "explain", job_id, "--json").stdout.splitlines()][0]
+    explained = json.loads(cli(mesh, "explain", job_id, "--json").stdout)
+    assert explained["job_id"] == job_id and explained["pending"] == [] and explained["interruptions"] == []
+    timeline = explained["events"]
     assert [e["type"] for e in timeline] == [
         "cmd.submit", "job.submitted", "job.admitted", "job.quota_reserved", "job.placed",
         "job.started", "job.exited", "job.succeeded",
