@@ -23,6 +23,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -458,6 +459,20 @@ class ServiceRuntime(Generic[S]):
             await self._refold()
             if raise_errors:
                 raise
+
+
+async def every(stop: asyncio.Event, period_s: float, fn: Callable[[], Awaitable[Any]], who: str) -> None:
+    """Run `fn` every `period_s` until `stop` is set (a shell's loop beside the runtime: heartbeats,
+    a driver's reconcile, GPU sampling); a failed round is logged and the next one tries again."""
+    while not stop.is_set():
+        try:
+            await fn()
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: BLE001 - the loop must outlive any one failure
+            log.exception("%s: %s failed; again in %.1fs", who, getattr(fn, "__name__", fn), period_s)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), period_s)
 
 
 async def fetch_batch(psub: Any, batch: int, timeout_s: float) -> list[Msg]:

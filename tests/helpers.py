@@ -109,3 +109,19 @@ async def job_status(bus: Bus, job_id: str) -> str | None:
     view = await fold_log(bus)
     row = view.jobs.get(job_id)
     return row.status if row else None
+
+
+@asynccontextmanager
+async def agent_running(url: str, name: str, make: Callable[[Bus], Any]) -> AsyncIterator[Any]:
+    """A service agent (executor, telemetry) on its own connection, running until the block ends."""
+    bus = await Bus.connect(url, name=name)
+    agent = make(bus)
+    agent.runtime.fetch_timeout_s = 0.05
+    await agent.start()
+    task = asyncio.create_task(agent.run())
+    try:
+        yield agent
+    finally:
+        agent.stop()
+        await task
+        await bus.close()

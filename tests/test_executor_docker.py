@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -17,28 +14,19 @@ from gpufleet.shared.bus import Bus
 from gpufleet.shared.events import NodeInventory
 
 from .dockerd import DockerEngine
-from .helpers import cancel_cmd, job_status, read_log, running, submit_cmd, wait_until
+from .helpers import agent_running, cancel_cmd, job_status, read_log, running, submit_cmd, wait_until
 from .test_executor_process import control_cores
 
 pytestmark = pytest.mark.docker
 NODE = "dock-0"
 
 
-@asynccontextmanager
-async def agent(url: str, engine: DockerEngine, data: Path, instance: str = "0") -> AsyncIterator[ExecutorAgent]:
-    bus = await Bus.connect(url, name=f"executor-{instance}")
+def agent(url: str, engine: DockerEngine, data: Path, instance: str = "0") -> Any:
     inv = NodeInventory(cpu_milli=2000, memory_mib=4096, driver="docker")
-    driver = DockerDriver(NODE, data, docker_url=engine.url, allowed_images=lambda tenant, image: tenant == "acme")
-    a = ExecutorAgent(ExecutorCore({NODE: inv}), bus, driver, instance=instance, reconcile_s=0.1, grace_s=1.0)
-    a.runtime.fetch_timeout_s = 0.05
-    await a.start()
-    task = asyncio.create_task(a.run())
-    try:
-        yield a
-    finally:
-        a.stop()
-        await task
-        await bus.close()
+    return agent_running(url, f"executor-{instance}", lambda bus: ExecutorAgent(
+        ExecutorCore({NODE: inv}), bus,
+        DockerDriver(NODE, data, docker_url=engine.url, allowed_images=lambda tenant, image: tenant == "acme"),
+        instance=instance, reconcile_s=0.1, grace_s=1.0))
 
 
 def spec(engine: DockerEngine, command: list[str], tenant: str = "acme") -> dict[str, Any]:

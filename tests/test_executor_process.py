@@ -10,8 +10,6 @@ import asyncio
 import os
 import signal
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +27,7 @@ from gpufleet.shared.bus import Bus
 from gpufleet.shared.events import GpuDevice, JobExited, JobStarted, NodeInventory
 from gpufleet.shared.gpu import SimGpuBackend
 
-from .helpers import cancel_cmd, job_status, read_log, running, submit_cmd, wait_until
+from .helpers import agent_running, cancel_cmd, job_status, read_log, running, submit_cmd, wait_until
 
 NODE = "proc-0"
 
@@ -115,22 +113,11 @@ def process_node(gpus: int = 2) -> NodeInventory:
         GpuDevice(index=i, uuid=f"GPU-{NODE}-{i}", model="H100", memory_mib=81920) for i in range(gpus)))
 
 
-@asynccontextmanager
-async def agent(url: str, data: Path, gpu: SimGpuBackend | None = None, instance: str = "0",
-                grace_s: float = 1.0, checkpoint_root: str | None = None) -> AsyncIterator[ExecutorAgent]:
-    bus = await Bus.connect(url, name=f"executor-{instance}")
-    a = ExecutorAgent(ExecutorCore({NODE: process_node()}), bus, ProcessDriver(NODE, data), gpu=gpu,
-                      instance=instance, reconcile_s=0.1, grace_s=grace_s, heartbeat_s=1.0,
-                      checkpoint_root=checkpoint_root)
-    a.runtime.fetch_timeout_s = 0.05
-    await a.start()
-    task = asyncio.create_task(a.run())
-    try:
-        yield a
-    finally:
-        a.stop()
-        await task
-        await bus.close()
+def agent(url: str, data: Path, gpu: SimGpuBackend | None = None, instance: str = "0",
+          grace_s: float = 1.0, checkpoint_root: str | None = None) -> Any:
+    return agent_running(url, f"executor-{instance}", lambda bus: ExecutorAgent(
+        ExecutorCore({NODE: process_node()}), bus, ProcessDriver(NODE, data), gpu=gpu, instance=instance,
+        reconcile_s=0.1, grace_s=grace_s, heartbeat_s=1.0, checkpoint_root=checkpoint_root))
 
 
 def control_cores() -> list[Any]:

@@ -26,7 +26,7 @@ from gpufleet.services.placer.core import PlacerCore
 from gpufleet.services.quota.core import QuotaCore
 from gpufleet.shared.bus import Bus
 
-from .helpers import job_status, read_log, running, submit_cmd, wait_until
+from .helpers import agent_running, job_status, read_log, running, submit_cmd, wait_until
 from .test_telemetry import node, of_type, telemetry, wait_for_type
 
 STEPS = 40
@@ -55,21 +55,11 @@ def expected(steps: int) -> int:
     return x
 
 
-@asynccontextmanager
-async def proc_executor(url: str, name: str, data: Path, root: Path) -> AsyncIterator[ExecutorAgent]:
-    bus = await Bus.connect(url, name=f"executor-{name}")
+def proc_executor(url: str, name: str, data: Path, root: Path) -> Any:
     inv = node(name).model_copy(update={"driver": "process"})
-    a = ExecutorAgent(ExecutorCore({name: inv}), bus, ProcessDriver(name, data / name), instance=name,
-                      heartbeat_s=0.3, reconcile_s=0.1, grace_s=0.5, checkpoint_root=str(root))
-    a.runtime.fetch_timeout_s = 0.05
-    await a.start()
-    task = asyncio.create_task(a.run())
-    try:
-        yield a
-    finally:
-        a.stop()
-        await task
-        await bus.close()
+    return agent_running(url, f"executor-{name}", lambda bus: ExecutorAgent(
+        ExecutorCore({name: inv}), bus, ProcessDriver(name, data / name), instance=name,
+        heartbeat_s=0.3, reconcile_s=0.1, grace_s=0.5, checkpoint_root=str(root)))
 
 
 @asynccontextmanager

@@ -22,7 +22,7 @@ from gpufleet.services.telemetry.core import Rules, TelemetryCore
 from gpufleet.shared.bus import Bus
 from gpufleet.shared.events import Envelope, GpuDevice, NodeInventory
 
-from .helpers import job_status, read_log, running, submit_cmd, wait_until
+from .helpers import agent_running, job_status, read_log, running, submit_cmd, wait_until
 
 RULES = Rules(lease_s=1.5, idle_pct=5.0, idle_after_s=0.5, starved_after_s=0.5)
 
@@ -32,34 +32,14 @@ def node(name: str, gpus: int = 2) -> NodeInventory:
         GpuDevice(index=i, uuid=f"GPU-{name}-{i}", model="H100", memory_mib=81920) for i in range(gpus)))
 
 
-@asynccontextmanager
-async def executor(url: str, nodes: dict[str, NodeInventory], instance: str) -> AsyncIterator[ExecutorAgent]:
-    bus = await Bus.connect(url, name=f"executor-{instance}")
-    a = ExecutorAgent(ExecutorCore(nodes), bus, instance=instance, heartbeat_s=0.3)
-    a.runtime.fetch_timeout_s = 0.05
-    await a.start()
-    task = asyncio.create_task(a.run())
-    try:
-        yield a
-    finally:
-        a.stop()
-        await task
-        await bus.close()
+def executor(url: str, nodes: dict[str, NodeInventory], instance: str) -> Any:
+    return agent_running(url, f"executor-{instance}", lambda bus: ExecutorAgent(
+        ExecutorCore(nodes), bus, instance=instance, heartbeat_s=0.3))
 
 
-@asynccontextmanager
-async def telemetry(url: str) -> AsyncIterator[TelemetryAgent]:
-    bus = await Bus.connect(url, name="telemetry")
-    t = TelemetryAgent(TelemetryCore(RULES), bus, sample_s=0.1, lease_check_s=0.1)
-    t.runtime.fetch_timeout_s = 0.05
-    await t.start()
-    task = asyncio.create_task(t.run())
-    try:
-        yield t
-    finally:
-        t.stop()
-        await task
-        await bus.close()
+def telemetry(url: str) -> Any:
+    return agent_running(url, "telemetry", lambda bus: TelemetryAgent(
+        TelemetryCore(RULES), bus, sample_s=0.1, lease_check_s=0.1))
 
 
 @asynccontextmanager
@@ -213,20 +193,10 @@ async def test_a_lost_process_node_that_comes_back_kills_what_was_run_again_else
     def proc_node(name: str) -> NodeInventory:
         return node(name).model_copy(update={"driver": "process"})
 
-    @asynccontextmanager
-    async def proc_executor(name: str, instance: str) -> AsyncIterator[ExecutorAgent]:
-        b = await Bus.connect(nats_url, name=f"executor-{instance}")
-        a = ExecutorAgent(ExecutorCore({name: proc_node(name)}), b, ProcessDriver(name, tmp_path / name),
-                          instance=instance, heartbeat_s=0.3, reconcile_s=0.1, grace_s=0.5)
-        a.runtime.fetch_timeout_s = 0.05
-        await a.start()
-        task = asyncio.create_task(a.run())
-        try:
-            yield a
-        finally:
-            a.stop()
-            await task
-            await b.close()
+    def proc_executor(name: str, instance: str) -> Any:
+        return agent_running(nats_url, f"executor-{instance}", lambda b: ExecutorAgent(
+            ExecutorCore({name: proc_node(name)}), b, ProcessDriver(name, tmp_path / name),
+            instance=instance, heartbeat_s=0.3, reconcile_s=0.1, grace_s=0.5))
 
     marker = tmp_path / "attempts"
     job = submit_cmd({"name": "p", "tenant": "acme", "type": "batch", "resources": {"gpu": 1},

@@ -26,7 +26,7 @@ from gpufleet.shared.checkpoints import location as checkpoint_location
 from gpufleet.shared.events import SYS_TENANT, Envelope, NodeHeartbeat, utc
 from gpufleet.shared.gpu import GpuBackend
 from gpufleet.shared.ids import derive_id
-from gpufleet.shared.runtime import Ctx, ServiceRuntime
+from gpufleet.shared.runtime import Ctx, ServiceRuntime, every
 
 from .core import (
     Action,
@@ -116,15 +116,7 @@ class ExecutorAgent:
                 await self.driver.close()
 
     async def _every(self, period_s: float, fn: Callable[[], Any]) -> None:
-        while not self._stop.is_set():
-            try:
-                await fn()
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # noqa: BLE001 - a failed round is retried on the next one
-                log.exception("%s failed; retrying in %.1fs", getattr(fn, "__name__", fn), period_s)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stop.wait(), period_s)
+        await every(self._stop, period_s, fn, self.runtime.actor)
 
     # ------------------------------------------------------------ heartbeats
 

@@ -10,7 +10,6 @@ embedded mesh sets `<data dir>/checkpoints`); without one there is nothing to wa
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import time
@@ -18,7 +17,7 @@ from collections.abc import Callable
 
 from gpufleet.shared import checkpoints
 from gpufleet.shared.events import Envelope
-from gpufleet.shared.runtime import ServiceRuntime
+from gpufleet.shared.runtime import ServiceRuntime, every
 
 from .core import GuardianCore, GuardianState
 
@@ -44,15 +43,7 @@ class GuardianAgent:
         self._stop.set()
 
     async def run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                await self.watch_once()
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # noqa: BLE001 - the next round tries again
-                log.exception("guardian: watching checkpoints failed")
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stop.wait(), self.watch_s)
+        await every(self._stop, self.watch_s, self.watch_once, "guardian checkpoints")
 
     def location_of(self, state: GuardianState, job_id: str) -> str:
         spec = state.specs[job_id]

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections import Counter
 from typing import Any
 
 from gpufleet.shared import otel
-from gpufleet.shared.runtime import ServiceRuntime
+from gpufleet.shared.runtime import ServiceRuntime, every
 
 from .core import QuotaState
 
@@ -39,10 +38,6 @@ class QuotaMetrics:
         self._stop.set()
 
     async def run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                export(self.runtime.state)
-            except Exception:  # noqa: BLE001 - a metrics bug must not take the services down
-                log.exception("quota metrics export failed")
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stop.wait(), self.every_s)
+        async def once() -> None:
+            export(self.runtime.state)
+        await every(self._stop, self.every_s, once, "quota metrics")  # a metrics bug never takes the group down

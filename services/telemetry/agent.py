@@ -24,7 +24,7 @@ from typing import Any
 
 from gpufleet.shared.bus import Bus
 from gpufleet.shared.gpu import GpuBackend, GpuSample, SimGpuBackend, sample_doc
-from gpufleet.shared.runtime import ServiceRuntime
+from gpufleet.shared.runtime import ServiceRuntime, every
 
 from .core import JobUse, Owner, TelemetryCore, TelemetryState, Windows
 
@@ -199,15 +199,7 @@ class TelemetryAgent:
                 b.close()
 
     async def _every(self, period_s: float, fn: Callable[[], Any]) -> None:
-        while not self._stop.is_set():
-            try:
-                await fn()
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # noqa: BLE001 - the next round tries again
-                log.exception("telemetry %s failed", getattr(fn, "__name__", fn))
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stop.wait(), period_s)
+        await every(self._stop, period_s, fn, self.runtime.actor)
 
     async def check_leases(self) -> None:
         facts = self.core.check_leases(self.state, self.last_seen, self.clock(), self.runtime.ctx())
