@@ -58,25 +58,33 @@ def _stop_on_signals(stop: Callable[[], None]) -> None:
             pass
 
 
+async def _start_sidecars(runtimes: list[ServiceRuntime[Any]], bus: Bus, into: list[Any]) -> None:
+    """Start the agent each core with I/O of its own runs beside its runtime (telemetry's
+    sampling, the executor's heartbeats, the guardian's checkpoint watch, quota's gauges)."""
+    from gpufleet.services.registry import make_sidecar
+
+    for rt in runtimes:
+        side = make_sidecar(rt, bus)
+        if side is not None:
+            await side.start()
+            into.append(side)
+
+
+def _stop_all(loop: ServiceRuntime[Any] | RuntimeGroup, sidecars: list[Any]) -> None:
+    loop.stop()
+    for s in sidecars:
+        s.stop()
+
+
 async def run_core(core: Core[Any], nats_url: str, instance: str = "0", batch: int = 256,
                    ready: Callable[[ServiceRuntime[Any]], None] | None = None) -> None:
     bus = await Bus.connect(nats_url, name=f"gpufleet-{core.name}-{instance}")
     rt: ServiceRuntime[Any] = ServiceRuntime(core, bus, instance=instance, batch=batch)
     sidecars: list[Any] = []
-
-    def stop() -> None:
-        rt.stop()
-        for s in sidecars:
-            s.stop()
-    _stop_on_signals(stop)
+    _stop_on_signals(lambda: _stop_all(rt, sidecars))
     try:
         await rt.start()
-        from gpufleet.services.registry import make_sidecar
-
-        side = make_sidecar(rt, bus)
-        if side is not None:
-            await side.start()
-            sidecars.append(side)
+        await _start_sidecars([rt], bus, sidecars)
         log.info("%s ready (folded to seq %d)", rt.actor, rt.applied_seq)
         if ready:
             ready(rt)
@@ -109,21 +117,10 @@ async def run_group(cores: list[Core[Any]], nats_url: str, instance: str = "0", 
     bus = await Bus.connect(nats_url, name=f"gpufleet-group-{'-'.join(c.name for c in cores)}")
     group = RuntimeGroup(cores, bus, instance=instance, batch=batch)
     sidecars: list[Any] = []
-
-    def stop() -> None:
-        group.stop()
-        for s in sidecars:
-            s.stop()
-    _stop_on_signals(stop)
+    _stop_on_signals(lambda: _stop_all(group, sidecars))
     try:
         await group.start()
-        from gpufleet.services.registry import make_sidecar
-
-        for rt in group.runtimes:  # a core with I/O of its own (telemetry) runs its agent beside the group
-            side = make_sidecar(rt, bus)
-            if side is not None:
-                await side.start()
-                sidecars.append(side)
+        await _start_sidecars(group.runtimes, bus, sidecars)
         log.info("group %s ready", group.durable)
         await asyncio.gather(group.run(), *(s.run() for s in sidecars))
     finally:
