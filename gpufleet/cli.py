@@ -18,7 +18,7 @@ import yaml
 from gpufleet.shared.config import data_dir as resolve_data_dir
 from gpufleet.shared.config import read_mesh
 from gpufleet.shared.errors import GpufleetError, SpecError
-from gpufleet.shared.events import TERMINAL_JOB_TYPES, Envelope, JobQueued
+from gpufleet.shared.events import Envelope
 from gpufleet.shared.spec import load_spec_yaml
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="gpufleet: a control plane for GPU clusters, on one event log.")
@@ -455,10 +455,10 @@ def explain(job_id: str, data_dir: DataDir = None, as_json: JsonOut = False) -> 
     if not hist:
         typer.echo(f"no events for job {job_id}", err=True)
         raise typer.Exit(1)
-    from gpufleet.shared.view import interruptions
+    from gpufleet.shared.view import interruptions, pending_reasons
 
     its = interruptions(hist)
-    pending = _pending_reasons(hist)
+    pending = pending_reasons(hist)
     if as_json:
         _print_json({"job_id": job_id,
                      "events": [{"seq": s, **e.model_dump(mode="json", exclude_none=True)} for s, e in hist],
@@ -471,44 +471,6 @@ def explain(job_id: str, data_dir: DataDir = None, as_json: JsonOut = False) -> 
         typer.echo(it.line())
     for p in pending:
         typer.echo(p["text"])
-
-
-def _pending_reasons(hist: list[tuple[int, Any]]) -> list[dict[str, Any]]:
-    """Why a job still waits, each statement with the sequence number of the event it comes from."""
-    out: list[dict[str, Any]] = []
-    last_seq, last = hist[-1]
-    if last.type in TERMINAL_JOB_TYPES:
-        return out
-    why = [(s, e) for s, e in hist if e.type in ("job.queued", "job.unschedulable")]
-    if why and why[-1][0] > max((s for s, e in hist if e.type in ("job.quota_reserved", "job.placed")), default=0):
-        seq, env = why[-1]
-        reasons = [env.payload.reason] if isinstance(env.payload, JobQueued) and env.payload.reason else \
-            list(getattr(env.payload, "reasons", ()))
-        kind = "quota" if env.type == "job.queued" else "placement"
-        filtered = getattr(env.payload, "filtered", {}) or {}
-        for r in reasons:
-            out.append({"seq": seq, "kind": kind, "code": r.code, "message": r.message,
-                        "filtered": filtered if kind == "placement" else {},
-                        "text": f"pending ({kind}, seq {seq}): {r.message} [{r.code}]"})
-    else:
-        out.append({"seq": last_seq, "kind": "last_event", "code": last.type, "message": "",
-                    "text": f"pending: last event {last.type} (seq {last_seq})"})
-    held = [(s, e) for s, e in hist if e.type == "job.backfill_reserved"]
-    if held and not any(e.type == "job.placed" for _, e in hist):
-        seq, env = held[-1]
-        p = env.payload
-        out.append({"seq": seq, "kind": "backfill", "code": "backfill_reserved", "message": "",
-                    "nodes": list(getattr(p, "nodes", ())), "estimated_start": str(getattr(p, "estimated_start", "")),
-                    "text": f"backfill reservation (seq {seq}): nodes {', '.join(getattr(p, 'nodes', ()))} held for it "
-                            f"from {getattr(p, 'estimated_start', '?')}; smaller jobs run there only if they end before"})
-    preempt = [(s, e) for s, e in hist if e.type == "job.preemption_requested"]
-    if preempt and preempt[-1][0] > max((s for s, e in hist if e.type == "job.placed"), default=0):
-        seq, env = preempt[-1]
-        p = env.payload
-        out.append({"seq": seq, "kind": "preempted", "code": p.reason.code, "message": p.reason.message,
-                    "by_job_id": p.by_job_id,
-                    "text": f"preempted (seq {seq}) by {p.by_job_id or 'policy'}: {p.reason.message}"})
-    return out
 
 
 def _mesh_config(data_dir: str | None) -> Any:

@@ -5,9 +5,10 @@ The server folds FLEET from the start (an ordered consumer) into a `Board`, and 
     GET /              one HTML page (plain JS): cluster map, queues, live event feed, job pages
     GET /state         the board as JSON: nodes with each GPU (free, allocated to a job, unhealthy,
                        quarantined), queues, jobs by status
-    GET /events        server-sent events: every new log event as it is folded (and a `state`
-                       event after it), so the page updates without reload
-    GET /job/<id>      the job's timeline and its interruptions (what `gpufleet explain` says)
+    GET /events        server-sent events: every new log event as it is folded, and the `state`
+                       (at most every 0.25 s), so the page updates without reload
+    GET /#job/<id>     the page with that job open (its page follows the job live)
+    GET /job/<id>      the job's timeline, its interruptions and why it waits (what `gpufleet explain` says)
 """
 
 from __future__ import annotations
@@ -31,11 +32,13 @@ from gpufleet.shared.events import (
     NodeRegistered,
     parse_envelope,
 )
-from gpufleet.shared.view import ClusterView, apply, interruptions
+from gpufleet.shared.view import ClusterView, apply, interruptions, pending_reasons
 
 log = logging.getLogger(__name__)
 ENDED = ("job.succeeded", "job.failed", "job.cancelled", "job.preempted", "job.rejected")
 FEED = 500
+RECENT = 40  # jobs in the page's job table, the most recently active first
+STATE_EVERY_S = 0.25  # a page gets the whole state at most this often (it is big at 5,000 nodes)
 
 
 @dataclass
@@ -50,6 +53,7 @@ class Board:
     reserved: dict[str, tuple[str, int]] = field(default_factory=dict)  # job -> (queue, gpus)
     history: dict[str, list[tuple[int, Envelope]]] = field(default_factory=dict)  # job -> its events
     feed: list[dict[str, Any]] = field(default_factory=list)
+    recent: dict[str, None] = field(default_factory=dict)  # job ids, least recently active first
 
     def fold(self, seq: int, env: Envelope) -> None:
         apply(self.view, env, seq)
@@ -86,6 +90,11 @@ class Board:
             self._unreserve(env.job_id)
         if env.job_id:
             self.history.setdefault(env.job_id, []).append((seq, env))
+            self.recent.pop(env.job_id, None)
+            self.recent[env.job_id] = None
+            if len(self.recent) > 4 * RECENT:
+                for old in list(self.recent)[: len(self.recent) - RECENT]:
+                    del self.recent[old]
         self.feed.append(event_doc(seq, env))
         del self.feed[:-FEED]
 
@@ -134,7 +143,13 @@ class Board:
                   for q, v in sorted(self.queues.items())]
         queues += [{"queue": q, "gpus_used": 0, "running_or_placed": 0, "pending": n}
                    for q, n in sorted(pending.items()) if q not in self.queues]
-        return {"seq": self.view.seq, "nodes": nodes, "queues": queues, "jobs": by_status}
+        recent = []
+        for job_id in reversed(list(self.recent)[-RECENT:]):
+            jr = self.view.jobs.get(job_id)
+            if jr is not None:
+                recent.append({"job_id": job_id, "tenant": jr.tenant, "queue": jr.queue, "name": jr.name,
+                               "status": jr.status, "gpus": jr.gpus, "nodes": jr.node_ids, "reason": jr.reason})
+        return {"seq": self.view.seq, "nodes": nodes, "queues": queues, "jobs": by_status, "recent": recent}
 
     def job(self, job_id: str) -> dict[str, Any] | None:
         hist = self.history.get(job_id)
@@ -143,7 +158,8 @@ class Board:
         row = self.view.jobs.get(job_id)
         return {"job_id": job_id, "status": row.status if row else "?", "reason": row.reason if row else "",
                 "timeline": [event_doc(s, e) for s, e in hist],
-                "interruptions": [i.line() for i in interruptions(hist)]}
+                "interruptions": [i.line() for i in interruptions(hist)],
+                "pending": [r["text"] for r in pending_reasons(hist)]}
 
 
 def event_doc(seq: int, env: Envelope) -> dict[str, Any]:
@@ -159,6 +175,21 @@ class Dashboard:
         self.board = Board()
         self.clients: set[asyncio.Queue[bytes]] = set()
         self._sub: Any = None
+        self._dirty = asyncio.Event()
+
+    async def push_state(self) -> None:
+        """Send the state to every page after a change, at most every STATE_EVERY_S."""
+        while True:
+            await self._dirty.wait()
+            self._dirty.clear()
+            if self.clients:
+                self._send(sse("state", self.board.state()))
+            await asyncio.sleep(STATE_EVERY_S)
+
+    def _send(self, data: bytes) -> None:
+        for q in list(self.clients):
+            if q.qsize() < 1000:
+                q.put_nowait(data)
 
     async def follow(self) -> None:
         """Fold the stream from its start, then live; tell every connected page."""
@@ -173,10 +204,8 @@ class Dashboard:
             seq = msg.metadata.sequence.stream
             self.board.fold(seq, env)
             if self.clients:
-                data = sse("event", event_doc(seq, env)) + sse("state", self.board.state())
-                for q in list(self.clients):
-                    if q.qsize() < 1000:
-                        q.put_nowait(data)
+                self._send(sse("event", event_doc(seq, env)))
+            self._dirty.set()
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -234,7 +263,15 @@ async def respond(writer: asyncio.StreamWriter, status: int, ctype: str, body: b
 
 async def serve(bus: Any, host: str = "127.0.0.1", port: int = 8080) -> tuple[Dashboard, asyncio.Server, asyncio.Task[None]]:
     dash = Dashboard(bus)
-    follow = asyncio.create_task(dash.follow())
+
+    async def run() -> None:
+        pusher = asyncio.create_task(dash.push_state())
+        try:
+            await dash.follow()
+        finally:
+            pusher.cancel()
+
+    follow = asyncio.create_task(run())
     server = await asyncio.start_server(dash.handle, host, port)
     return dash, server, follow
 
@@ -252,34 +289,52 @@ a{color:#1155cc;cursor:pointer}
 <b>gpufleet</b> <span id="seq"></span> <span id="jobs"></span>
 <h2>Cluster</h2><div id="map"></div>
 <h2>Queues</h2><table id="queues"></table>
+<h2>Jobs</h2><table id="recent"></table>
 <h2>Events <input id="filter" placeholder="filter: type, job, node, tenant"></h2><div id="feed"></div>
 <h2 id="jobtitle"></h2><div id="job"></div>
 <script>
 const $ = id => document.getElementById(id), esc = s => String(s ?? "").replace(/[&<>"]/g, c => "&#" + c.charCodeAt(0) + ";");
 function drawState(s){
-  $("seq").textContent = "seq " + s.seq; $("jobs").textContent = JSON.stringify(s.jobs);
+  $("seq").textContent = "seq " + s.seq;
+  $("jobs").textContent = Object.entries(s.jobs).map(([k, v]) => k + " " + v).join(" · ");
   $("map").innerHTML = s.nodes.map(n => `<div class="node ${esc(n.status)}" title="${esc(n.node_id)} ${esc(n.status)}">`
     + `${esc(n.node_id)} <small>${esc(n.model)}</small><br>` + n.gpus.map(g => `<span class="gpu ${g.state}" `
     + `title="GPU ${g.gpu}: ${g.state} ${esc(g.job || g.why.join(","))}"></span>`).join("") + `</div>`).join("");
   $("queues").innerHTML = "<tr><th>queue</th><th>GPUs used</th><th>placed</th><th>pending</th></tr>" + s.queues.map(q =>
     `<tr><td>${esc(q.queue)}</td><td>${q.gpus_used}</td><td>${q.running_or_placed}</td><td>${q.pending}</td></tr>`).join("");
+  $("recent").innerHTML = "<tr><th>job</th><th>tenant</th><th>queue</th><th>status</th><th>GPUs</th><th>nodes</th><th>why</th></tr>"
+    + (s.recent || []).map(j => `<tr class="job" data-job="${esc(j.job_id)}" data-status="${esc(j.status)}">`
+    + `<td><a onclick="job('${esc(j.job_id)}')">${esc(j.job_id)}</a> <small>${esc(j.name)}</small></td><td>${esc(j.tenant)}</td>`
+    + `<td>${esc(j.queue)}</td><td class="status">${esc(j.status)}</td><td>${j.gpus}</td><td>${esc(j.nodes.join(" "))}</td>`
+    + `<td><small>${esc(j.reason)}</small></td></tr>`).join("");
 }
+function shown(row){ const f = $("filter").value.trim(); return !f || row.dataset.text.includes(f); }
 function addEvent(e){
-  const f = $("filter").value.trim(), text = [e.type, e.job_id, e.node_id, e.tenant].join(" ");
-  if (f && !text.includes(f)) return;
   const row = document.createElement("div");
+  row.dataset.text = [e.type, e.job_id, e.node_id, e.tenant].join(" ");
+  row.hidden = !shown(row);
   row.innerHTML = `${e.seq} ${esc(e.at.slice(11, 23))} ${esc(e.type)} ` + (e.job_id ? `<a onclick="job('${esc(e.job_id)}')">${esc(e.job_id)}</a>` : esc(e.node_id));
   $("feed").prepend(row);
   while ($("feed").childNodes.length > 1000) $("feed").lastChild.remove();
+  if (e.job_id && e.job_id === openJob) job(openJob);  // the open job page follows the job live
 }
+let openJob = null;
 async function job(id){
-  const r = await fetch("/job/" + id);
+  openJob = id;
+  if (location.hash !== "#job/" + id) history.replaceState(null, "", "#job/" + id);
+  const r = await fetch("/job/" + encodeURIComponent(id));
+  if (id !== openJob) return;
   if (!r.ok) { $("jobtitle").textContent = "Job " + id + ": no events"; $("job").innerHTML = ""; return; }
   const d = await r.json();
+  if (id !== openJob) return;
+  $("jobtitle").dataset.status = d.status;
   $("jobtitle").textContent = "Job " + id + ": " + d.status + " " + (d.reason || "");
-  $("job").innerHTML = d.interruptions.map(l => `<div><b>${esc(l)}</b></div>`).join("")
+  $("job").innerHTML = (d.pending || []).map(l => `<div class="why"><b>${esc(l)}</b></div>`).join("")
+    + d.interruptions.map(l => `<div><b>${esc(l)}</b></div>`).join("")
     + d.timeline.map(e => `<div>${e.seq} ${esc(e.at.slice(11, 23))} ${esc(e.type)} <small>${esc(JSON.stringify(e.payload))}</small></div>`).join("");
 }
+$("filter").addEventListener("input", () => { for (const row of $("feed").children) row.hidden = !shown(row); });
+if (location.hash.startsWith("#job/")) job(decodeURIComponent(location.hash.slice(5)));
 const es = new EventSource("/events");
 es.addEventListener("state", m => drawState(JSON.parse(m.data)));
 es.addEventListener("event", m => addEvent(JSON.parse(m.data)));

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .events import (
+    TERMINAL_JOB_TYPES,
     Envelope,
     JobCancelled,
     JobCancelRequested,
@@ -270,4 +271,42 @@ def interruptions(history: list[tuple[int, Envelope]]) -> list[Interruption]:
                 allocs = getattr(placed, "allocations", ())
                 out[-1].next_node = ",".join(sorted({a.node_id for a in allocs}))
                 out[-1].next_seq = seq
+    return out
+
+
+def pending_reasons(hist: list[tuple[int, Any]]) -> list[dict[str, Any]]:
+    """Why a job still waits, each statement with the sequence number of the event it comes from."""
+    out: list[dict[str, Any]] = []
+    last_seq, last = hist[-1]
+    if last.type in TERMINAL_JOB_TYPES:
+        return out
+    why = [(s, e) for s, e in hist if e.type in ("job.queued", "job.unschedulable")]
+    if why and why[-1][0] > max((s for s, e in hist if e.type in ("job.quota_reserved", "job.placed")), default=0):
+        seq, env = why[-1]
+        reasons = [env.payload.reason] if isinstance(env.payload, JobQueued) and env.payload.reason else \
+            list(getattr(env.payload, "reasons", ()))
+        kind = "quota" if env.type == "job.queued" else "placement"
+        filtered = getattr(env.payload, "filtered", {}) or {}
+        for r in reasons:
+            out.append({"seq": seq, "kind": kind, "code": r.code, "message": r.message,
+                        "filtered": filtered if kind == "placement" else {},
+                        "text": f"pending ({kind}, seq {seq}): {r.message} [{r.code}]"})
+    else:
+        out.append({"seq": last_seq, "kind": "last_event", "code": last.type, "message": "",
+                    "text": f"pending: last event {last.type} (seq {last_seq})"})
+    held = [(s, e) for s, e in hist if e.type == "job.backfill_reserved"]
+    if held and not any(e.type == "job.placed" for _, e in hist):
+        seq, env = held[-1]
+        p = env.payload
+        out.append({"seq": seq, "kind": "backfill", "code": "backfill_reserved", "message": "",
+                    "nodes": list(getattr(p, "nodes", ())), "estimated_start": str(getattr(p, "estimated_start", "")),
+                    "text": f"backfill reservation (seq {seq}): nodes {', '.join(getattr(p, 'nodes', ()))} held for it "
+                            f"from {getattr(p, 'estimated_start', '?')}; smaller jobs run there only if they end before"})
+    preempt = [(s, e) for s, e in hist if e.type == "job.preemption_requested"]
+    if preempt and preempt[-1][0] > max((s for s, e in hist if e.type == "job.placed"), default=0):
+        seq, env = preempt[-1]
+        p = env.payload
+        out.append({"seq": seq, "kind": "preempted", "code": p.reason.code, "message": p.reason.message,
+                    "by_job_id": p.by_job_id,
+                    "text": f"preempted (seq {seq}) by {p.by_job_id or 'policy'}: {p.reason.message}"})
     return out
