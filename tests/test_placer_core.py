@@ -16,6 +16,7 @@ from gpufleet.shared.events import (
     GpuDevice,
     JobBackfillReserved,
     JobPlaced,
+    JobUnschedulable,
     NodeDatasetsCached,
     NodeInventory,
     NodeRegistered,
@@ -156,9 +157,16 @@ def test_the_head_job_gets_a_reservation_and_small_jobs_only_use_the_holes() -> 
     # n3 is free now, but reserved from 1 h: a 30-min job runs there, a 2-hour one does not
     short = allocs(place(h, make_job().gpus(4).max_runtime("30m"), "short"))
     assert short[0].node_id == "n3"
-    assert not any(isinstance(e.payload, JobPlaced) for e in place(h, make_job().gpus(4).max_runtime("2h"), "long"))
-    # the short job ends; then r1 ends, on time, and the head starts, as estimated
-    h.when(exited("short", "n3"), T0 + timedelta(minutes=30))
+    out = place(h, make_job().gpus(4).max_runtime("2h"), "long")
+    assert not any(isinstance(e.payload, JobPlaced) for e in out)
+    # ...and it is told why, naming the job the nodes are held for (explain reads this)
+    (why,) = [e.payload for e in out if isinstance(e.payload, JobUnschedulable)]
+    assert [r.code for r in why.reasons] == ["backfill_reservation"] and "held for head" in why.reasons[0].message
+    assert why.filtered == {"backfill_reservation": 2}
+    # the short job ends: "long" is tried again, still waits, and does not say it again
+    out = h.when(exited("short", "n3"), T0 + timedelta(minutes=30))
+    assert not [e for e in out if e.job_id == "long"]
+    # then r1 ends, on time, and the head starts, as estimated
     out = h.when(exited("r1", "n1"), T0 + timedelta(hours=1))
     assert [e.job_id for e in out if isinstance(e.payload, JobPlaced)] == ["head"]
     assert {a.node_id for a in allocs(out)} == {"n1", "n3"}

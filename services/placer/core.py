@@ -466,8 +466,8 @@ class PlacerCore(BaseCore[PlacerState]):
             # backfill: keep off the head job's nodes, unless this job ends before the head starts
             trial = plan.fork()
             allocs = self.plan(state, spec, trial, avoid=frozenset(res.nodes))
-            if allocs is None:
-                return []  # it would delay the reserved job: it waits
+            if allocs is None:  # it would delay the reserved job: it waits, and says so (once per reservation)
+                return self._backfill_wait(state, job_id, spec, res, ctx)
         if allocs is not None:
             plan.nodes, plan.mig_taken = trial.nodes, trial.mig_taken
             # The runtime evolves this output at once, so the next decision sees the GPUs taken.
@@ -496,6 +496,20 @@ class PlacerCore(BaseCore[PlacerState]):
         ), tenant=spec.tenant, key=f"unsched:{job_id}:{len(state.nodes)}:{message}")]
 
     # ------------------------------------------------------------ backfill
+
+    def _backfill_wait(self, state: PlacerState, job_id: str, spec: JobSpec, res: Reservation,
+                       ctx: Ctx) -> list[Envelope]:
+        """`job.unschedulable` for a job that fits only where the head job's reservation is."""
+        reason = Reason(code="backfill_reservation", message=(
+            f"it fits now only on nodes held for {res.job_id} from {utc(res.start_s).isoformat(timespec='seconds')} "
+            f"({', '.join(res.nodes)}); with a max runtime of {spec.max_runtime_s:.0f} s it would delay that "
+            f"job's start (EASY backfill)"))
+        if state.unschedulable_said.get(job_id) == reason.message:
+            return []
+        return [ctx.emit(JobUnschedulable(job_id=job_id, reasons=(reason,),
+                                          filtered={"backfill_reservation": len(res.nodes)},
+                                          nodes_total=len(state.nodes)),
+                         tenant=spec.tenant, key=f"unsched:{job_id}:backfill:{res.job_id}:{int(res.start_s)}")]
 
     def _reserve(self, state: PlacerState, job_id: str, spec: JobSpec, ctx: Ctx, now: float) -> list[Envelope]:
         """Reserve for the head job (the oldest waiting one): nodes and an estimated start."""
