@@ -389,6 +389,8 @@ def sim(scenario: Annotated[Path, typer.Argument(exists=True, dir_okay=False, he
         typer.echo(f"jobs {doc['jobs']}; wait p50 {doc['wait_p50_s']} s, p95 {doc['wait_p95_s']} s; "
                    f"GPU allocation {doc['gpu_allocation_pct']} %; preemptions {doc['preemptions']}, "
                    f"resumes {doc['resumes']}, nodes lost {doc['nodes_lost']}")
+        if any(doc["chaos"].values()):
+            typer.echo("chaos from the seed: " + ", ".join(f"{k} {v}" for k, v in doc["chaos"].items()))
         typer.echo("audit: " + ("every invariant holds" if doc["audit"]["ok"] else
                                 f"{len(doc['audit']['violations'])} violation(s): {doc['audit']['violations'][0]}"))
     if not doc["audit"]["ok"]:

@@ -25,6 +25,16 @@ Scenario (YAML; examples/sim/):
       - {at: 70m, duplicate: job.placed}   # the next such event is delivered twice to everyone
       - {at: 80m, delay: {service: quota, by: 5m}}   # a slow service: it consumes nothing for 5 min,
                                                      # then catches up, in order
+      - {at: 90m, cordon: h06}             # and uncordon: h06; gpu_cleared: {node: h05, gpu: 1}
+      - {at: 95m, cancel: small-0003}      # a user cancels a job (cancel: {job: J, tenant: T})
+    chaos:                       # delivery faults drawn from the seed, per delivery of an event to
+      duplicate: 0.01            #   a service: delivered twice (decided again, as a redelivery)
+      delay: 0.005               #   the service stalls for delay_by, then catches up in order
+      delay_by: 20s
+      restart: 0.001             #   the service restarts (folds the log again) before the delivery
+
+With chaos, the seed decides which deliveries go wrong: a seed that breaks an invariant (the
+report's audit) is a regression test as it stands — same seed, same faults, same log.
 """
 
 from __future__ import annotations
@@ -52,10 +62,14 @@ from gpufleet.shared.clusterconfig import ClusterConfig, parse_config
 from gpufleet.shared.events import (
     SYS_TENANT,
     TERMINAL_JOB_TYPES,
+    CancelRequestedCmd,
     Envelope,
+    NodeCordoned,
+    NodeGpuCleared,
     NodeGpuUnhealthy,
     NodeGpuZombieDetected,
     NodeInventory,
+    NodeUncordoned,
     SubmitRequested,
     utc,
 )
@@ -88,6 +102,24 @@ class Fault:
     arg: Any
 
 
+@dataclass(frozen=True)
+class Chaos:
+    """Per-delivery probabilities of delivery faults, drawn from the scenario's seed."""
+
+    duplicate: float = 0.0
+    delay: float = 0.0
+    delay_by: float = 20.0
+    restart: float = 0.0
+
+    @property
+    def on(self) -> bool:
+        return bool(self.duplicate or self.delay or self.restart)
+
+
+FAULT_KINDS = ("node_lost", "gpu_unhealthy", "zombie", "gpu_cleared", "cordon", "uncordon", "cancel", "restart",
+               "duplicate", "delay")
+
+
 @dataclass
 class Scenario:
     nodes: dict[str, NodeInventory]
@@ -96,6 +128,7 @@ class Scenario:
     config: ClusterConfig
     until: float | None
     seed: int
+    chaos: Chaos = field(default_factory=Chaos)
 
 
 def _dur(v: Any, where: str) -> float:
@@ -142,9 +175,18 @@ def load_scenario(doc: dict[str, Any], seed: int | None = None) -> Scenario:
             submits.append(Submit(at + k * every, job_id, spec["tenant"], spec))
     faults = []
     for i, f in enumerate(doc.get("faults") or []):
-        kinds = [k for k in ("node_lost", "gpu_unhealthy", "zombie", "restart", "duplicate", "delay") if k in f]
+        kinds = [k for k in FAULT_KINDS if k in f] if isinstance(f, dict) else []
         if len(kinds) != 1:
-            raise ScenarioError(f"faults[{i}]: one of node_lost, gpu_unhealthy, zombie, restart, duplicate, delay")
+            raise ScenarioError(f"faults[{i}]: one of {', '.join(FAULT_KINDS)}")
+        if kinds[0] in ("gpu_unhealthy", "zombie", "gpu_cleared") and (
+                not isinstance(f[kinds[0]], dict) or "node" not in f[kinds[0]] or "gpu" not in f[kinds[0]]):
+            raise ScenarioError(f"faults[{i}].{kinds[0]}: {{node: NODE, gpu: INDEX}}")
+        if kinds[0] == "cancel":
+            c = f["cancel"]
+            c = {"job": c} if isinstance(c, str) else c
+            if not isinstance(c, dict) or "job" not in c:
+                raise ScenarioError(f"faults[{i}].cancel: a job id, or {{job: J, tenant: T}}")
+            f = {**f, "cancel": c}
         if kinds[0] == "delay":
             d = f["delay"]
             if not isinstance(d, dict) or "service" not in d:
@@ -153,7 +195,26 @@ def load_scenario(doc: dict[str, Any], seed: int | None = None) -> Scenario:
         faults.append(Fault(_dur(f.get("at", 0), f"faults[{i}].at"), kinds[0], f[kinds[0]]))
     until = _dur(doc["until"], "until") if "until" in doc else None
     return Scenario(nodes, sorted(submits, key=lambda s: (s.at, s.job_id)), sorted(faults, key=lambda f: f.at),
-                    config, until, seed)
+                    config, until, seed, load_chaos(doc.get("chaos")))
+
+
+def load_chaos(doc: Any) -> Chaos:
+    if doc is None:
+        return Chaos()
+    if not isinstance(doc, dict):
+        raise ScenarioError("chaos: a mapping {duplicate: P, delay: P, delay_by: DURATION, restart: P}")
+    unknown = set(doc) - {"duplicate", "delay", "delay_by", "restart"}
+    if unknown:
+        raise ScenarioError(f"chaos.{sorted(unknown)[0]}: unknown (duplicate, delay, delay_by, restart)")
+    probs = {}
+    for k in ("duplicate", "delay", "restart"):
+        try:
+            probs[k] = float(doc.get(k, 0.0))
+        except (TypeError, ValueError):
+            raise ScenarioError(f"chaos.{k}: a probability between 0 and 1, not {doc[k]!r}") from None
+        if not 0.0 <= probs[k] <= 1.0:
+            raise ScenarioError(f"chaos.{k}: a probability between 0 and 1, not {probs[k]}")
+    return Chaos(delay_by=_dur(doc.get("delay_by", "20s"), "chaos.delay_by"), **probs)
 
 
 @dataclass
@@ -177,6 +238,8 @@ class Simulation:
         self.duplicate_next: set[str] = set()
         self.duplicated: set[str] = set()
         self.redeliveries = 0
+        self.chaos_faults: dict[str, int] = {"duplicate": 0, "delay": 0, "restart": 0}
+        self.rng = random.Random(f"chaos:{scenario.seed}")  # only chaos draws from it
         self.last_event_at = EPOCH
         self.rules = Rules(lease_s=lease_s)
         self.telemetry = TelemetryCore(self.rules)
@@ -216,12 +279,18 @@ class Simulation:
             for m in self.members:
                 if self.now < m.paused_until:
                     continue
-                while m.delivered < len(self.log):
+                while m.delivered < len(self.log) and self.now >= m.paused_until:
                     env = self.log[m.delivered]
-                    m.delivered += 1
                     if not m.interest(env.subject()):
+                        m.delivered += 1
                         continue
+                    if self.sc.chaos.on and self._chaos(m):
+                        continue  # it stalls (this event waits) or restarted (then takes it)
+                    m.delivered += 1
                     times = 2 if env.type in self.duplicate_next else 1
+                    if times == 1 and self.sc.chaos.duplicate and self.rng.random() < self.sc.chaos.duplicate:
+                        times = 2
+                        self.chaos_faults["duplicate"] += 1
                     if times == 2:
                         self.duplicated.add(env.type)
                         self.redeliveries += 1
@@ -235,6 +304,27 @@ class Simulation:
                     n += 1
                     progress = True
         return n
+
+    def _chaos(self, m: _Member) -> bool:
+        """Draw this delivery's faults; True when the member stalls before it."""
+        c = self.sc.chaos
+        if c.restart and self.rng.random() < c.restart:
+            self.chaos_faults["restart"] += 1
+            self._restart(m)
+            return False
+        if c.delay and self.rng.random() < c.delay:
+            self.chaos_faults["delay"] += 1
+            m.paused_until = self.now + c.delay_by
+            return True
+        return False
+
+    def _restart(self, m: _Member) -> None:
+        m.state = m.core.initial_state()  # fold the log again, then decide as after a crash
+        m.own.clear()
+        for env in self.log[:m.delivered]:
+            if m.interest(env.subject()):
+                m.state = m.core.evolve(m.state, env)
+        self.append(m.core.on_start(m.state, self.ctx(m.core.name)), m)
 
     def tick(self) -> None:
         for m in self.members:
@@ -266,16 +356,26 @@ class Simulation:
             self.append([ctx.emit(NodeGpuZombieDetected(
                 node_id=f.arg["node"], gpu_index=int(f.arg["gpu"]), pid=int(f.arg.get("pid", 4242)),
                 used_mib=int(f.arg.get("used_mib", 4096))), tenant=SYS_TENANT, key=f"fault:{f.at}:{f.kind}:{f.arg}")])
+        elif f.kind == "gpu_cleared":
+            self.append([ctx.emit(NodeGpuCleared(node_id=f.arg["node"], gpu_index=int(f.arg["gpu"])),
+                                  tenant=SYS_TENANT, key=f"fault:{f.at}:{f.kind}:{f.arg}")])
+        elif f.kind in ("cordon", "uncordon"):
+            if f.arg not in self.sc.nodes:
+                raise ScenarioError(f"fault {f.kind}: no node {f.arg!r}")
+            payload = (NodeCordoned(node_id=str(f.arg), reason="scenario") if f.kind == "cordon"
+                       else NodeUncordoned(node_id=str(f.arg)))
+            self.append([ctx.emit(payload, tenant=SYS_TENANT, key=f"fault:{f.at}:{f.kind}:{f.arg}")])
+        elif f.kind == "cancel":
+            job_id = str(f.arg["job"])
+            tenant = str(f.arg.get("tenant") or next((s.tenant for s in self.sc.submits if s.job_id == job_id), "acme"))
+            self.append([Envelope(event_id=derive_id(f"sim:{self.sc.seed}:{job_id}", f"cancel:{f.at}"),
+                                  type="cmd.cancel", occurred_at=utc(self.now), tenant=tenant, actor="sim",
+                                  correlation_id=job_id, payload=CancelRequestedCmd(job_id=job_id))])
         elif f.kind == "restart":
             m = next((m for m in self.members if m.core.name == f.arg), None)
             if m is None:
                 raise ScenarioError(f"fault restart: no service {f.arg!r}")
-            m.state = m.core.initial_state()  # fold the log again, then decide as after a crash
-            m.own.clear()
-            for env in self.log[:m.delivered]:
-                if m.interest(env.subject()):
-                    m.state = m.core.evolve(m.state, env)
-            self.append(m.core.on_start(m.state, self.ctx(m.core.name)), m)
+            self._restart(m)
         elif f.kind == "duplicate":
             self.duplicate_next.add(str(f.arg))
         elif f.kind == "delay":
@@ -366,6 +466,7 @@ class Simulation:
             "resumes": sum(1 for e in self.log if e.type == "job.resume_requested"),
             "nodes_lost": sum(1 for e in self.log if e.type == "node.lost"),
             "redeliveries": self.redeliveries,
+            "chaos": dict(self.chaos_faults),
             "audit": {"ok": audited.ok, "violations": [v.__dict__ for v in audited.violations[:20]]},
         }
 
@@ -411,6 +512,21 @@ def scenario_from_log(history: list[tuple[int, Envelope]], config: ClusterConfig
             accepted.add(e.job_id)
         elif isinstance(p, NodeLost):
             faults.append(Fault(e.occurred_at.timestamp() - t0, "node_lost", p.node_id))
+        elif isinstance(p, NodeGpuUnhealthy | NodeGpuZombieDetected | NodeGpuCleared) and e.actor != "placer":
+            # what the hardware did, as it did (a zombie of a job's own making is not re-made in sim)
+            kind = {"node.gpu_unhealthy": "gpu_unhealthy", "node.gpu_zombie_detected": "zombie",
+                    "node.gpu_cleared": "gpu_cleared"}[p.type]
+            arg: dict[str, Any] = {"node": p.node_id, "gpu": p.gpu_index}
+            if isinstance(p, NodeGpuUnhealthy):
+                arg["reason"] = p.reason
+            elif isinstance(p, NodeGpuZombieDetected):
+                arg.update(pid=p.pid, used_mib=p.used_mib)
+            faults.append(Fault(e.occurred_at.timestamp() - t0, kind, arg))
+        elif isinstance(p, NodeCordoned | NodeUncordoned):
+            faults.append(Fault(e.occurred_at.timestamp() - t0, "cordon" if isinstance(p, NodeCordoned) else "uncordon",
+                                p.node_id))
+        elif isinstance(p, CancelRequestedCmd):
+            faults.append(Fault(e.occurred_at.timestamp() - t0, "cancel", {"job": p.job_id, "tenant": e.tenant}))
     for _, e in history:
         p = e.payload
         if isinstance(p, SubmitRequested) and p.job_id in accepted:
@@ -428,7 +544,8 @@ def scenario_from_log(history: list[tuple[int, Envelope]], config: ClusterConfig
             submits.append(Submit(round(e.occurred_at.timestamp() - t0, 3), p.job_id, e.tenant, spec))
     if nodes_override:
         nodes = nodes_override
-        faults = [f for f in faults if f.arg in nodes]
+        faults = [f for f in faults if f.kind == "cancel" or (f.arg["node"] if isinstance(f.arg, dict) else f.arg) in nodes]
+    faults.sort(key=lambda f: f.at)
     if not nodes:
         raise ScenarioError("no node registered in the log")
     return Scenario(nodes, submits, faults, config, None, 0)
