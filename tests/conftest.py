@@ -26,13 +26,39 @@ def nats_url(tmp_path: Path) -> Iterator[str]:
 
 
 @pytest.fixture
-async def bus(nats_url: str) -> AsyncIterator[Bus]:
+async def bus(nats_url: str, request: pytest.FixtureRequest) -> AsyncIterator[Bus]:
+    """A connection to the test's nats-server. After the test, `gpufleet audit`'s invariants are
+    checked over the test's whole log (mark a test `no_audit` when it breaks them on purpose)."""
     b = await Bus.connect(nats_url, name="test")
     await b.ensure_streams()
     try:
         yield b
+        if request.node.get_closest_marker("no_audit") is None and os.environ.get("GPUFLEET_AUDIT_TESTS", "1") != "0":
+            await audit_test_log(b, request)
     finally:
         await b.close()
+
+
+async def audit_test_log(b: Bus, request: pytest.FixtureRequest) -> None:
+    from gpufleet.audit import audit
+    from gpufleet.shared.events import parse_envelope
+    from gpufleet.shared.log import read_stream
+
+    if not b.nc.is_connected:
+        return
+    history = []
+    seq = 0
+    async for batch in read_stream(b, ("fleet.>",)):
+        for msg in batch:
+            seq = msg.metadata.sequence.stream
+            try:
+                history.append((seq, parse_envelope(msg.data)))
+            except Exception:  # noqa: BLE001 - bad messages are part of some tests
+                continue
+    # a job still moving when the test ends is not "waiting untold": only a job quiet for 60 s is
+    report = audit(history, getattr(request.node, "audit_config", None), pending_grace_s=60.0)
+    assert report.ok, "the test's log breaks an invariant: " + "; ".join(
+        f"{v.__dict__}" for v in report.violations[:5])
 
 
 # ---- PostgreSQL fixtures (owned by the read-model work) go below this line ----

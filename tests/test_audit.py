@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from gpufleet.audit import audit
 from gpufleet.shared.bus import Bus
 from gpufleet.shared.clusterconfig import parse_config
@@ -134,3 +136,20 @@ def test_mig_instances_are_counted_too() -> None:
                        mig("j3", "MIG-nope")))
     assert [v.message for v in report.violations] == [
         f"MIG instance {uuid} of m0 is held by j1 already", "MIG instance MIG-nope is not on m0"]
+
+
+async def _publish_double_booking(bus: Bus) -> None:
+    j2 = [e.model_copy(update={"event_id": e.event_id[:-1] + ("A" if e.event_id[-1] != "A" else "B")})
+          for e in (submitted("j2"), placed("j2", gpus=(0,)))]
+    for e in (ev(NodeRegistered(node_id=NODE, inventory=INV)), submitted("j1"), placed("j1", gpus=(0,)), *j2):
+        await bus.publish(e)  # (own event ids: the server drops a repeated one)
+
+
+@pytest.mark.no_audit
+async def test_every_test_log_is_audited_by_the_bus_fixture(bus: Bus, request: pytest.FixtureRequest) -> None:
+    """The `bus` fixture audits each test's log after it; a double-booked GPU fails the test."""
+    from .conftest import audit_test_log
+
+    await _publish_double_booking(bus)
+    with pytest.raises(AssertionError, match="gpu_capacity"):
+        await audit_test_log(bus, request)
