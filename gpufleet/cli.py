@@ -30,6 +30,8 @@ app.add_typer(bench_app, name="bench")
 T = TypeVar("T")
 DataDir = Annotated[str | None, typer.Option("--data-dir", envvar="GPUFLEET_DATA_DIR", help="the mesh's data dir")]
 JsonOut = Annotated[bool, typer.Option("--json", help="machine-readable output")]
+ConfigOpt = Annotated[Path | None, typer.Option(
+    "--config", help="cluster config with prices and budgets (default: GPUFLEET_CONFIG, else the mesh's copy)")]
 
 
 def _run(coro: Coroutine[Any, Any, T]) -> T:
@@ -167,15 +169,18 @@ def submit(
     data_dir: DataDir = None,
     as_json: JsonOut = False,
     wait: Annotated[bool, typer.Option("--wait", help="follow the job to its end, showing progress")] = False,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="submit without showing the cost estimate first")] = False,
+    config: ConfigOpt = None,
 ) -> None:
-    """Submit a job; prints its id."""
+    """Submit a job; prints its id. Shows its cost estimate first (on a terminal: and asks) unless --yes."""
     text = file.read_text()
     try:
-        load_spec_yaml(text)
+        parsed = load_spec_yaml(text)
     except SpecError as exc:
         typer.echo(f"error: invalid job spec {file}: {exc}", err=True)
         raise typer.Exit(2) from None
     spec = yaml.safe_load(text)
+    est = None if yes else _submit_estimate(parsed, data_dir, config, as_json)
 
     async def go(fleet: Any) -> str:
         from gpufleet.sdk import job_filter
@@ -187,14 +192,14 @@ def submit(
         job_id = new_job_id()
         events = fleet.watch(job_filter(job_id=job_id), from_start=True, until_terminal=job_id)
         await fleet.submit(spec, job_id=job_id)
-        typer.echo(job_id if not as_json else json.dumps({"job_id": job_id}))
+        typer.echo(job_id if not as_json else json.dumps({"job_id": job_id, **({"estimate": est} if est else {})}))
         async for seq, env in events:
             _echo_event(seq, env, as_json)
         return job_id
 
     job_id = _run(_with_fleet(data_dir, go))
     if not wait:
-        typer.echo(json.dumps({"job_id": job_id}) if as_json else job_id)
+        typer.echo(json.dumps({"job_id": job_id, **({"estimate": est} if est else {})}) if as_json else job_id)
 
 
 @app.command()
@@ -677,6 +682,175 @@ def bench_decide(
     for name, r in doc["profiles"].items():
         extra = f"  ({r['speedup_vs_every_node']}x faster than every node)" if "speedup_vs_every_node" in r else ""
         typer.echo(f"  {name:<28} median {r['median_ms']:>8} ms   p99 {r['p99_ms']:>8} ms{extra}")
+
+
+# ------------------------------------------------------------------ billing (docs/billing.md)
+
+
+def _cluster_config(data_dir: str | None, path: Path | None) -> Any:
+    """--config, else GPUFLEET_CONFIG, else the copy `gpufleet up --config` keeps in the data dir."""
+    from gpufleet.shared.clusterconfig import ClusterConfig, load_config
+
+    candidates = [path, Path(os.environ["GPUFLEET_CONFIG"]) if os.environ.get("GPUFLEET_CONFIG") else None,
+                  resolve_data_dir(data_dir) / "cluster.yaml"]
+    for c in candidates:
+        if c is not None and (c is path or c.exists()):
+            try:
+                return load_config(c)
+            except (SpecError, OSError) as exc:
+                typer.echo(f"error: cluster config {c}: {exc}", err=True)
+                raise typer.Exit(2) from None
+    return ClusterConfig()
+
+
+async def _estimate_doc(spec: Any, cfg: Any, data_dir: str | None, duration_s: float | None,
+                        with_wait: bool) -> dict[str, Any]:
+    """The estimate; the wait (and the cluster's GPU models) from the placer's fold of the log."""
+    from gpufleet.services.billing.report import estimate, expected_wait, fold
+    from gpufleet.services.placer.core import PlacerCore
+
+    if not with_wait:
+        return estimate(spec, cfg, duration_s=duration_s, wait_note="not asked: `gpufleet estimate` asks the cluster")
+    try:
+        from gpufleet.sdk import Fleet
+
+        fleet = await Fleet.connect(data_dir=data_dir)
+    except Exception as exc:  # noqa: BLE001 - no mesh: the cost alone
+        return estimate(spec, cfg, duration_s=duration_s, wait_note=f"no mesh to ask ({exc})")
+    try:
+        placer = PlacerCore(cfg)
+        [pstate] = await fold(fleet.bus, [placer])
+        models = {g.model for inv in pstate.inventories.values() for g in inv.gpus}
+        wait_s, why = expected_wait(placer, pstate, spec, time.time())
+        return estimate(spec, cfg, duration_s=duration_s, cluster_models=models, wait_s=wait_s, wait_note=why)
+    finally:
+        await fleet.close()
+
+
+def _submit_estimate(spec: Any, data_dir: str | None, config: Path | None, as_json: bool) -> dict[str, Any] | None:
+    """Before a submit: on a terminal, show the estimate (with the wait) and ask; in a script, the
+    cost goes to stderr (or into --json) without folding the log; the submit goes on."""
+    from gpufleet.services.billing.report import estimate_text
+
+    interactive = sys.stdin.isatty() and sys.stdout.isatty() and not as_json
+    try:
+        doc = _run(_estimate_doc(spec, _cluster_config(data_dir, config), data_dir, None, interactive))
+    except typer.Exit:
+        raise
+    except Exception as exc:  # noqa: BLE001 - an estimate must never stop a submit
+        typer.echo(f"(no estimate: {exc})", err=True)
+        return None
+    if as_json:
+        return doc
+    typer.echo(estimate_text(doc), err=not interactive)
+    if interactive and not typer.confirm("submit?", default=True):
+        raise typer.Exit(1)
+    return None
+
+
+@app.command()
+def estimate(
+    file: Annotated[Path, typer.Argument(exists=True, dir_okay=False, help="job spec YAML")],
+    data_dir: DataDir = None,
+    as_json: JsonOut = False,
+    duration: Annotated[str | None, typer.Option(help="how long it runs (30m, 2h; default: its maxRuntime)")] = None,
+    config: ConfigOpt = None,
+) -> None:
+    """The expected cost of a job before it is submitted, and its expected wait from the current state."""
+    from gpufleet.services.billing.report import estimate_text
+    from gpufleet.shared.spec import parse_duration_s
+
+    try:
+        spec = load_spec_yaml(file.read_text())
+    except SpecError as exc:
+        typer.echo(f"error: invalid job spec {file}: {exc}", err=True)
+        raise typer.Exit(2) from None
+    duration_s = None
+    if duration is not None:
+        try:
+            duration_s = parse_duration_s(duration)
+        except (ValueError, TypeError) as exc:
+            typer.echo(f"error: --duration: {exc}", err=True)
+            raise typer.Exit(2) from None
+        if duration_s <= 0:
+            typer.echo("error: --duration: must be more than 0", err=True)
+            raise typer.Exit(2)
+    doc = _run(_estimate_doc(spec, _cluster_config(data_dir, config), data_dir, duration_s, True))
+    if as_json:
+        _print_json(doc)
+    else:
+        typer.echo(estimate_text(doc))
+
+
+@app.command()
+def bill(
+    data_dir: DataDir = None,
+    tenant: Annotated[str | None, typer.Option(help="only this tenant")] = None,
+    since: Annotated[str | None, typer.Option(help="from: 24h (ago) or an ISO time")] = None,
+    until: Annotated[str | None, typer.Option(help="to: 1h (ago) or an ISO time (default: now)")] = None,
+    by: Annotated[str, typer.Option(help="tenant | queue | job | gpu-model")] = "tenant",
+    as_json: JsonOut = False,
+    as_csv: Annotated[bool, typer.Option("--csv", help="CSV")] = False,
+    ledger: Annotated[bool, typer.Option("--ledger", help="read the PostgreSQL ledger instead of folding the log "
+                                                            "(closed intervals only, by end time)")] = False,
+    config: ConfigOpt = None,
+) -> None:
+    """GPU-hours, cost and idle cost, folded from the log (running jobs up to now)."""
+    from datetime import UTC, datetime
+
+    from gpufleet.services.billing import report
+
+    if by not in report.BY:
+        typer.echo(f"error: --by must be one of {', '.join(report.BY)}, not {by!r}", err=True)
+        raise typer.Exit(2)
+    cfg = _cluster_config(data_dir, config)
+    t0 = datetime.fromtimestamp(_parse_time(since), UTC) if since else None
+    t1 = datetime.fromtimestamp(_parse_time(until), UTC) if until else None
+    now = datetime.now(UTC)
+    if ledger:
+        items = _run(_ledger_charges(data_dir, tenant, t0, t1))
+    else:
+        from gpufleet.services.billing.core import BillingCore
+
+        core = BillingCore(cfg, keep_charges=True)
+
+        async def go(fleet: Any) -> Any:
+            [state] = await report.fold(fleet.bus, [core])
+            return report.charges(core, state, now, tenant=tenant, since=t0, until=t1)
+
+        items = _run(_with_fleet(data_dir, go))
+    doc = report.bill_json(report.bill(items, by), by, cfg.prices.currency, tenant=tenant, since=t0, until=t1 or now,
+                           source="ledger" if ledger else "log")
+    if as_json:
+        _print_json(doc)
+    elif as_csv:
+        typer.echo(report.bill_csv(doc), nl=False)
+    else:
+        typer.echo(report.bill_text(doc))
+
+
+async def _ledger_charges(data_dir: str | None, tenant: str | None, since: Any, until: Any) -> list[Any]:
+    from collections import defaultdict
+
+    from gpufleet.services.billing.core import Charge
+    from gpufleet.services.billing.ledger import ledger_rows
+    from gpufleet.services.billing.pricing import ChargeLine
+
+    dsn = os.environ.get("GPUFLEET_PG_DSN") if not data_dir else None
+    dsn = dsn or read_mesh(data_dir).get("pg_dsn")
+    if not dsn:
+        raise GpufleetError("the mesh runs without PostgreSQL: no ledger (leave out --ledger to fold the log)")
+    grouped: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for r in await ledger_rows(dsn, tenant=tenant, since=since, until=until):
+        grouped[r["interval_key"]].append(r)
+    out = []
+    for key, rows in grouped.items():
+        r0 = rows[0]
+        out.append(Charge(key, r0["job_id"], r0["tenant"], r0["queue"], r0["replica"], r0["attempt"], r0["node_id"],
+                          r0["started_at"], r0["ended_at"], r0["ended_by"], r0["currency"], tuple(
+                              ChargeLine(r["resource"], r["quantity"], r["unit_price"], r["seconds"], r["cost"],
+                                         r["idle_seconds"], r["idle_cost"]) for r in rows)))
+    return out
 
 
 def main() -> None:

@@ -147,6 +147,8 @@ class Supervisor:
         out = open(self.logs / f"{child.name}.log", "ab")  # noqa: SIM115 - handed to the child
         # checkpoints live under the data dir (persistent), unless the environment names a root
         env = {"GPUFLEET_CHECKPOINT_ROOT": str(self.dir / "checkpoints"), **os.environ}
+        if self.pg_dsn:
+            env["GPUFLEET_PG_DSN"] = self.pg_dsn  # billing's ledger writes to it (services/billing/ledger.py)
         child.proc = subprocess.Popen(child.argv, stdout=out, stderr=subprocess.STDOUT, env=env)
         child.started_at = time.monotonic()
         out.close()

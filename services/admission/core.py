@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from decimal import Decimal
 
 from gpufleet.shared.checkpoints import ephemeral_reason
 from gpufleet.shared.clusterconfig import MAX_PAYLOAD_BYTES, ClusterConfig, TenantPolicy
 from gpufleet.shared.errors import SpecError
 from gpufleet.shared.events import (
+    BudgetExceeded,
     CancelRequestedCmd,
     Envelope,
     JobAdmitted,
@@ -57,6 +59,8 @@ class AdmissionState:
     pending: dict[str, int] = field(default_factory=dict)  # tenant -> jobs submitted, not placed / ended
     waiting: set[str] = field(default_factory=set)  # those jobs
     nodes: dict[str, NodeInventory] = field(default_factory=dict)
+    # (tenant | queue, name) -> the budget amounts billing said were exceeded (docs/billing.md)
+    budgets_exceeded: dict[tuple[str, str], set[str]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -109,6 +113,7 @@ class AdmissionCore(BaseCore[AdmissionState]):
         "fleet.evt.*.job.*.placed",
         "fleet.evt.*.job.*.succeeded", "fleet.evt.*.job.*.failed", "fleet.evt.*.job.*.cancelled",
         "fleet.evt.*.job.*.cancel_requested", "fleet.evt.*.job.*.preempted",
+        "fleet.evt.sys.budget.*.*.exceeded",
     )
 
     def __init__(self, config: ClusterConfig | None = None) -> None:
@@ -137,6 +142,9 @@ class AdmissionCore(BaseCore[AdmissionState]):
         if isinstance(p, NodeRegistered):
             state.nodes[p.node_id] = p.inventory
             self._capacity = None
+            return state
+        if isinstance(p, BudgetExceeded):
+            state.budgets_exceeded.setdefault((p.scope, p.budget), set()).add(_amount_key(p.amount))
             return state
         job_id = env.job_id
         if job_id is None or t.startswith("cmd."):
@@ -243,7 +251,8 @@ class AdmissionCore(BaseCore[AdmissionState]):
                            f"cluster config (known: {known})", "priorityClass")]
             if spec.priority != 0:
                 return spec, [_r("invalid_spec", "give priority or priorityClass, not both", "priorityClass")]
-        reasons = self._policy_reasons(spec, policy) + self._cluster_reasons(state, spec, policy)
+        reasons = (self._policy_reasons(spec, policy) + self._cluster_reasons(state, spec, policy)
+                   + self._budget_reasons(state, spec))
         if reasons:
             return spec, reasons
         return spec, self._limit_reasons(state, env.tenant, policy, ctx)
@@ -315,6 +324,20 @@ class AdmissionCore(BaseCore[AdmissionState]):
             out.append(_r("exceeds_node", f"gpuMemory {r.gpu_memory_mib // MIB}Gi is more than any GPU has", "resources.gpuMemory"))
         return out
 
+    def _budget_reasons(self, state: AdmissionState, spec: JobSpec) -> list[Reason]:
+        """Budget hold: a tenant or queue whose budget (policy `hold`, at the amount the config has
+        now) billing said was exceeded takes no new jobs; a raised budget lifts the hold."""
+        out = []
+        for scope, name, field_ in (("tenant", spec.tenant, "tenant"), ("queue", spec.queue, "queue")):
+            budget = self.config.budgets.of(scope, name)
+            if budget is None or budget.policy != "hold" or not state.budgets_exceeded:
+                continue
+            if _amount_key(budget.amount) in state.budgets_exceeded.get((scope, name), ()):
+                out.append(_r("budget_exceeded", f"the budget of {scope} {name} ({_amount_key(budget.amount)} "
+                              f"{self.config.prices.currency}) is exceeded and its policy is hold: no new jobs "
+                              "until it is raised (budgets in the cluster config)", field_))
+        return out
+
     def _limit_reasons(self, state: AdmissionState, tenant: str, policy: TenantPolicy, ctx: Ctx) -> list[Reason]:
         if state.pending.get(tenant, 0) >= policy.max_pending_jobs:
             return [_r("too_many_pending", f"{tenant} has {state.pending[tenant]} jobs waiting; the limit is "
@@ -341,3 +364,8 @@ class AdmissionCore(BaseCore[AdmissionState]):
         # Admission may lag behind the job: it only asks. The placer, which alone places jobs,
         # cancels one it has not placed; the executor stops one that runs; the guardian ends it.
         return [ctx.emit(JobCancelRequested(job_id=p.job_id, reason=p.reason, requested_by=env.actor))]
+
+
+def _amount_key(d: Decimal) -> str:
+    """One spelling per amount (100, 100.0, 1E+2 -> '100'), as billing keys its budget events."""
+    return format(d.normalize(), "f")

@@ -1,46 +1,341 @@
-"""Billing: meter allocation intervals from the log's own timestamps.
+"""Billing: meter every allocation interval from the log's own events; watch budgets.
 
-folds: allocation intervals -> GPU-seconds per tenant     decides: nothing yet (prices, the
-PostgreSQL ledger, budgets and estimates come with the billing issue)
+folds:   node inventories (GPU index -> model, MIG instance -> model and slices), placements,
+         starts, exits and job ends, idle facts, the job's queue, its own budget events
+decides: budget.threshold_reached / budget.exceeded, once per (budget, amount, threshold)
+
+An interval is one replica of one attempt of a job on its node, keyed `<job>:<replica>:<attempt>`:
+from `job.started` (the executor's timestamp: placement-to-start latency is the control plane's,
+not the job's) to the first of `job.exited` of that attempt, the job's end (succeeded, failed,
+cancelled, preempted), a resume of a later attempt, or `node.lost` of its node. A preempted job
+that is resumed has two intervals. A duplicated or replayed event finds its interval open
+already (a start) or closed (an end) and changes nothing: no sampling, no double counting.
+
+Idle cost: the GPU part of an interval while the job was idle, from `job.idle_detected` (minus
+its `idle_s`: the GPUs were idle that long when it was said) to `job.idle_ended` or the end.
+
+Budgets are checked on every event that starts or ends an interval of the tenant or queue, and
+on `tick` for what running allocations have spent so far. Each threshold is said once per
+budget amount: its event id derives from (scope, budget, amount, threshold), and the state
+folds the events said, so a redelivery, a restart or a second instance says nothing new;
+raising a budget in the config makes new thresholds to cross.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
+from decimal import Decimal
 
-from gpufleet.shared.events import Envelope, JobExited, JobPlaced, JobStarted
-from gpufleet.shared.runtime import BaseCore
+from gpufleet.shared.clusterconfig import BudgetConfig, ClusterConfig
+from gpufleet.shared.events import (
+    SYS_TENANT,
+    BudgetExceeded,
+    BudgetThresholdReached,
+    Envelope,
+    JobExited,
+    JobIdleDetected,
+    JobIdleEnded,
+    JobPlaced,
+    JobResumeRequested,
+    JobStarted,
+    JobSubmitted,
+    NodeLost,
+    NodeRegistered,
+    ReplicaAllocation,
+    _BudgetPayload,
+)
+from gpufleet.shared.ids import derive_id
+from gpufleet.shared.runtime import BaseCore, Ctx
+
+from .pricing import (
+    MONEY_Q,
+    ZERO,
+    ChargeLine,
+    Usage,
+    hourly,
+    lines,
+    mig_share,
+    money_key,
+    seconds_between,
+    share,
+    usage,
+)
+
+JOB_ENDS = ("job.succeeded", "job.failed", "job.cancelled", "job.preempted")
+Scope = tuple[str, str]  # ("tenant" | "queue", name)
+
+
+@dataclass
+class OpenInterval:
+    key: str
+    job_id: str
+    tenant: str
+    queue: str
+    replica: int
+    attempt: int
+    node_id: str
+    started_at: datetime
+    usage: Usage
+    hourly: Decimal  # what it costs per hour (budgets' running estimate)
+    idle_since: datetime | None = None
+    idle_s: Decimal = ZERO  # idle seconds of idle periods already ended
+
+
+@dataclass(frozen=True)
+class Charge:
+    """A closed interval and what it cost, line by line."""
+
+    key: str
+    job_id: str
+    tenant: str
+    queue: str
+    replica: int
+    attempt: int
+    node_id: str
+    started_at: datetime
+    ended_at: datetime
+    end: str  # what closed it: exited:<reason>, succeeded, failed, cancelled, preempted, resumed, node_lost
+    currency: str
+    lines: tuple[ChargeLine, ...]
+    open: bool = False  # a running interval charged up to a given time (reports only)
+
+    @property
+    def cost(self) -> Decimal:
+        return sum((line.cost for line in self.lines), ZERO)
+
+    @property
+    def idle_cost(self) -> Decimal:
+        return sum((line.idle_cost for line in self.lines), ZERO)
+
+    @property
+    def gpu_seconds(self) -> Decimal:
+        return sum((line.unit_seconds for line in self.lines if line.resource.startswith("gpu/")), ZERO)
+
+    @property
+    def idle_gpu_seconds(self) -> Decimal:
+        return sum((line.idle_unit_seconds for line in self.lines if line.resource.startswith("gpu/")), ZERO)
 
 
 @dataclass
 class BillingState:
-    open: dict[tuple[str, int], tuple[datetime, int]] = field(default_factory=dict)  # (job, replica) -> start, gpus
-    gpus_by_job: dict[tuple[str, int], int] = field(default_factory=dict)
-    gpu_seconds: dict[str, float] = field(default_factory=dict)  # tenant -> GPU-seconds
+    gpu_models: dict[str, dict[int, str]] = field(default_factory=dict)  # node -> GPU index -> model
+    mig_devices: dict[str, tuple[str, str]] = field(default_factory=dict)  # MIG UUID -> (model, profile)
+    queues: dict[str, str] = field(default_factory=dict)  # job -> queue
+    placements: dict[str, tuple[str, ReplicaAllocation]] = field(default_factory=dict)  # key -> tenant, allocation
+    attempts: dict[str, int] = field(default_factory=dict)  # job -> latest attempt resumed to
+    open: dict[str, OpenInterval] = field(default_factory=dict)
+    closed: set[str] = field(default_factory=set)  # keys of closed intervals: a late duplicate start reopens nothing
+    charges: list[Charge] = field(default_factory=list)  # closed intervals, in log order (kept when asked)
+    spent: dict[Scope, Decimal] = field(default_factory=dict)  # closed intervals' cost
+    intervals: int = 0  # closed intervals counted
+    crossed: set[tuple[str, str, str, int]] = field(default_factory=set)  # (scope, budget, amount, pct) said
+    touched: set[Scope] = field(default_factory=set)  # scopes the last event changed (for decide)
+
+
+def interval_key(job_id: str, replica: int, attempt: int) -> str:
+    return f"{job_id}:{replica}:{attempt}"
 
 
 class BillingCore(BaseCore[BillingState]):
     name = "billing"
-    subjects = ("fleet.evt.*.job.*.placed", "fleet.evt.*.job.*.started", "fleet.evt.*.job.*.exited")
+    subjects = (
+        "fleet.evt.sys.node.*.registered", "fleet.evt.sys.node.*.lost",
+        "fleet.evt.*.job.*.submitted", "fleet.evt.*.job.*.placed", "fleet.evt.*.job.*.started",
+        "fleet.evt.*.job.*.exited", "fleet.evt.*.job.*.succeeded", "fleet.evt.*.job.*.failed",
+        "fleet.evt.*.job.*.cancelled", "fleet.evt.*.job.*.preempted", "fleet.evt.*.job.*.resume_requested",
+        "fleet.evt.*.job.*.idle_detected", "fleet.evt.*.job.*.idle_ended",
+        "fleet.evt.sys.budget.*.*.*",
+    )
+    tick_s = 5.0
+
+    def __init__(self, config: ClusterConfig | None = None, *, keep_charges: bool = False) -> None:
+        self.config = config or ClusterConfig()
+        self.prices = self.config.prices
+        self.keep_charges = keep_charges  # the ledger and `gpufleet bill` keep every charge; the service only totals
 
     def initial_state(self) -> BillingState:
         return BillingState()
 
+    # ------------------------------------------------------------ evolve
+
     def evolve(self, state: BillingState, env: Envelope) -> BillingState:
         p = env.payload
-        job_id = env.job_id or ""
-        if isinstance(p, JobPlaced):
+        state.touched = set()
+        if isinstance(p, NodeRegistered):
+            state.gpu_models[p.node_id] = {g.index: g.model for g in p.inventory.gpus}
+            for g in p.inventory.gpus:
+                for m in g.mig_devices:
+                    state.mig_devices[m.uuid] = (g.model, m.profile)
+        elif isinstance(p, NodeLost):
+            for iv in [iv for iv in state.open.values() if iv.node_id == p.node_id]:
+                self._close(state, iv, env.occurred_at, "node_lost")
+        elif isinstance(p, JobSubmitted):
+            state.queues.setdefault(p.job_id, p.spec.queue)
+        elif isinstance(p, JobPlaced):
             for a in p.allocations:
-                state.gpus_by_job[(job_id, a.replica)] = len(a.gpu_indices)
+                state.placements.setdefault(interval_key(p.job_id, a.replica, p.attempt), (env.tenant, a))
         elif isinstance(p, JobStarted):
-            key = (job_id, p.replica)
-            state.open.setdefault(key, (env.occurred_at, state.gpus_by_job.get(key, 0)))
+            self._start(state, env, p)
         elif isinstance(p, JobExited):
-            key = (job_id, p.replica)
-            started = state.open.pop(key, None)
-            state.gpus_by_job.pop(key, None)
-            if started is not None:
-                seconds = (env.occurred_at - started[0]).total_seconds()
-                state.gpu_seconds[env.tenant] = state.gpu_seconds.get(env.tenant, 0.0) + seconds * started[1]
+            ending = state.open.get(interval_key(p.job_id, p.replica, p.attempt))
+            if ending is not None:
+                self._close(state, ending, env.occurred_at, f"exited:{p.reason}")
+        elif env.type in JOB_ENDS and env.job_id:
+            for iv in [iv for iv in state.open.values() if iv.job_id == env.job_id]:
+                self._close(state, iv, env.occurred_at, env.type.removeprefix("job."))
+            self._forget_job(state, env.job_id)
+        elif isinstance(p, JobResumeRequested):
+            attempt = state.attempts.get(p.job_id, 1) + 1
+            state.attempts[p.job_id] = attempt
+            for iv in [iv for iv in state.open.values() if iv.job_id == p.job_id and iv.attempt < attempt]:
+                self._close(state, iv, env.occurred_at, "resumed")
+        elif isinstance(p, JobIdleDetected):
+            since = env.occurred_at
+            for iv in self._of_job(state, p.job_id, p.node_id):
+                if iv.idle_since is None:
+                    back = seconds_between(iv.started_at, env.occurred_at)
+                    idle = min(Decimal(str(p.idle_s)), back) if p.idle_s > 0 else ZERO
+                    iv.idle_since = since - _timedelta(idle)
+        elif isinstance(p, JobIdleEnded):
+            for iv in self._of_job(state, p.job_id, p.node_id):
+                if iv.idle_since is not None:
+                    iv.idle_s += seconds_between(iv.idle_since, env.occurred_at)
+                    iv.idle_since = None
+        elif isinstance(p, BudgetThresholdReached | BudgetExceeded):
+            state.crossed.add(_crossing(p))
         return state
+
+    @staticmethod
+    def _of_job(state: BillingState, job_id: str, node_id: str | None) -> list[OpenInterval]:
+        return [iv for iv in state.open.values() if iv.job_id == job_id and (node_id is None or iv.node_id == node_id)]
+
+    def _start(self, state: BillingState, env: Envelope, p: JobStarted) -> None:
+        key = interval_key(p.job_id, p.replica, p.attempt)
+        if key in state.open or key in state.closed:
+            return  # a duplicate, or a late copy of a start whose interval is over
+        placed = state.placements.get(key)
+        if placed is None:
+            return  # no placement in the log: nothing was allocated to charge for
+        tenant, a = placed
+        u = self.usage_of(state, a)
+        state.open[key] = OpenInterval(
+            key=key, job_id=p.job_id, tenant=tenant, queue=state.queues.get(p.job_id, "default"), replica=p.replica,
+            attempt=p.attempt, node_id=a.node_id, started_at=env.occurred_at, usage=u, hourly=hourly(u, self.prices),
+        )
+        state.touched |= {("tenant", tenant), ("queue", state.queues.get(p.job_id, "default"))}
+
+    def usage_of(self, state: BillingState, a: ReplicaAllocation) -> Usage:
+        """What an allocation holds, by GPU model (from its node's registered inventory)."""
+        models = state.gpu_models.get(a.node_id, {})
+        gpus: dict[str, Decimal] = {}
+        for index in a.gpu_indices:
+            model = models.get(index, "unknown")
+            gpus[model] = gpus.get(model, ZERO) + share(a.gpu_milli)
+        for uuid in a.mig_devices:
+            model, profile = state.mig_devices.get(uuid, ("unknown", "1g"))
+            gpus[model] = gpus.get(model, ZERO) + mig_share(profile)
+        return usage(gpus, a.cpu_milli, a.memory_mib)
+
+    def charge_of(self, iv: OpenInterval, end: datetime, why: str, *, open_: bool = False) -> Charge:
+        seconds = seconds_between(iv.started_at, end)
+        idle = iv.idle_s + (seconds_between(iv.idle_since, end) if iv.idle_since is not None else ZERO)
+        return Charge(
+            key=iv.key, job_id=iv.job_id, tenant=iv.tenant, queue=iv.queue, replica=iv.replica, attempt=iv.attempt,
+            node_id=iv.node_id, started_at=iv.started_at, ended_at=max(end, iv.started_at), end=why,
+            currency=self.prices.currency, lines=lines(iv.usage, self.prices, seconds, idle), open=open_,
+        )
+
+    def _close(self, state: BillingState, iv: OpenInterval, end: datetime, why: str) -> None:
+        del state.open[iv.key]
+        state.closed.add(iv.key)
+        state.placements.pop(iv.key, None)
+        charge = self.charge_of(iv, end, why)
+        state.intervals += 1
+        for scope in (("tenant", iv.tenant), ("queue", iv.queue)):
+            state.spent[scope] = state.spent.get(scope, ZERO) + charge.cost
+            state.touched.add(scope)
+        if self.keep_charges:
+            state.charges.append(charge)
+
+    @staticmethod
+    def _forget_job(state: BillingState, job_id: str) -> None:
+        """An ended job's placements that never started cost nothing; drop them."""
+        for key in [k for k in state.placements if k.rsplit(":", 2)[0] == job_id]:
+            del state.placements[key]
+        state.attempts.pop(job_id, None)
+
+    # ------------------------------------------------------------ reports
+
+    def open_charges(self, state: BillingState, now: datetime) -> list[Charge]:
+        """Every running interval as if it ended `now` (for reports and budgets)."""
+        return [self.charge_of(iv, now, "running", open_=True) for iv in state.open.values()]
+
+    def spending(self, state: BillingState, scope: Scope, now: datetime) -> Decimal:
+        """Closed charges plus what the scope's running intervals cost so far."""
+        kind, name = scope
+        running = ZERO
+        for iv in state.open.values():
+            if (iv.tenant if kind == "tenant" else iv.queue) == name:
+                running += iv.hourly * seconds_between(iv.started_at, now) / Decimal(3600)
+        return state.spent.get(scope, ZERO) + running
+
+    # ------------------------------------------------------------ decide
+
+    def _budgets(self) -> list[tuple[Scope, BudgetConfig]]:
+        b = self.config.budgets
+        return [(("tenant", n), c) for n, c in b.tenants.items()] + [(("queue", n), c) for n, c in b.queues.items()]
+
+    def check_budgets(self, state: BillingState, ctx: Ctx, scopes: set[Scope] | None = None) -> list[Envelope]:
+        """An event for every threshold crossed and not said yet (all budgets, or those of `scopes`)."""
+        out: list[Envelope] = []
+        for scope, budget in self._budgets():
+            if scopes is not None and scope not in scopes:
+                continue
+            spent: Decimal | None = None
+            amount = money_key(budget.amount)
+            for pct in budget.percentages:
+                if (scope[0], scope[1], amount, pct) in state.crossed:
+                    continue
+                if spent is None:
+                    spent = self.spending(state, scope, ctx.now)
+                if spent * 100 < budget.amount * pct:
+                    break  # sorted: no higher one is reached either
+                out.append(self._crossing_event(ctx, scope, budget, pct, spent))
+        return out
+
+    def _crossing_event(self, ctx: Ctx, scope: Scope, budget: BudgetConfig, pct: int,
+                        spent: Decimal) -> Envelope:
+        kind, name = scope
+        cls = BudgetExceeded if pct >= 100 else BudgetThresholdReached
+        payload = cls(scope=kind, budget=name, amount=budget.amount,  # type: ignore[arg-type]
+                      currency=self.prices.currency, spent=spent.quantize(MONEY_Q), threshold_pct=pct,
+                      policy=budget.policy)
+        # the id depends only on what is crossed: two instances, or a re-decision, say it once
+        event_id = derive_id(f"budget:{kind}:{name}:{money_key(budget.amount)}", pct, time_ms=0)
+        return Envelope(
+            event_id=event_id, type=payload.type, occurred_at=ctx.now, tenant=SYS_TENANT,
+            causation_id=ctx.cause.event_id if ctx.cause else None,
+            correlation_id=ctx.cause.correlation_id if ctx.cause else None, actor=ctx.actor, payload=payload,
+        )
+
+    def decide(self, state: BillingState, env: Envelope, ctx: Ctx) -> list[Envelope]:
+        if not state.touched or not self.config.budgets.tenants and not self.config.budgets.queues:
+            return []
+        return self.check_budgets(state, ctx, set(state.touched))
+
+    def tick(self, state: BillingState, ctx: Ctx) -> list[Envelope]:
+        if not state.open or not self.config.budgets.tenants and not self.config.budgets.queues:
+            return []
+        return self.check_budgets(state, ctx)
+
+    def on_start(self, state: BillingState, ctx: Ctx) -> list[Envelope]:
+        return self.check_budgets(state, ctx)
+
+
+def _crossing(p: _BudgetPayload) -> tuple[str, str, str, int]:
+    return (p.scope, p.budget, money_key(p.amount), p.threshold_pct)
+
+
+def _timedelta(seconds: Decimal) -> timedelta:
+    return timedelta(microseconds=int(seconds.scaleb(6)))

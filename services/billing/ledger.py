@@ -1,0 +1,356 @@
+"""The billing ledger in PostgreSQL: one row per closed allocation interval and charge line.
+
+    FLEET ──ephemeral consumer──► BillingCore.evolve (the same fold as the service and
+    `gpufleet bill`) ──closed intervals──► INSERT ... ON CONFLICT DO NOTHING + offset, one transaction
+
+- `billing_charges`: primary key (interval_key, resource); `seq` is the stream sequence of the
+  event that closed the interval. A row is written once: a replayed or duplicated event closes
+  nothing new in the fold, and a re-written batch hits the key.
+- `billing_offsets(name, seq)`: the last stream sequence whose charges are stored, written in
+  the same transaction as the rows.
+- On start the ledger folds the log from its beginning (open intervals live only in the fold)
+  and stores only what closed after the stored offset. While PostgreSQL is down it keeps folding
+  and holds the charges in memory (up to `max_pending`, then it stops reading), retries with
+  backoff, and writes them when it is back: nothing is lost, nothing is written twice.
+- Its totals equal a fold of the log by construction; `tests/test_billing_ledger.py` checks it.
+
+PostgreSQL is never the source of truth: drop the tables and the ledger is written again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass
+from datetime import datetime
+from decimal import Decimal
+from typing import Any
+
+import asyncpg
+import nats
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+from gpufleet.shared.bus import Bus
+from gpufleet.shared.clusterconfig import ClusterConfig, load_config
+from gpufleet.shared.events import STREAM, parse_envelope
+from gpufleet.shared.subjects import SubjectFilter, consumer_filter
+
+from .core import BillingCore, BillingState, Charge
+
+log = logging.getLogger(__name__)
+
+DEFAULT_NAME = "billing-ledger"
+_SCHEMA_LOCK = 0x62696C6C_6C656467  # "bill" "ledg", an advisory lock key
+
+SCHEMA: tuple[str, ...] = (
+    "CREATE TABLE IF NOT EXISTS billing_charges ("
+    " interval_key text NOT NULL, resource text NOT NULL, seq bigint NOT NULL,"
+    " tenant text NOT NULL, queue text NOT NULL, job_id text NOT NULL, replica int NOT NULL, attempt int NOT NULL,"
+    " node_id text NOT NULL, started_at timestamptz NOT NULL, ended_at timestamptz NOT NULL, ended_by text NOT NULL,"
+    " quantity numeric NOT NULL, unit_price numeric NOT NULL, seconds numeric NOT NULL, cost numeric NOT NULL,"
+    " idle_seconds numeric NOT NULL, idle_cost numeric NOT NULL, currency text NOT NULL,"
+    " PRIMARY KEY (interval_key, resource))",
+    "CREATE INDEX IF NOT EXISTS billing_charges_tenant_end ON billing_charges (tenant, ended_at)",
+    "CREATE INDEX IF NOT EXISTS billing_charges_seq ON billing_charges (seq)",
+    "CREATE TABLE IF NOT EXISTS billing_offsets (name text PRIMARY KEY, seq bigint NOT NULL)",
+)
+COLUMNS = ("interval_key", "resource", "seq", "tenant", "queue", "job_id", "replica", "attempt", "node_id",
+           "started_at", "ended_at", "ended_by", "quantity", "unit_price", "seconds", "cost", "idle_seconds",
+           "idle_cost", "currency")
+_INSERT = (f"INSERT INTO billing_charges ({', '.join(COLUMNS)}) VALUES "
+           f"({', '.join(f'${i}' for i in range(1, len(COLUMNS) + 1))}) ON CONFLICT DO NOTHING")
+
+_PG_DOWN = (OSError, asyncio.TimeoutError, asyncpg.PostgresConnectionError, asyncpg.InterfaceError,
+            asyncpg.exceptions.CannotConnectNowError)
+
+
+def rows_of(seq: int, c: Charge) -> list[tuple[Any, ...]]:
+    return [(c.key, line.resource, seq, c.tenant, c.queue, c.job_id, c.replica, c.attempt, c.node_id,
+             c.started_at, c.ended_at, c.end, line.quantity, line.unit_price, line.seconds, line.cost,
+             line.idle_seconds, line.idle_cost, c.currency) for line in c.lines]
+
+
+async def ensure_schema(conn: asyncpg.Connection | asyncpg.Pool) -> None:
+    async with contextlib.AsyncExitStack() as stack:
+        c = await stack.enter_async_context(conn.acquire()) if isinstance(conn, asyncpg.Pool) else conn
+        async with c.transaction():
+            await c.execute("SELECT pg_advisory_xact_lock($1)", _SCHEMA_LOCK)
+            for stmt in SCHEMA:
+                await c.execute(stmt)
+
+
+@dataclass
+class LedgerStats:
+    folded: int = 0  # events folded
+    charges: int = 0  # intervals closed (in the fold)
+    written: int = 0  # rows inserted (not counting conflicts)
+    commits: int = 0
+    pg_failures: int = 0
+    connects: int = 0
+    offset: int = 0  # stored offset
+
+
+class Ledger:
+    """Keeps `billing_charges` equal to the fold of the log (see the module docstring)."""
+
+    def __init__(self, bus: Bus, dsn: str, config: ClusterConfig | None = None, name: str = DEFAULT_NAME, *,
+                 batch: int = 1024, fetch_timeout_s: float = 0.5, min_backoff_s: float = 0.1,
+                 max_backoff_s: float = 2.0, max_pending: int = 200_000) -> None:
+        self.bus = bus
+        self.dsn = dsn
+        self.name = name
+        self.core = BillingCore(config, keep_charges=True)
+        self.state: BillingState = self.core.initial_state()
+        self.batch, self.fetch_timeout_s = batch, fetch_timeout_s
+        self.min_backoff_s, self.max_backoff_s = min_backoff_s, max_backoff_s
+        self.max_pending = max_pending
+        self.stats = LedgerStats()
+        self.read_seq = 0  # the fold covers the log up to here
+        self.stored: int | None = None  # the offset in PostgreSQL (None: not known yet)
+        self.pending: list[tuple[int, Charge]] = []  # closed in the fold, not stored yet
+        self._interest = SubjectFilter(self.core.subjects)
+        self._filter = consumer_filter(self.core.subjects)
+        self._pool: asyncpg.Pool | None = None
+        self._psub: Any = None
+        self._consumer = ""
+        self._backoff = min_backoff_s
+        self._next_try = 0.0
+        self._stop = asyncio.Event()
+
+    # ---------------------------------------------------------------- life cycle
+
+    async def start(self) -> None:
+        await self.bus.ensure_streams()
+        await self._open_tail()
+        await self._connect()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    async def run(self) -> None:
+        if self._psub is None:
+            await self.start()
+        try:
+            while not self._stop.is_set():
+                try:
+                    await self.step()
+                except asyncio.CancelledError:
+                    raise
+                except Exception:  # noqa: BLE001 - the ledger must outlive any one failure
+                    log.exception("ledger %s: step failed", self.name)
+                    await self._sleep(0.5)
+        finally:
+            await self.close()
+
+    async def close(self) -> None:
+        await self._disconnect()
+        psub, self._psub = self._psub, None
+        if psub is not None:
+            with contextlib.suppress(Exception):
+                await psub.unsubscribe()
+            with contextlib.suppress(Exception):
+                await self.bus.js.delete_consumer(STREAM, self._consumer)
+
+    # ---------------------------------------------------------------- the fold
+
+    async def _open_tail(self) -> None:
+        """An ephemeral consumer from just after what the fold covers."""
+        self._consumer = f"{self.name}-{time.time_ns()}"
+        start = self.read_seq + 1
+        cfg = ConsumerConfig(
+            name=self._consumer, filter_subject=self._filter, ack_policy=AckPolicy.NONE,
+            deliver_policy=DeliverPolicy.BY_START_SEQUENCE if start > 1 else DeliverPolicy.ALL,
+            opt_start_seq=start if start > 1 else None, inactive_threshold=300.0, mem_storage=True,
+        )
+        await self.bus.js.add_consumer(STREAM, cfg)
+        self._psub = await self.bus.js.pull_subscribe_bind(self._consumer, stream=STREAM)
+
+    async def _fetch(self) -> list[Any]:
+        try:
+            return list(await self._psub.fetch(self.batch, timeout=self.fetch_timeout_s))
+        except (TimeoutError, nats.errors.TimeoutError):
+            return []
+        except nats.js.errors.NotFoundError:  # the consumer is gone (server restarted): read on from read_seq
+            await self._open_tail()
+            return []
+
+    def fold(self, seq: int, data: bytes, subject: str) -> None:
+        """Fold one message of the log; the intervals it closes become pending charges."""
+        if seq <= self.read_seq:
+            return  # redelivered: folded already
+        self.read_seq = seq
+        if not self._interest(subject):
+            return
+        try:
+            env = parse_envelope(data)
+        except Exception:  # noqa: BLE001 - the services dead-letter it; the ledger skips it
+            return
+        if env.subject() != subject:
+            return
+        self.state = self.core.evolve(self.state, env)
+        self.stats.folded += 1
+        if self.state.charges:
+            self.pending.extend((seq, c) for c in self.state.charges)
+            self.stats.charges += len(self.state.charges)
+            self.state.charges.clear()
+
+    async def step(self) -> int:
+        """Read a batch (unless too much waits for PostgreSQL), then store what is pending."""
+        n = 0
+        if len(self.pending) < self.max_pending:
+            msgs = await self._fetch()
+            for m in msgs:
+                self.fold(int(m.metadata.sequence.stream), m.data, m.subject)
+            n = len(msgs)
+        else:
+            await self._sleep(self.fetch_timeout_s)
+        if self.stored is None or self.read_seq > self.stored or self.pending:
+            await self.flush()
+        return n
+
+    # ---------------------------------------------------------------- PostgreSQL
+
+    async def flush(self) -> bool:
+        """Store the pending charges and the offset in one transaction; False if PostgreSQL is away."""
+        if time.monotonic() < self._next_try:
+            return False
+        if self._pool is None and not await self._connect():
+            return False
+        assert self._pool is not None and self.stored is not None
+        base = self.stored
+        rows = [r for seq, c in self.pending if seq > base for r in rows_of(seq, c)]
+        offset = max(base, self.read_seq)
+        try:
+            async with self._pool.acquire() as conn, conn.transaction():
+                stored = await conn.fetchval("SELECT seq FROM billing_offsets WHERE name = $1 FOR UPDATE", self.name)
+                if int(stored or 0) != base:
+                    log.warning("ledger %s: offset moved under us (%s, expected %d)", self.name, stored, base)
+                    base = int(stored or 0)
+                    rows = [r for seq, c in self.pending if seq > base for r in rows_of(seq, c)]
+                if rows:
+                    await conn.executemany(_INSERT, rows)
+                if offset > base:
+                    await conn.execute(
+                        "INSERT INTO billing_offsets (name, seq) VALUES ($1, $2)"
+                        " ON CONFLICT (name) DO UPDATE SET seq = GREATEST(billing_offsets.seq, EXCLUDED.seq)",
+                        self.name, offset)
+        except Exception as exc:  # noqa: BLE001 - down or failing: keep everything, retry later
+            self._failed(exc)
+            await self._disconnect()
+            return False
+        self.stored = max(base, offset)
+        self.stats.offset = self.stored
+        self.stats.written += len(rows)
+        self.stats.commits += 1
+        self.pending.clear()
+        self._backoff = self.min_backoff_s
+        return True
+
+    async def _connect(self) -> bool:
+        try:
+            pool = await asyncpg.create_pool(self.dsn, min_size=1, max_size=2, timeout=5.0, command_timeout=30.0)
+        except Exception as exc:  # noqa: BLE001 - down, starting up, refused: retried
+            self._failed(exc)
+            return False
+        try:
+            await ensure_schema(pool)
+            stored = await pool.fetchval("SELECT seq FROM billing_offsets WHERE name = $1", self.name)
+        except Exception as exc:  # noqa: BLE001
+            self._failed(exc)
+            pool.terminate()
+            return False
+        if self.stored is not None and self.stored != int(stored or 0):
+            log.warning("ledger %s: stored offset is %s, was %d", self.name, stored, self.stored)
+        self._pool, self.stored = pool, int(stored or 0)
+        self.stats.connects += 1
+        self.stats.offset = self.stored
+        log.info("ledger %s: connected, stored to seq %d, folded to %d", self.name, self.stored, self.read_seq)
+        return True
+
+    async def _disconnect(self) -> None:
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            try:
+                await asyncio.wait_for(pool.close(), timeout=2.0)
+            except Exception:  # noqa: BLE001 - a dead server: just drop the connections
+                pool.terminate()
+
+    def _failed(self, exc: BaseException) -> None:
+        self.stats.pg_failures += 1
+        kind = "down" if isinstance(exc, _PG_DOWN) else "failing"
+        log.warning("ledger %s: PostgreSQL %s (%s: %s); %d charges held, retry in %.1fs",
+                    self.name, kind, type(exc).__name__, exc, len(self.pending), self._backoff)
+        self._next_try = time.monotonic() + self._backoff
+        self._backoff = min(self.max_backoff_s, self._backoff * 2)
+
+    async def _sleep(self, delay: float) -> None:
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._stop.wait(), timeout=delay)
+
+
+# -------------------------------------------------------------------- queries
+
+
+async def ledger_rows(dsn: str, *, tenant: str | None = None, since: datetime | None = None,
+                      until: datetime | None = None) -> list[dict[str, Any]]:
+    """Stored charge lines (those whose interval ended in [since, until)), for `gpufleet bill --ledger`."""
+    conn = await asyncpg.connect(dsn, timeout=5.0)
+    try:
+        await ensure_schema(conn)
+        where, args = [], []
+        for col, op, value in (("tenant", "=", tenant), ("ended_at", ">=", since), ("ended_at", "<", until)):
+            if value is not None:
+                args.append(value)
+                where.append(f"{col} {op} ${len(args)}")
+        sql = f"SELECT {', '.join(COLUMNS)} FROM billing_charges"
+        if where:
+            sql += " WHERE " + " AND ".join(where)
+        rows = await conn.fetch(sql + " ORDER BY seq, interval_key, resource", *args)
+        return [dict(r) for r in rows]
+    finally:
+        await conn.close()
+
+
+async def ledger_totals(db: asyncpg.Pool | asyncpg.Connection) -> dict[str, Decimal]:
+    """Cost and idle cost per tenant, straight from the table."""
+    rows = await db.fetch("SELECT tenant, sum(cost) AS cost FROM billing_charges GROUP BY tenant ORDER BY tenant")
+    return {r["tenant"]: r["cost"] for r in rows}
+
+
+# -------------------------------------------------------------------- as a process
+
+
+async def main(nats_url: str, dsn: str, config: ClusterConfig, name: str = DEFAULT_NAME) -> None:
+    bus = await Bus.connect(nats_url, name=f"gpufleet-{name}")
+    ledger = Ledger(bus, dsn, config, name)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            loop.add_signal_handler(sig, ledger.stop)
+    try:
+        await ledger.run()
+    finally:
+        await bus.close()
+
+
+def _cli() -> None:
+    ap = argparse.ArgumentParser(description="gpufleet billing ledger (FLEET -> PostgreSQL)")
+    ap.add_argument("--nats", default=os.environ.get("GPUFLEET_NATS_URL", "nats://127.0.0.1:4222"))
+    ap.add_argument("--dsn", default=os.environ.get("GPUFLEET_PG_DSN"), required="GPUFLEET_PG_DSN" not in os.environ)
+    ap.add_argument("--config", default=os.environ.get("GPUFLEET_CONFIG"))
+    ap.add_argument("--name", default=DEFAULT_NAME)
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(main(args.nats, args.dsn, load_config(args.config), args.name))
+
+
+if __name__ == "__main__":
+    _cli()
+
+
+__all__ = ["COLUMNS", "Ledger", "LedgerStats", "ensure_schema", "ledger_rows", "ledger_totals", "main"]

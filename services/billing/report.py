@@ -1,0 +1,249 @@
+"""Bills and estimates for people: `gpufleet bill` and `gpufleet estimate`.
+
+The bill folds the log with the billing core itself (`BillingCore.evolve`, the fold the service
+and the ledger run), so it needs no PostgreSQL and says what the ledger says. Running
+allocations are charged up to `now`. A `--since` / `--until` window cuts intervals at its edges
+(an interval's idle time is then counted in proportion to the part inside).
+
+The estimate prices a spec's resources for its max runtime (or a given duration), and asks the
+placer's own fold when it could start: now if it fits the free capacity, else when enough
+running jobs have reached their max runtime (the placer's backfill estimate); quota, and the
+jobs queued ahead of it, are not counted.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from decimal import Decimal
+from typing import Any
+
+from gpufleet.shared.bus import Bus
+from gpufleet.shared.clusterconfig import ClusterConfig
+from gpufleet.shared.events import parse_envelope
+from gpufleet.shared.log import read_stream
+from gpufleet.shared.runtime import Core
+from gpufleet.shared.spec import JobSpec
+from gpufleet.shared.subjects import SubjectFilter, consumer_filter
+
+from .core import BillingCore, BillingState, Charge
+from .pricing import ZERO, ChargeLine, cost, estimate_cost, money, seconds_between, total
+
+BY = ("tenant", "queue", "job", "gpu-model")
+HOUR = Decimal(3600)
+
+
+async def fold(bus: Bus, cores: Sequence[Core[Any]], until_seq: int | None = None) -> list[Any]:
+    """Each core's state folded over the log (read once), in the order of `cores`."""
+    states: list[Any] = [c.initial_state() for c in cores]
+    interests = [SubjectFilter(c.subjects) for c in cores]
+    server = consumer_filter([p for c in cores for p in c.subjects])
+    async for msgs in read_stream(bus, (server,), until_seq=until_seq):
+        for m in msgs:
+            wanted = [i for i, f in enumerate(interests) if f(m.subject)]
+            if not wanted:
+                continue
+            try:
+                env = parse_envelope(m.data)
+            except Exception:  # noqa: BLE001 - dead-lettered by the services
+                continue
+            if env.subject() != m.subject:
+                continue
+            for i in wanted:
+                states[i] = cores[i].evolve(states[i], env)
+    return states
+
+
+# ------------------------------------------------------------------ bill
+
+
+def _clip(c: Charge, since: datetime | None, until: datetime | None) -> Charge | None:
+    """The part of a charge inside [since, until), or None when nothing of it is."""
+    start = max(c.started_at, since) if since else c.started_at
+    end = min(c.ended_at, until) if until else c.ended_at
+    if c.ended_at > c.started_at and end <= start:
+        return None
+    if c.ended_at == c.started_at and ((since and c.started_at < since) or (until and c.started_at >= until)):
+        return None
+    if start == c.started_at and end == c.ended_at:
+        return c
+    seconds = seconds_between(start, end)
+    out: list[ChargeLine] = []
+    for line in c.lines:
+        idle = line.idle_seconds * seconds / line.seconds if line.seconds else ZERO
+        out.append(ChargeLine(line.resource, line.quantity, line.unit_price, seconds,
+                              cost(line.quantity, line.unit_price, seconds), idle,
+                              cost(line.quantity, line.unit_price, idle)))
+    return Charge(c.key, c.job_id, c.tenant, c.queue, c.replica, c.attempt, c.node_id, start, end, c.end,
+                  c.currency, tuple(out), c.open)
+
+
+def charges(core: BillingCore, state: BillingState, now: datetime, *, tenant: str | None = None,
+            since: datetime | None = None, until: datetime | None = None) -> list[Charge]:
+    """Closed charges (kept by a `keep_charges` core) and running intervals up to `now`, cut to the window."""
+    out = []
+    for c in [*state.charges, *core.open_charges(state, min(now, until) if until else now)]:
+        if tenant is not None and c.tenant != tenant:
+            continue
+        clipped = _clip(c, since, until)
+        if clipped is not None:
+            out.append(clipped)
+    return out
+
+
+@dataclass
+class BillRow:
+    key: str
+    intervals: int = 0
+    gpu_seconds: Decimal = ZERO
+    cost: Decimal = ZERO
+    idle_gpu_seconds: Decimal = ZERO
+    idle_cost: Decimal = ZERO
+    running: int = 0
+
+    def as_json(self, currency: str) -> dict[str, Any]:
+        return {"key": self.key, "intervals": self.intervals, "running": self.running,
+                "gpu_hours": _hours(self.gpu_seconds), "cost": money(self.cost),
+                "idle_gpu_hours": _hours(self.idle_gpu_seconds), "idle_cost": money(self.idle_cost),
+                "currency": currency}
+
+
+def _hours(seconds: Decimal) -> str:
+    return format((seconds / HOUR).quantize(Decimal("0.000001")), "f")
+
+
+def bill(items: Iterable[Charge], by: str = "tenant") -> list[BillRow]:
+    """Totals per tenant, queue, job or GPU model (CPU and memory lines under `-`)."""
+    if by not in BY:
+        raise ValueError(f"--by must be one of {', '.join(BY)}, not {by!r}")
+    rows: dict[str, BillRow] = {}
+    for c in items:
+        groups: dict[str, list[ChargeLine]] = {}
+        for line in c.lines:
+            if by == "gpu-model":
+                key = line.resource.removeprefix("gpu/") if line.resource.startswith("gpu/") else "-"
+            else:
+                key = {"tenant": c.tenant, "queue": c.queue, "job": c.job_id}[by]
+            groups.setdefault(key, []).append(line)
+        for key, ls in groups.items():
+            row = rows.setdefault(key, BillRow(key))
+            row.intervals += 1
+            row.running += int(c.open)
+            row.cost += total(ls)
+            row.idle_cost += sum((line.idle_cost for line in ls), ZERO)
+            gpu = [line for line in ls if line.resource.startswith("gpu/")]
+            row.gpu_seconds += sum((line.unit_seconds for line in gpu), ZERO)
+            row.idle_gpu_seconds += sum((line.idle_unit_seconds for line in gpu), ZERO)
+    return [rows[k] for k in sorted(rows)]
+
+
+def bill_json(rows: list[BillRow], by: str, currency: str, **window: Any) -> dict[str, Any]:
+    tot = BillRow("total")
+    for r in rows:
+        tot.intervals += r.intervals
+        tot.running += r.running
+        tot.gpu_seconds += r.gpu_seconds
+        tot.cost += r.cost
+        tot.idle_gpu_seconds += r.idle_gpu_seconds
+        tot.idle_cost += r.idle_cost
+    return {"by": by, "currency": currency, **{k: (v.isoformat() if isinstance(v, datetime) else v)
+                                               for k, v in window.items()},
+            "rows": [r.as_json(currency) for r in rows], "total": tot.as_json(currency)}
+
+
+def bill_csv(doc: dict[str, Any]) -> str:
+    out = io.StringIO()
+    cols = ["key", "intervals", "running", "gpu_hours", "cost", "idle_gpu_hours", "idle_cost", "currency"]
+    w = csv.DictWriter(out, fieldnames=cols, lineterminator="\n")
+    w.writeheader()
+    for r in [*doc["rows"], doc["total"]]:
+        w.writerow({k: r[k] for k in cols})
+    return out.getvalue()
+
+
+def bill_text(doc: dict[str, Any]) -> str:
+    head = f"{doc['by'].upper():<28}{'GPU-HOURS':>12}{'COST':>14}{'IDLE GPU-H':>12}{'IDLE COST':>14}  INTERVALS"
+    lines_ = [head]
+    for r in [*doc["rows"], doc["total"]]:
+        key = r["key"] if r is not doc["total"] else "TOTAL"
+        run = f" ({r['running']} running)" if r["running"] else ""
+        lines_.append(f"{key[:27]:<28}{Decimal(r['gpu_hours']):>12.3f}{r['cost']:>14}{Decimal(r['idle_gpu_hours']):>12.3f}"
+                      f"{r['idle_cost']:>14}  {r['intervals']}{run}")
+    lines_.append(f"(currency {doc['currency']})")
+    return "\n".join(lines_)
+
+
+# ------------------------------------------------------------------ estimate
+
+
+def gpu_models_for(spec: JobSpec, config: ClusterConfig, cluster_models: Iterable[str]) -> tuple[str, ...]:
+    """The GPU models the job could run on: those it names, else those the cluster has (else priced)."""
+    r = spec.resources
+    if not r.gpu and not r.mig:
+        return ()
+    if r.gpu_models:
+        return tuple(r.gpu_models)
+    models = tuple(sorted(set(cluster_models))) or tuple(sorted(m for m in config.prices.gpu_hour if m != "*"))
+    return models or ("*",)
+
+
+def estimate(spec: JobSpec, config: ClusterConfig, *, duration_s: float | None = None,
+             cluster_models: Iterable[str] = (), wait_s: float | None = None,
+             wait_note: str = "") -> dict[str, Any]:
+    """The expected cost of `spec` (every replica for its max runtime, or `duration_s`), and its wait."""
+    seconds = Decimal(str(duration_s if duration_s is not None else spec.max_runtime_s))
+    models = gpu_models_for(spec, config, cluster_models)
+    per_model = estimate_cost(spec, config.prices, seconds, models)
+    costs = {m: total(ls) for m, ls in per_model.items()}
+    worst = max(costs, key=lambda m: (costs[m], m))
+    lines_ = per_model[worst]
+    gpu_seconds = sum((line.unit_seconds for line in lines_ if line.resource.startswith("gpu/")), ZERO)
+    return {
+        "name": spec.name, "tenant": spec.tenant, "queue": spec.queue, "replicas": spec.replicas,
+        "duration_s": float(seconds), "currency": config.prices.currency,
+        "gpu_model": worst or None, "gpu_hours": _hours(gpu_seconds),
+        "cost": money(costs[worst]), "cost_min": money(min(costs.values())),
+        "by_model": {m or "-": money(c) for m, c in sorted(costs.items())},
+        "lines": [{"resource": line.resource, "quantity": str(line.quantity), "unit_price": str(line.unit_price),
+                   "hours": _hours(line.seconds), "cost": money(line.cost)} for line in lines_],
+        "wait_s": wait_s, "wait_note": wait_note,
+    }
+
+
+def expected_wait(placer: Any, pstate: Any, spec: JobSpec, now_s: float) -> tuple[float | None, str]:
+    """(seconds, why): 0 if the job fits the free capacity now, else when enough running jobs reach
+    their max runtime (`PlacerCore.estimate`); None when that is not known."""
+    from gpufleet.services.placer.core import Plan
+
+    if not pstate.nodes:
+        return None, "no nodes registered"
+    if not placer.ever_fits(pstate, spec):
+        return None, "no set of healthy nodes could ever hold it"
+    if placer.plan(pstate, spec, Plan(), full_scan=True) is not None:
+        return 0.0, "fits the free capacity now"
+    est = placer.estimate(pstate, spec, now_s)
+    if est is None:
+        return None, "does not fit now, nor once the running jobs end"
+    start, nodes = est
+    return max(0.0, start - now_s), f"once running jobs reach their max runtime, on {', '.join(nodes)}"
+
+
+def estimate_text(doc: dict[str, Any]) -> str:
+    out = [f"estimate for {doc['name']} ({doc['tenant']}/{doc['queue']}, {doc['replicas']} replica(s), "
+           f"{doc['duration_s'] / 3600:.3f} h):"]
+    for line in doc["lines"]:
+        out.append(f"  {line['resource']:<14} {line['quantity']:>10} x {line['hours']} h x {line['unit_price']}/h"
+                   f" = {line['cost']} {doc['currency']}")
+    span = "" if doc["cost"] == doc["cost_min"] else f" (from {doc['cost_min']}, by GPU model: {doc['by_model']})"
+    out.append(f"  cost: {doc['cost']} {doc['currency']}{span}")
+    wait = doc["wait_s"]
+    out.append("  expected wait: " + ("unknown" if wait is None else "none, it fits now" if wait == 0
+                                      else f"{wait:.0f} s") + (f" ({doc['wait_note']})" if doc["wait_note"] else ""))
+    return "\n".join(out)
+
+
+__all__ = ["BY", "BillRow", "bill", "bill_csv", "bill_json", "bill_text", "charges", "estimate", "estimate_text",
+           "expected_wait", "fold", "gpu_models_for"]

@@ -1,0 +1,171 @@
+"""Billing through the mesh (real nats-server, real PostgreSQL, sim executor): the bill across a
+preemption and a resume, the estimate against the bill, the ledger against the fold (PostgreSQL
+stopped mid-run, a replay, duplicated deliveries), and the budget hold."""
+
+from __future__ import annotations
+
+import asyncio
+from decimal import Decimal
+from typing import Any
+
+import asyncpg
+import pytest
+
+from gpufleet.services.admission.core import AdmissionCore
+from gpufleet.services.billing import report
+from gpufleet.services.billing.core import BillingCore
+from gpufleet.services.billing.ledger import Ledger
+from gpufleet.services.executor.core import ExecutorCore
+from gpufleet.services.guardian.core import GuardianCore
+from gpufleet.services.placer.core import PlacerCore
+from gpufleet.services.quota.core import QuotaCore
+from gpufleet.shared.bus import Bus
+from gpufleet.shared.cluster import sim_fleet
+from gpufleet.shared.clusterconfig import ClusterConfig, parse_config
+from gpufleet.shared.events import JobExited, JobStarted
+from gpufleet.shared.pg import EmbeddedPostgres
+from gpufleet.shared.spec import parse_spec
+
+from .helpers import job_status, read_log, running, submit_cmd, wait_until
+
+PRICES = {"currency": "USD", "gpuHour": {"H100": "36", "*": "18"}, "cpuCoreHour": "0.36", "memoryGiBHour": "0.036"}
+TICK_SLACK_S = Decimal("0.6")  # the sim executor ends jobs on a 0.2 s tick, and a batch takes its time
+
+
+def cores(config: ClusterConfig) -> list[Any]:
+    return [AdmissionCore(config), QuotaCore(config), PlacerCore(config), ExecutorCore(sim_fleet(4)),
+            GuardianCore(config), BillingCore(config)]
+
+
+async def fold_charges(bus: Bus, config: ClusterConfig) -> list[Any]:
+    core = BillingCore(config, keep_charges=True)
+    [state] = await report.fold(bus, [core])
+    assert not state.open
+    return list(state.charges)
+
+
+async def ledger_lines(dsn: str) -> set[tuple[str, str, Decimal, Decimal]]:
+    conn = await asyncpg.connect(dsn)
+    try:
+        rows = await conn.fetch("SELECT interval_key, resource, seconds, cost FROM billing_charges")
+    finally:
+        await conn.close()
+    return {(r["interval_key"], r["resource"], r["seconds"], r["cost"]) for r in rows}
+
+
+def fold_lines(charges: list[Any]) -> set[tuple[str, str, Decimal, Decimal]]:
+    return {(c.key, line.resource, line.seconds, line.cost) for c in charges for line in c.lines}
+
+
+async def run_ledger(bus: Bus, dsn: str, config: ClusterConfig) -> tuple[Ledger, asyncio.Task[None]]:
+    ledger = Ledger(bus, dsn, config, fetch_timeout_s=0.1, max_backoff_s=0.5)
+    await ledger.start()
+    return ledger, asyncio.create_task(ledger.run())
+
+
+async def caught_up(ledger: Ledger, bus: Bus) -> bool:
+    return ledger.stored is not None and ledger.stored >= await bus.last_seq() and not ledger.pending
+
+
+@pytest.mark.slow
+async def test_bill_across_preemption_and_resume_and_the_ledger_through_an_outage(
+        bus: Bus, nats_url: str, pg: EmbeddedPostgres) -> None:
+    config = parse_config({"queues": {"research": {"nominal": {"gpu": 1}}}, "prices": PRICES})
+    low = submit_cmd({"name": "low", "tenant": "acme", "type": "training", "queue": "research", "priority": 0,
+                      "resources": {"gpu": 1, "gpuModel": "H100", "cpu": 2, "memory": "4Gi"},
+                      "sim": {"duration": "2s"}})
+    high_spec = {"name": "high", "tenant": "acme", "type": "batch", "queue": "research", "priority": 10,
+                 "resources": {"gpu": 1, "gpuModel": "H100", "cpu": 1, "memory": "2Gi"},
+                 "maxRuntime": "2s", "sim": {"duration": "2s"}}
+    high = submit_cmd(high_spec)
+    ledger, ledger_task = await run_ledger(bus, pg.dsn, config)
+    try:
+        async with running(nats_url, cores(config)):
+            await bus.publish(low)
+            await wait_until(lambda: job_status(bus, low.job_id or ""), timeout_s=20)
+
+            async def low_runs() -> bool:
+                return any(e.type == "job.started" and e.job_id == low.job_id for _, e in await read_log(bus))
+            await wait_until(low_runs, timeout_s=20)
+            pg.stop()  # PostgreSQL goes away mid-run: the ledger holds what closes meanwhile
+            await bus.publish(high)
+
+            async def both_done() -> bool:
+                return (await job_status(bus, high.job_id or "") == "succeeded"
+                        and await job_status(bus, low.job_id or "") == "succeeded")
+            await wait_until(both_done, timeout_s=40)
+            assert ledger.pending and ledger.stats.pg_failures > 0
+            pg.start()
+            await wait_until(lambda: caught_up(ledger, bus), timeout_s=20)
+        log = await read_log(bus)
+    finally:
+        ledger.stop()
+        await ledger_task
+
+    # 1. the bill: each interval is its allocation time x price, from the log's own timestamps
+    starts = {(e.job_id, e.payload.attempt): e.occurred_at for _, e in log if isinstance(e.payload, JobStarted)}
+    ends = {(e.job_id, e.payload.attempt): e.occurred_at for _, e in log if isinstance(e.payload, JobExited)}
+    exits = [e.payload.reason for _, e in log if isinstance(e.payload, JobExited) and e.job_id == low.job_id]
+    assert exits == ["preempted", "completed"]  # it ran twice
+    charges = await fold_charges(bus, config)
+    low_charges = sorted((c for c in charges if c.job_id == low.job_id), key=lambda c: c.attempt)
+    assert [c.key.rsplit(":", 1)[1] for c in low_charges] == ["1", "2"]
+    rates = {"gpu/H100": Decimal("36"), "cpu": 2 * Decimal("0.36"), "memory": 4 * Decimal("0.036")}  # per hour
+    for c in low_charges:
+        seconds = Decimal(str((ends[(low.job_id, c.attempt)] - starts[(low.job_id, c.attempt)]).total_seconds()))
+        # each line is rounded once, to the micro-dollar
+        assert {line.resource: line.cost for line in c.lines} == {
+            r: (rate * seconds / 3600).quantize(Decimal("0.000001")) for r, rate in rates.items()}
+    doc = report.bill_json(report.bill(charges, "job"), "job", "USD")
+    billed = {r["key"]: Decimal(r["cost"]) for r in doc["rows"]}
+    assert billed[low.job_id] == sum(c.cost for c in low_charges)
+
+    # 2. the estimate of the job that ran its max runtime is its bill (up to the sim's tick)
+    est = Decimal(report.estimate(parse_spec(high_spec), config)["cost"])
+    high_per_hour = Decimal("36") + Decimal("0.36") + 2 * Decimal("0.036")
+    assert est == Decimal("0.02") + Decimal("0.0002") + Decimal("0.00004")  # 2 s of each line
+    assert abs(billed[high.job_id] - est) <= high_per_hour * TICK_SLACK_S / 3600
+
+    # 3. the ledger, written through the outage, is the fold: every line once
+    assert await ledger_lines(pg.dsn) == fold_lines(charges)
+    assert ledger.stats.written == len(fold_lines(charges))
+
+    # 4. a replay (a new ledger folds the whole log again) and duplicated deliveries change nothing
+    for _, env in log:
+        if env.type in ("job.started", "job.exited", "job.placed"):
+            # the same envelope stored again under another message id: a true duplicate in the log
+            await bus.js.publish(env.subject(), env.to_json(), headers={"Nats-Msg-Id": f"dup-{env.event_id}"})
+    assert len(await fold_charges(bus, config)) == len(charges)
+    again, task = await run_ledger(bus, pg.dsn, config)
+    try:
+        await wait_until(lambda: caught_up(again, bus), timeout_s=20)
+    finally:
+        again.stop()
+        await task
+    assert again.stats.charges == len(charges) and again.stats.written == 0
+    assert await ledger_lines(pg.dsn) == fold_lines(charges)
+
+
+async def test_a_hold_budget_rejects_submits_once_exceeded(bus: Bus, nats_url: str) -> None:
+    config = parse_config({"prices": PRICES,
+                           "budgets": {"tenants": {"acme": {"amount": "0.01", "policy": "hold"}}}})
+    spec = {"name": "spend", "tenant": "acme", "resources": {"gpu": 1, "gpuModel": "H100"}, "sim": {"duration": "1s"}}
+    first, second = submit_cmd(spec), submit_cmd(spec)
+    other = submit_cmd({**spec, "tenant": "zeta"})
+    async with running(nats_url, cores(config)):
+        await bus.publish(first)
+        await wait_until(lambda: job_status(bus, first.job_id or ""), timeout_s=10)  # 36/h for ~1 s: 0.01
+
+        async def exceeded() -> bool:
+            return any(e.type == "budget.exceeded" for _, e in await read_log(bus))
+        await wait_until(exceeded, timeout_s=30)
+        await bus.publish(second)
+        await bus.publish(other)
+        await wait_until(lambda: job_status(bus, second.job_id or ""), timeout_s=10)
+        await wait_until(lambda: job_status(bus, other.job_id or ""), timeout_s=10)
+    log = await read_log(bus)
+    [rejected] = [e for _, e in log if e.type == "job.rejected" and e.job_id == second.job_id]
+    assert [(r.code, r.field) for r in rejected.payload.reasons] == [("budget_exceeded", "tenant")]  # type: ignore[union-attr]
+    assert await job_status(bus, other.job_id or "") != "rejected"
+    [fact] = [e for _, e in log if e.type == "budget.exceeded"]
+    assert fact.subject() == "fleet.evt.sys.budget.tenant.acme.exceeded" and fact.payload.spent >= Decimal("0.01")  # type: ignore[union-attr]
