@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any
 
 from gpufleet.shared.bus import Bus
@@ -26,8 +27,9 @@ def make_core(name: str, args: argparse.Namespace) -> Core[Any]:
     if name == "executor":
         from gpufleet.services.executor.core import ExecutorCore
         from gpufleet.shared.cluster import sim_fleet
+        # (the sim executor is also the `sim` provider of the autoscaler's node pools)
         return ExecutorCore(sim_fleet(getattr(args, "sim_nodes", 4), getattr(args, "node_prefix", "sim"),
-                                      getattr(args, "sim_mix", "")))
+                                      getattr(args, "sim_mix", "")), sim_pools=not getattr(args, "no_sim_pools", False))
     if name == "telemetry":
         from gpufleet.services.telemetry.core import TelemetryCore
         return TelemetryCore()
@@ -37,10 +39,13 @@ def make_core(name: str, args: argparse.Namespace) -> Core[Any]:
         return GuardianCore(load_config(getattr(args, "config", None)))
     if name == "billing":
         from gpufleet.services.billing.core import BillingCore
-        return BillingCore()
+        from gpufleet.shared.clusterconfig import load_config
+        return BillingCore(load_config(getattr(args, "config", None)))
     if name == "autoscaler":
         from gpufleet.services.autoscaler.core import AutoscalerCore
-        return AutoscalerCore()
+        from gpufleet.services.autoscaler.providers import PROVIDERS
+        from gpufleet.shared.clusterconfig import load_config
+        return AutoscalerCore(load_config(getattr(args, "config", None)), providers=tuple(PROVIDERS))
     raise ValueError(f"unknown service {name!r}; known: {', '.join(SERVICE_NAMES)}")
 
 
@@ -54,10 +59,20 @@ def make_sidecar(runtime: ServiceRuntime[Any], bus: Bus) -> Any:
         from gpufleet.services.executor.agent import sidecar as executor_sidecar
 
         return executor_sidecar(runtime, bus)
+    if runtime.core.name == "autoscaler":
+        from gpufleet.services.autoscaler.providers import ProviderAgent
+
+        return ProviderAgent(runtime)
     if runtime.core.name == "guardian":
         from gpufleet.services.guardian.agent import sidecar as guardian_sidecar
 
         return guardian_sidecar(runtime)
+    if runtime.core.name == "billing" and os.environ.get("GPUFLEET_PG_DSN"):
+        from gpufleet.services.billing.ledger import Ledger
+
+        # the ledger folds the log on its own (open intervals and the stream sequence of each
+        # close); it shares only the connection
+        return Ledger(bus, os.environ["GPUFLEET_PG_DSN"], getattr(runtime.core, "config", None))
     if runtime.core.name == "quota":
         from gpufleet.shared import otel
 

@@ -21,6 +21,17 @@
       lab: {parent: org, borrowingLimit: {gpu/H100: 16}}
       org: {nominal: {gpu/H100: 8}}
     defaults: {...}                        # the policy of unlisted tenants when openTenants
+    nodePools:                             # nodes the autoscaler adds and removes (docs/autoscaling.md)
+      h100: {provider: sim, shape: {gpuModel: H100, gpus: 8, cpu: 96, memory: 1Ti},
+             min: 0, max: 4, provisionDelay: 30s, scaleUpAfter: 60s, scaleDownAfter: 10m}
+    prices:                                # billing (docs/billing.md); money is decimal, never float
+      currency: USD
+      gpuHour: {H100: "4.10", A100: "2.20", "*": "1.50"}   # per GPU-hour by model; "*": any other
+      cpuCoreHour: "0.04"
+      memoryGiBHour: "0.005"
+    budgets:                               # per tenant and per queue, over all time
+      tenants: {acme: {amount: "5000", thresholds: [50, 80], policy: hold}}
+      queues: {research: {amount: "800", policy: warn}}
 
 Without a config file the mesh is open: every tenant gets the default policy (any queue).
 """
@@ -28,15 +39,24 @@ Without a config file the mesh is open: every tenant gets the default policy (an
 from __future__ import annotations
 
 import fnmatch
+from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
 
 from .errors import SpecError
-from .ids import check_token
-from .spec import JOB_TYPES, MIG_PROFILE, DurationS, JobType, spec_error_from
+from .ids import check_token, is_token
+from .spec import JOB_TYPES, MIG_PROFILE, CpuMilli, DurationS, JobType, MemoryMiB, spec_error_from
 
 MAX_PAYLOAD_BYTES = 64 * 1024  # a submit larger than this is refused before it is parsed
 
@@ -137,6 +157,118 @@ class PlacementConfig(BaseModel):
     backfill: bool = True  # EASY backfill with a reservation for the head job
 
 
+def _money(v: Any) -> Any:
+    """A price or an amount: a decimal string or number >= 0 (a float goes through its shortest
+    repr, so `4.1` is 4.1, not 4.0999999999999996447...)."""
+    if isinstance(v, bool) or v is None:
+        raise ValueError("must be an amount of money like \"4.10\"")
+    if isinstance(v, float):
+        v = repr(v)
+    if isinstance(v, int | str | Decimal):
+        try:
+            d = Decimal(str(v).strip())
+        except InvalidOperation:
+            raise ValueError(f"{v!r} is not an amount of money (like \"4.10\")") from None
+        if not d.is_finite() or d < 0:
+            raise ValueError(f"{v!r} must be a finite amount >= 0")
+        return d
+    raise ValueError(f"must be an amount of money like \"4.10\", got {type(v).__name__}")
+
+
+Money = Annotated[Decimal, BeforeValidator(_money)]
+
+
+class PriceTable(BaseModel):
+    """What an allocation costs per hour: a GPU by model (`*`: any model not listed), a CPU
+    core, a GiB of memory. A GPU share costs its share; a MIG instance its slices / 7."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
+
+    currency: str = Field(default="USD", min_length=1, max_length=8, pattern=r"^[A-Za-z]+$")
+    gpu_hour: dict[str, Money] = Field(default_factory=dict, alias="gpuHour")
+    cpu_core_hour: Money = Field(default=Decimal(0), alias="cpuCoreHour")
+    memory_gib_hour: Money = Field(default=Decimal(0), alias="memoryGiBHour")
+
+    def gpu(self, model: str) -> Decimal:
+        """The price of one GPU-hour of `model` (0 when neither it nor `*` is listed)."""
+        return self.gpu_hour.get(model, self.gpu_hour.get("*", Decimal(0)))
+
+
+class BudgetConfig(BaseModel):
+    """A budget: an amount (in the prices' currency), the percentages that warn, and what happens
+    at 100 %: `warn` only, or `hold` (admission refuses new submits while it is exceeded)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
+
+    amount: Money
+    thresholds: tuple[int, ...] = (50, 80, 100)
+    policy: Literal["warn", "hold"] = "warn"
+
+    @field_validator("thresholds", mode="before")
+    @classmethod
+    def _percentages(cls, v: Any) -> Any:
+        for pct in v if isinstance(v, list | tuple) else ():
+            if isinstance(pct, bool) or not isinstance(pct, int) or not 1 <= pct <= 1000:
+                raise ValueError(f"{pct!r} is not a whole percentage from 1 to 1000")
+        return v
+
+    @property
+    def percentages(self) -> tuple[int, ...]:
+        """The thresholds, sorted, with 100 always among them (exceeded is always said)."""
+        return tuple(sorted({*self.thresholds, 100}))
+
+
+class BudgetsConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
+
+    tenants: dict[str, BudgetConfig] = Field(default_factory=dict)
+    queues: dict[str, BudgetConfig] = Field(default_factory=dict)
+
+    def of(self, scope: str, name: str) -> BudgetConfig | None:
+        return (self.tenants if scope == "tenant" else self.queues).get(name)
+
+
+class NodeShape(BaseModel):
+    """What one node of a pool has (the sim provider registers exactly this)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
+
+    gpu_model: str = Field(default="", alias="gpuModel", max_length=64)
+    gpus: int = Field(default=0, ge=0, le=64)
+    gpu_memory_mib: MemoryMiB = Field(default=80 * 1024, alias="gpuMemory", ge=0)
+    cpu_milli: CpuMilli = Field(default=64_000, alias="cpu", gt=0)
+    memory_mib: MemoryMiB = Field(default=512 * 1024, alias="memory", gt=0)
+    nvlink_islands: int = Field(default=1, alias="nvlinkIslands", ge=1, le=64)
+    labels: dict[str, str] = Field(default_factory=dict)
+    taints: tuple[str, ...] = ()
+
+
+class NodePoolConfig(BaseModel):
+    """A pool of identical nodes the autoscaler adds (for demand unschedulable this long) and
+    removes (idle this long), between `min` and `max`; a provider makes and deletes them."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
+
+    provider: Annotated[str, BeforeValidator(lambda v: check_token(v, "provider"))] = "sim"
+    shape: NodeShape = NodeShape()
+    min: int = Field(default=0, ge=0, le=10_000)
+    max: int = Field(default=0, ge=0, le=10_000)
+    provision_delay_s: DurationS = Field(default=30.0, alias="provisionDelay", le=86400)
+    scale_up_after_s: DurationS = Field(default=30.0, alias="scaleUpAfter", le=86400)
+    scale_down_after_s: DurationS = Field(default=600.0, alias="scaleDownAfter", le=30 * 86400)
+    # empty: a node is idle when nothing is placed on it; gpus_idle: also when every job on it was
+    # found idle by telemetry (`job.idle_detected`): it is cordoned, and removed once they end
+    idle_when: Literal["empty", "gpus_idle"] = Field(default="gpus_idle", alias="idleWhen")
+
+    @field_validator("max")
+    @classmethod
+    def _max_over_min(cls, v: int, info: ValidationInfo) -> int:
+        lo = info.data.get("min")
+        if lo is not None and v < lo:
+            raise ValueError(f"must be >= min ({lo})")
+        return v
+
+
 class ClusterConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
 
@@ -150,6 +282,9 @@ class ClusterConfig(BaseModel):
     starvation_after_s: DurationS = Field(default=600.0, alias="starvationAfter")
     open_tenants: bool = Field(default=True, alias="openTenants")
     defaults: TenantPolicy = TenantPolicy()
+    prices: PriceTable = PriceTable()
+    budgets: BudgetsConfig = BudgetsConfig()
+    node_pools: dict[str, NodePoolConfig] = Field(default_factory=dict, alias="nodePools")
 
     def policy(self, tenant: str) -> TenantPolicy | None:
         """The tenant's policy; None for a tenant the cluster does not know."""
@@ -169,6 +304,15 @@ def parse_config(data: Any) -> ClusterConfig:
         raise spec_error_from(exc) from None
     for name in cfg.tenants:
         check_token(name, "tenants")
+    for name in cfg.node_pools:
+        if not is_token(name) or len(name) > 48:  # node ids are `<pool>-<n>`, tokens of at most 64
+            raise SpecError(f"nodePools.{name}", "a pool name is 1-48 letters, digits, '-' or '_'")
+    for scope in ("tenants", "queues"):
+        for name in getattr(cfg.budgets, scope):
+            try:
+                check_token(name, f"budgets.{scope}")
+            except ValueError as exc:
+                raise SpecError(f"budgets.{scope}.{name}", str(exc)) from None
     for name, cohort in cfg.cohorts.items():
         seen = [name]
         parent = cohort.parent

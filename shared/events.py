@@ -9,12 +9,14 @@ Subjects (ids in them are validated tokens):
     fleet.evt.<tenant>.job.<job_id>.<type>        facts about one job
     fleet.evt.sys.node.<node_id>.<type>           facts about one node
     fleet.evt.sys.deadletter.<service>            messages a service could not take
+    fleet.evt.sys.budget.<scope>.<name>.<type>    budget thresholds (scope: tenant | queue)
     fleet.tel.node.<node_id>.<kind>               samples (FLEET_TELEMETRY stream)
 """
 
 from __future__ import annotations
 
 from datetime import UTC, datetime
+from decimal import Decimal
 from typing import Annotated, Any, Literal, Union, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -458,6 +460,96 @@ class DeadLetter(_Payload):
     data_excerpt: str = ""
 
 
+# ---------------------------------------------------------------- billing
+
+
+class _BudgetPayload(_Payload):
+    """A budget of a tenant or a queue (the cluster config's `budgets`)."""
+
+    scope: Literal["tenant", "queue"]
+    budget: str  # the tenant's or the queue's name
+    amount: Decimal  # the budget, in `currency`
+    currency: str = "USD"
+    spent: Decimal  # charged so far, open allocations up to `occurred_at` included
+    threshold_pct: int
+    policy: Literal["warn", "hold"] = "warn"
+
+    @field_validator("budget")
+    @classmethod
+    def _budget_token(cls, v: str) -> str:
+        return check_token(v, "budget")
+
+
+class BudgetThresholdReached(_BudgetPayload):
+    """A budget's spending reached one of its warning thresholds (said once per threshold)."""
+
+    type: Literal["budget.threshold_reached"] = "budget.threshold_reached"
+
+
+class BudgetExceeded(_BudgetPayload):
+    """A budget's spending reached 100 % (or a threshold above it); with policy `hold`, admission
+    refuses new submits of the tenant or queue while the config keeps this amount."""
+
+    type: Literal["budget.exceeded"] = "budget.exceeded"
+
+
+# ---------------------------------------------------------------- autoscaler
+
+
+class ReportLoadCmd(_JobPayload):
+    """The load an inference service (its job id) is under, as its load balancer or the service
+    itself measured it over the last `window_s`: the autoscaler's input. A command, so a tenant's
+    client may publish it on `fleet.cmd.<tenant>.report_load`."""
+
+    type: Literal["cmd.report_load"] = "cmd.report_load"
+    rps: float = Field(ge=0, le=1e9, allow_inf_nan=False)  # requests per second, all replicas together
+    p99_ms: float | None = Field(default=None, ge=0, le=3_600_000, allow_inf_nan=False)
+    window_s: float = Field(default=10.0, gt=0, le=3600, allow_inf_nan=False)
+
+
+class JobScaled(_JobPayload):
+    """The autoscaler changed an inference service's replicas (`job_id`: the service), and why:
+    the metrics it saw against their targets. `added` / `removed`: the replica jobs."""
+
+    type: Literal["job.scaled"] = "job.scaled"
+    from_replicas: int = Field(ge=0)
+    to_replicas: int = Field(ge=0)
+    reason: Reason  # code: initial | load | latency | idle | scale_to_zero | from_zero | bounds | cancelled
+    rps: float | None = None
+    p99_ms: float | None = None
+    added: tuple[str, ...] = ()
+    removed: tuple[str, ...] = ()
+
+
+class NodeProvisionRequested(_NodePayload):
+    """The autoscaler asked a node pool's provider for a node (`node_id`, named in advance); it
+    registers like any node when it is up, after about `ready_after_s`."""
+
+    type: Literal["node.provision_requested"] = "node.provision_requested"
+    pool: str
+    provider: str
+    inventory: NodeInventory  # the pool's node shape
+    ready_after_s: float = 0.0
+    reason: Reason  # code: unschedulable | below_min
+    for_jobs: tuple[str, ...] = ()  # the waiting jobs it is for
+
+
+class NodeRemovalRequested(_NodePayload):
+    """The autoscaler asked a pool's provider to remove a drained node (cordoned, nothing on it)."""
+
+    type: Literal["node.removal_requested"] = "node.removal_requested"
+    pool: str
+    provider: str
+    reason: Reason  # code: idle | above_max
+
+
+class NodeDeregistered(_NodePayload):
+    """The node left the cluster on purpose (its provider removed it): not lost, gone."""
+
+    type: Literal["node.deregistered"] = "node.deregistered"
+    reason: str = "removed"
+
+
 Payload = Annotated[
     Union[  # noqa: UP007 - a discriminated union reads clearer spelled out
         SubmitRequested, CancelRequestedCmd,
@@ -469,6 +561,8 @@ Payload = Annotated[
         NodeRegistered, NodeHeartbeat, NodeLost, NodeCordoned, NodeUncordoned, NodeGpuUnhealthy, NodeDatasetsCached,
         NodeGpuZombieDetected, NodeGpuCleared,
         DeadLetter,
+        BudgetThresholdReached, BudgetExceeded,
+        ReportLoadCmd, JobScaled, NodeProvisionRequested, NodeRemovalRequested, NodeDeregistered,
     ],
     Field(discriminator="type"),
 ]
@@ -544,6 +638,8 @@ def subject_for(tenant: str, payload: Payload) -> str:
         return f"{SUBJECT_ROOT}.evt.{SYS_TENANT}.node.{payload.node_id}.{short}"
     if isinstance(payload, DeadLetter):
         return f"{SUBJECT_ROOT}.evt.{SYS_TENANT}.deadletter.{payload.service}"
+    if area == "budget" and isinstance(payload, _BudgetPayload):
+        return f"{SUBJECT_ROOT}.evt.{SYS_TENANT}.budget.{payload.scope}.{payload.budget}.{short}"
     raise ValueError(f"no subject for {kind}")
 
 

@@ -106,6 +106,8 @@ CHANNELS: tuple[Channel, ...] = (
             "Facts about one node (cluster-wide, tenant `sys`).", "type"),
     Channel("deadLetters", f"{SUBJECT_ROOT}.evt.{SYS_TENANT}.deadletter.{{service}}", "receive", "Dead letters",
             "Messages a service could not take; they were terminated, and this says why."),
+    Channel("budgetEvents", f"{SUBJECT_ROOT}.evt.{SYS_TENANT}.budget.{{scope}}.{{budget}}.{{type}}", "receive",
+            "Budget events", "A tenant's or a queue's spending crossed a threshold of its budget (billing).", "type"),
     Channel("nodeTelemetry", f"{SUBJECT_ROOT}.tel.node.{{node_id}}.{{kind}}", "receive", "Node telemetry",
             "Samples, kept for a limited age; core-published, without acknowledgement.",
             "kind"),
@@ -118,6 +120,10 @@ PARAMETERS: dict[str, dict[str, Any]] = {
     "node_id": {"description": "The node (payload `node_id`).", "location": "$message.payload#/payload/node_id"},
     "service": {"description": "The service that could not take the message (payload `service`).",
                 "location": "$message.payload#/payload/service"},
+    "scope": {"description": "What the budget is of: `tenant` or `queue` (payload `scope`).",
+              "location": "$message.payload#/payload/scope"},
+    "budget": {"description": "The tenant or queue the budget is of (payload `budget`).",
+               "location": "$message.payload#/payload/budget"},
 }
 _KIND_PARAM_DOC = {
     "verb": "The command: the part of `type` after `cmd.`.",
@@ -129,7 +135,8 @@ _KIND_PARAM_DOC = {
 def subject_template(type_name: str) -> str:
     """The subject a message of this type goes to, with `{tenant}`, `{job_id}`, ... left as placeholders."""
     cls = PAYLOAD_TYPES[type_name]
-    placeholders: dict[str, Any] = {"job_id": "{job_id}", "node_id": "{node_id}", "service": "{service}"}
+    placeholders: dict[str, Any] = {"job_id": "{job_id}", "node_id": "{node_id}", "service": "{service}",
+                                    "scope": "{scope}", "budget": "{budget}"}
     payload = cls.model_construct(None, **{k: v for k, v in placeholders.items() if k in cls.model_fields})
     return subject_for("{tenant}", payload)
 
@@ -194,6 +201,8 @@ def _base_cached() -> dict[str, Any]:
             d["properties"]["job_id"].update(_token())
         if issubclass(cls, _NodePayload):
             d["properties"]["node_id"].update(_token())
+        if type_name.startswith("budget."):
+            d["properties"]["budget"].update(_token())
     spec = defs["JobSpec"]["properties"]
     for name in ("name", "queue"):
         spec[name].update(_token())

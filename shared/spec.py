@@ -16,6 +16,13 @@
     maxRuntime: 2h
     checkpoint: {path: /ckpt/resnet50, interval: 30m}
     sim: {duration: 20s, exitCode: 0}   # for the sim driver
+    autoscale:             # type: inference only: a service of replica jobs (docs/autoscaling.md)
+      minReplicas: 1
+      maxReplicas: 8
+      targetRpsPerReplica: 100     # and / or targetP99Ms: 250
+      scaleUpCooldown: 15s
+      scaleDownCooldown: 5m
+      scaleToZeroAfter: 10m        # optional: no requests this long -> 0 replicas
 
 Every error names the field (`resources.gpu: must be >= 0`).
 """
@@ -243,6 +250,51 @@ class SimSpec(_Spec):
         return _canonical_to_quantities(data) if isinstance(data, dict) else data
 
 
+class AutoscaleSpec(_Spec):
+    """An inference service's replicas, driven by the load reported for it (`cmd.report_load`).
+
+    Kubernetes HPA target tracking: desired = ceil(replicas x metric / target) per metric, the
+    largest wins, within [minReplicas, maxReplicas]; no change while every metric is within
+    `tolerance` of its target; scale-up waits `scaleUpCooldown` after the last change, scale-down
+    takes the largest recommendation of the last `scaleDownCooldown` (no flapping)."""
+
+    min_replicas: int = Field(default=1, alias="minReplicas", ge=1, le=1024)
+    max_replicas: int = Field(default=1, alias="maxReplicas", ge=1, le=1024)
+    target_rps_per_replica: float | None = Field(default=None, alias="targetRpsPerReplica", gt=0, le=1e9,
+                                                 allow_inf_nan=False)
+    target_p99_ms: float | None = Field(default=None, alias="targetP99Ms", gt=0, le=3_600_000, allow_inf_nan=False,
+                                        validate_default=True)
+    tolerance: float = Field(default=0.1, ge=0, le=1, allow_inf_nan=False)
+    scale_up_cooldown_s: DurationS = Field(default=15.0, alias="scaleUpCooldown", le=86400)
+    scale_down_cooldown_s: DurationS = Field(default=300.0, alias="scaleDownCooldown", le=86400)
+    # no requests for this long: 0 replicas; the next report with requests starts them again
+    scale_to_zero_after_s: DurationS | None = Field(default=None, alias="scaleToZeroAfter", gt=0, le=30 * 86400)
+
+    @field_validator("min_replicas", "max_replicas", mode="before")
+    @classmethod
+    def _whole(cls, v: Any) -> Any:
+        if isinstance(v, bool) or isinstance(v, str) or (isinstance(v, float) and v != int(v)):
+            raise ValueError("must be a whole number")
+        if v == 0:
+            raise ValueError("must be >= 1 (to scale to zero when idle, give scaleToZeroAfter)")
+        return v
+
+    @field_validator("max_replicas")
+    @classmethod
+    def _max_over_min(cls, v: int, info: ValidationInfo) -> int:
+        lo = info.data.get("min_replicas")
+        if lo is not None and v < lo:
+            raise ValueError(f"must be >= minReplicas ({lo})")
+        return v
+
+    @field_validator("target_p99_ms")
+    @classmethod
+    def _a_target(cls, v: float | None, info: ValidationInfo) -> float | None:
+        if v is None and info.data.get("target_rps_per_replica") is None and "target_rps_per_replica" in info.data:
+            raise ValueError("give targetRpsPerReplica or targetP99Ms (or both): what to scale on")
+        return v
+
+
 class JobSpec(_Spec):
     name: Annotated[str, _token("name")]
     tenant: Annotated[str, _token("tenant")]
@@ -268,6 +320,8 @@ class JobSpec(_Spec):
     tolerations: tuple[str, ...] = ()  # node taints tolerated
     dataset: str | None = Field(default=None, max_length=256)  # prefers nodes with it in their local cache
     sim: SimSpec = SimSpec()
+    # type: inference only: the job is a service whose replicas the autoscaler runs as jobs of their own
+    autoscale: AutoscaleSpec | None = None
 
     @field_validator("replicas", "priority", mode="before")
     @classmethod
@@ -281,6 +335,13 @@ class JobSpec(_Spec):
     def _not_sys(cls, v: str) -> str:
         if v == "sys":
             raise ValueError("'sys' is reserved for cluster events")
+        return v
+
+    @field_validator("autoscale")
+    @classmethod
+    def _inference_only(cls, v: AutoscaleSpec | None, info: ValidationInfo) -> AutoscaleSpec | None:
+        if v is not None and info.data.get("type") not in (None, "inference"):
+            raise ValueError(f"only for type: inference (this job is {info.data.get('type')})")
         return v
 
     @property
@@ -301,6 +362,10 @@ def _field_path(loc: tuple[int | str, ...]) -> str:
         "priority_class": "priorityClass", "max_retries": "maxRetries", "restart_policy": "restartPolicy", "retry_backoff_s": "retryBackoff", "gpu_util_pct": "gpuUtil",
         "cpu_util_pct": "cpuUtil", "iowait_pct": "ioWait", "gpu_mem_used_mib": "gpuMemoryUsed",
         "leave_zombie": "leaveZombie",
+        "min_replicas": "minReplicas", "max_replicas": "maxReplicas",
+        "target_rps_per_replica": "targetRpsPerReplica", "target_p99_ms": "targetP99Ms",
+        "scale_up_cooldown_s": "scaleUpCooldown", "scale_down_cooldown_s": "scaleDownCooldown",
+        "scale_to_zero_after_s": "scaleToZeroAfter",
     }
     parts = [str(aliases.get(str(p), p)) for p in loc if not str(p).startswith("function-")]
     return ".".join(parts) or "spec"

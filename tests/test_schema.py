@@ -6,6 +6,7 @@ import functools
 import json
 import re
 from datetime import UTC, datetime
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,8 @@ from pydantic import ValidationError
 from gpufleet.shared import schema
 from gpufleet.shared.events import (
     PAYLOAD_TYPES,
+    BudgetExceeded,
+    BudgetThresholdReached,
     CancelRequestedCmd,
     DeadLetter,
     Envelope,
@@ -43,22 +46,27 @@ from gpufleet.shared.events import (
     JobRejected,
     JobRequestRefused,
     JobResumeRequested,
+    JobScaled,
     JobStarted,
     JobSubmitted,
     JobSucceeded,
     JobUnschedulable,
     NodeCordoned,
     NodeDatasetsCached,
+    NodeDeregistered,
     NodeGpuCleared,
     NodeGpuUnhealthy,
     NodeGpuZombieDetected,
     NodeHeartbeat,
     NodeInventory,
     NodeLost,
+    NodeProvisionRequested,
     NodeRegistered,
+    NodeRemovalRequested,
     NodeUncordoned,
     Reason,
     ReplicaAllocation,
+    ReportLoadCmd,
     SubmitRequested,
 )
 from gpufleet.shared.ids import derive_id, ulid
@@ -137,10 +145,28 @@ EXAMPLES: dict[str, Any] = {
     "node.gpu_unhealthy": NodeGpuUnhealthy(node_id=NODE, gpu_index=3, reason="XID 79"),
     "node.gpu_zombie_detected": NodeGpuZombieDetected(node_id=NODE, gpu_index=3, pid=4242, used_mib=2048),
     "node.gpu_cleared": NodeGpuCleared(node_id=NODE, gpu_index=3),
+    "cmd.report_load": ReportLoadCmd(job_id=JOB, rps=420.0, p99_ms=180.0, window_s=10.0),
+    "job.scaled": JobScaled(job_id=JOB, from_replicas=2, to_replicas=5, rps=420.0, p99_ms=180.0,
+                            reason=Reason(code="load", message="420 req/s (210.0 per replica, target 100): 2 -> 5"),
+                            added=(f"{JOB}-r2", f"{JOB}-r3", f"{JOB}-r4")),
+    "node.provision_requested": NodeProvisionRequested(
+        node_id="h100-0003", pool="h100", provider="sim", ready_after_s=30.0, for_jobs=(JOB,),
+        inventory=NodeInventory(cpu_milli=96000, memory_mib=1048576, labels={"pool": "h100"}),
+        reason=Reason(code="unschedulable", message="1 job(s) unschedulable for up to 61s fit a h100 node")),
+    "node.removal_requested": NodeRemovalRequested(
+        node_id="h100-0003", pool="h100", provider="sim",
+        reason=Reason(code="idle", message="drained: nothing on it since it was cordoned 3s ago")),
+    "node.deregistered": NodeDeregistered(node_id="h100-0003"),
     "sys.dead_letter": DeadLetter(
         service="placer", subject="fleet.evt.acme.job.job-0001.submitted", stream_seq=17, reason="bad json",
         data_excerpt="{not json",
     ),
+    "budget.threshold_reached": BudgetThresholdReached(
+        scope="tenant", budget="acme", amount=Decimal("5000"), currency="USD", spent=Decimal("4012.345678"),
+        threshold_pct=80, policy="hold"),
+    "budget.exceeded": BudgetExceeded(
+        scope="queue", budget="research", amount=Decimal("800"), currency="USD", spent=Decimal("800.000412"),
+        threshold_pct=100, policy="warn"),
 }
 TYPES: list[str] = sorted(PAYLOAD_TYPES)
 
@@ -309,6 +335,7 @@ def test_asyncapi_document() -> None:
         "fleet.evt.{tenant}.job.{job_id}.{type}",
         "fleet.evt.sys.node.{node_id}.{type}",
         "fleet.evt.sys.deadletter.{service}",
+        "fleet.evt.sys.budget.{scope}.{budget}.{type}",
         "fleet.tel.node.{node_id}.{kind}",
     }
     for ch in doc["channels"].values():
@@ -340,7 +367,7 @@ def test_asyncapi_document() -> None:
         assert all(m["$ref"].startswith(f"#/channels/{channel}/messages/") for m in op["messages"])
     sent = {_resolve(doc, m["$ref"])["name"] for op in doc["operations"].values() if op["action"] == "send"
             for m in op["messages"]}
-    assert sent == {"cmd.submit", "cmd.cancel"}
+    assert sent == {"cmd.submit", "cmd.cancel", "cmd.report_load"}
 
 
 @pytest.mark.parametrize("t", TYPES)
@@ -348,7 +375,8 @@ def test_subject_templates_match_real_subjects(t: str) -> None:
     env = envelope(t)
     template = schema.subject_template(t)
     values = {"tenant": env.tenant, "job_id": env.job_id, "node_id": env.node_id,
-              "service": getattr(env.payload, "service", None)}
+              "service": getattr(env.payload, "service", None), "scope": getattr(env.payload, "scope", None),
+              "budget": getattr(env.payload, "budget", None)}
     assert re.sub(r"\{(\w+)\}", lambda m: str(values[m.group(1)]), template) == env.subject()
 
 

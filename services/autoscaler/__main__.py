@@ -1,7 +1,7 @@
-"""python -m gpufleet.services.autoscaler"""
+"""python -m gpufleet.services.autoscaler [--config cluster.yaml] (node pools: its `nodePools`)"""
 
-from gpufleet.services.autoscaler.core import AutoscalerCore
+from gpufleet.services.registry import make_core
 from gpufleet.shared.service import serve
 
 if __name__ == "__main__":
-    serve("autoscaler", lambda args: AutoscalerCore())
+    serve("autoscaler", lambda args: make_core("autoscaler", args))

@@ -1,37 +1,654 @@
-"""Autoscaler: watch unschedulable demand and idle nodes.
+"""Autoscaler: inference replicas from reported load, node pools from waiting demand and idle nodes.
 
-folds: jobs waiting unschedulable, nodes     decides: nothing yet (inference replicas and
-node pools come with the autoscaler issue)
+folds: inference services (spec `autoscale`) and their replica jobs, load reports
+       (`cmd.report_load`), unschedulable jobs, pool nodes and what is placed on them, idle facts
+decides:
+  - services: `job.scaled` (from -> to, the metrics and targets that drove it), then the replica
+    jobs as ordinary `cmd.submit` / `cmd.cancel` commands, so admission, quota and the placer treat
+    them like any job. Target tracking as the Kubernetes HPA: desired = ceil(replicas x metric /
+    target) per metric, the largest wins, within [minReplicas, maxReplicas]; no change inside the
+    tolerance; up at most once per scaleUpCooldown; down to the largest recommendation of the
+    last scaleDownCooldown (a stabilisation window: load that dips and comes back does not flap);
+    to zero after scaleToZeroAfter without requests, and back as soon as requests come.
+  - pools: `node.provision_requested` for demand unschedulable past a pool's scaleUpAfter that
+    the pool's node shape can hold (first fit over the nodes coming, gangs all or nothing, up to
+    max); `node.cordoned` for a pool node idle past scaleDownAfter (down to min), then
+    `node.removal_requested` once nothing is on it. The provider (sim: the sim executor) makes
+    the node, which registers like any other, and removes it (`node.deregistered`).
+
+The service job itself holds nothing: quota never reserves it (services/quota), so it is never
+placed; it lives from `job.admitted` until it is cancelled, and its replicas are jobs
+`<service>-r<n>` (docs/autoscaling.md).
 """
 
 from __future__ import annotations
 
+import hashlib
+import math
 from dataclasses import dataclass, field
 
-from gpufleet.shared.events import Envelope, JobUnschedulable, NodeRegistered
-from gpufleet.shared.runtime import BaseCore
+from gpufleet.shared.clusterconfig import ClusterConfig, NodePoolConfig
+from gpufleet.shared.errors import SpecError
+from gpufleet.shared.events import (
+    SYS_TENANT,
+    TERMINAL_JOB_TYPES,
+    CancelRequestedCmd,
+    Envelope,
+    JobExited,
+    JobIdleDetected,
+    JobPlaced,
+    JobScaled,
+    JobStarted,
+    JobSubmitted,
+    JobUnschedulable,
+    NodeCordoned,
+    NodeDeregistered,
+    NodeLost,
+    NodeProvisionRequested,
+    NodeRegistered,
+    NodeRemovalRequested,
+    NodeUncordoned,
+    Reason,
+    ReportLoadCmd,
+    SubmitRequested,
+)
+from gpufleet.shared.runtime import BaseCore, Ctx
+from gpufleet.shared.spec import AutoscaleSpec, JobSpec, spec_to_wire
+
+from .pools import Room, empty_room, pack, pool_inventory, replica_fits_shape
+
+SERVICE_ENV = "GPUFLEET_SERVICE_ID"
+REPLICA_ENV = "GPUFLEET_REPLICA_INDEX"
+RECOMMENDATIONS_MAX = 1024  # per service: the scale-down window's history is bounded
+REPLACE_BACKOFF_S = (2.0, 5.0, 15.0, 60.0, 300.0)  # a replica that keeps failing is replaced ever slower
+DRAIN_SETTLE_S = 2.0  # after a cordon, a placement decided before the placer saw it may still land
+PROVIDERS = ("sim",)  # built in (providers.py: the interface, and where a cloud provider is added)
+ENDED = TERMINAL_JOB_TYPES | {"job.preempted"}
+
+
+# ---------------------------------------------------------------- state
+
+
+@dataclass
+class ReplicaJob:
+    job_id: str
+    index: int
+    running: bool = False
+
+
+@dataclass
+class Service:
+    job_id: str
+    tenant: str
+    spec: JobSpec
+    auto: AutoscaleSpec
+    active: bool = False  # admitted and not ended
+    ended: bool = False
+    desired: int = 0
+    replicas: dict[str, ReplicaJob] = field(default_factory=dict)  # counted towards `desired`
+    removing: set[str] = field(default_factory=set)  # cancelled by us, not ended yet
+    next_index: int = 0
+    last_change_s: float | None = None
+    recommendations: list[tuple[float, int]] = field(default_factory=list)  # (when, replicas)
+    rps: float | None = None
+    p99_ms: float | None = None
+    # the reporter's clock (the reports' occurred_at), never mixed with ours: a skewed load
+    # balancer clock moves neither the stabilisation window nor the idle time
+    report_s: float | None = None  # the latest report
+    busy_s: float | None = None  # the latest report with requests (or the first report)
+    failures: int = 0  # replicas that ended badly in a row
+    retry_s: float = 0.0  # no replacement before this
+    scale_events: int = 0
+
+
+@dataclass
+class PoolNode:
+    node_id: str
+    pool: str
+    provider: str
+    requested_s: float
+    ready_after_s: float
+    registered_s: float | None = None
+    offered_s: float | None = None  # when it last became free to take work (registered, uncordoned)
+    cordoned: bool = False
+    drained_by_us_s: float | None = None  # when we cordoned it to remove it
+    removal_requested: bool = False
+    gone: bool = False
+    lost: bool = False
+
+
+@dataclass
+class Waiting:
+    since_s: float
+    event_id: str
 
 
 @dataclass
 class AutoscalerState:
-    unschedulable: dict[str, int] = field(default_factory=dict)  # job_id -> GPUs it waits for
+    services: dict[str, Service] = field(default_factory=dict)
+    replica_of: dict[str, str] = field(default_factory=dict)  # replica job -> service
+    specs: dict[str, JobSpec] = field(default_factory=dict)  # jobs not ended (pool demand)
+    unschedulable: dict[str, Waiting] = field(default_factory=dict)  # waiting for room, since
+    pool_nodes: dict[str, PoolNode] = field(default_factory=dict)
+    pool_seq: dict[str, int] = field(default_factory=dict)  # pool -> node ids handed out
+    # what is placed where: (job, replica) -> (node, ((GPU index, milli of it), ...), cpu, memory)
+    allocs: dict[tuple[str, int], tuple[str, tuple[tuple[int, int], ...], int, int]] = field(default_factory=dict)
+    on_node: dict[str, set[tuple[str, int]]] = field(default_factory=dict)
+    changed_s: dict[str, float] = field(default_factory=dict)  # node -> when what is on it last changed
+    idle_jobs: dict[str, float] = field(default_factory=dict)  # job -> when telemetry found it idle
     nodes: set[str] = field(default_factory=set)
+    # pool node -> what was asked of its provider (for the provider agent; dropped once it is gone)
+    requests: dict[str, tuple[NodeProvisionRequested, NodeRemovalRequested | None]] = field(default_factory=dict)
+
+
+def replica_job_id(service_id: str, index: int) -> str:
+    suffix = f"-r{index}"
+    if len(service_id) + len(suffix) <= 64:
+        return service_id + suffix
+    return hashlib.blake2b(service_id.encode(), digest_size=12).hexdigest() + suffix
+
+
+# ---------------------------------------------------------------- HPA math
+
+
+def recommend(auto: AutoscaleSpec, current: int, rps: float | None, p99_ms: float | None) -> tuple[int, str]:
+    """The replicas the metrics ask for (within bounds) and which metric drove it.
+
+    Per metric: within `tolerance` of its target -> `current`; else ceil(current x metric / target)
+    (for requests per second: ceil(rps / target per replica)). The largest wins (as the HPA)."""
+    base = max(current, 1)
+    proposals: list[tuple[int, str]] = []
+    if auto.target_rps_per_replica is not None and rps is not None:
+        ratio = (rps / base) / auto.target_rps_per_replica
+        proposals.append((current if abs(ratio - 1) <= auto.tolerance else math.ceil(base * ratio - 1e-9), "load"))
+    if auto.target_p99_ms is not None and p99_ms is not None:
+        ratio = p99_ms / auto.target_p99_ms
+        proposals.append((current if abs(ratio - 1) <= auto.tolerance else math.ceil(base * ratio - 1e-9), "latency"))
+    if not proposals:
+        return current, "none"
+    n, why = max(proposals, key=lambda p: p[0])
+    bounded = min(auto.max_replicas, max(auto.min_replicas, n))
+    return bounded, why if bounded == n else "bounds"
+
+
+# ---------------------------------------------------------------- the core
 
 
 class AutoscalerCore(BaseCore[AutoscalerState]):
     name = "autoscaler"
-    subjects = ("fleet.evt.sys.node.*.registered", "fleet.evt.*.job.*.unschedulable", "fleet.evt.*.job.*.placed",
-                "fleet.evt.*.job.*.cancelled")
+    subjects = (
+        "fleet.cmd.*.report_load", "fleet.cmd.*.submit", "fleet.cmd.*.cancel",
+        "fleet.evt.*.job.*.submitted", "fleet.evt.*.job.*.admitted", "fleet.evt.*.job.*.rejected",
+        "fleet.evt.*.job.*.request_refused", "fleet.evt.*.job.*.unschedulable", "fleet.evt.*.job.*.placed",
+        "fleet.evt.*.job.*.started", "fleet.evt.*.job.*.exited", "fleet.evt.*.job.*.scaled",
+        "fleet.evt.*.job.*.idle_detected", "fleet.evt.*.job.*.idle_ended",
+        "fleet.evt.*.job.*.succeeded", "fleet.evt.*.job.*.failed", "fleet.evt.*.job.*.cancelled",
+        "fleet.evt.*.job.*.preempted",
+        "fleet.evt.sys.node.*.registered", "fleet.evt.sys.node.*.lost", "fleet.evt.sys.node.*.cordoned",
+        "fleet.evt.sys.node.*.uncordoned", "fleet.evt.sys.node.*.provision_requested",
+        "fleet.evt.sys.node.*.removal_requested", "fleet.evt.sys.node.*.deregistered",
+    )
+    tick_s = 0.5
+
+    def __init__(self, config: ClusterConfig | None = None, providers: tuple[str, ...] = PROVIDERS) -> None:
+        self.config = config or ClusterConfig()
+        self.pools: dict[str, NodePoolConfig] = dict(sorted(self.config.node_pools.items()))
+        for name, pool in self.pools.items():
+            if pool.provider not in providers:
+                raise SpecError(f"nodePools.{name}.provider",
+                                f"unknown provider {pool.provider!r} (known: {', '.join(providers)})")
 
     def initial_state(self) -> AutoscalerState:
         return AutoscalerState()
 
+    def _ours(self, env: Envelope) -> bool:
+        return env.actor.split("/", 1)[0] == self.name
+
+    # ------------------------------------------------------------ evolve
+
     def evolve(self, state: AutoscalerState, env: Envelope) -> AutoscalerState:
+        p, t = env.payload, env.type
+        at = env.occurred_at.timestamp()
+        if t.startswith("node."):
+            self._evolve_node(state, env, at)
+            return state
+        job_id = env.job_id
+        if job_id is None:
+            return state
+        svc = state.services.get(job_id)
+        if isinstance(p, ReportLoadCmd):
+            if svc is not None and svc.active and env.tenant == svc.tenant:
+                svc.rps, svc.p99_ms = p.rps, p.p99_ms
+                svc.report_s = at if svc.report_s is None else max(svc.report_s, at)
+                if p.rps > 0 or svc.busy_s is None:
+                    svc.busy_s = svc.report_s
+                rec, _ = recommend(svc.auto, svc.desired, p.rps, p.p99_ms)
+                svc.recommendations.append((at, rec))
+                horizon = at - svc.auto.scale_down_cooldown_s
+                svc.recommendations = [r for r in svc.recommendations if r[0] >= horizon][-RECOMMENDATIONS_MAX:]
+        elif isinstance(p, SubmitRequested):
+            self._evolve_replica_submit(state, env, p)
+        elif isinstance(p, CancelRequestedCmd):
+            owner = state.services.get(state.replica_of.get(job_id, ""))
+            if owner is not None and self._ours(env) and job_id in owner.replicas:
+                del owner.replicas[job_id]
+                owner.removing.add(job_id)
+        elif isinstance(p, JobSubmitted):
+            if job_id not in state.specs:
+                state.specs[job_id] = p.spec
+            if p.spec.autoscale is not None and svc is None and job_id not in state.replica_of:
+                state.services[job_id] = Service(job_id, env.tenant, p.spec, p.spec.autoscale)
+        elif t == "job.admitted":
+            if svc is not None and not svc.ended and not svc.active:
+                svc.active = True
+        elif isinstance(p, JobScaled):
+            if svc is not None:
+                svc.desired = p.to_replicas
+                svc.last_change_s = at
+                svc.scale_events += 1
+        elif isinstance(p, JobUnschedulable):
+            if job_id in state.specs and job_id not in state.unschedulable:
+                state.unschedulable[job_id] = Waiting(at, env.event_id)
+        elif isinstance(p, JobPlaced):
+            state.unschedulable.pop(job_id, None)
+            for a in p.allocations:
+                self._drop_alloc(state, (job_id, a.replica), at)
+                gpus = tuple((i, a.gpu_milli) for i in a.gpu_indices)
+                state.allocs[(job_id, a.replica)] = (a.node_id, gpus, a.cpu_milli, a.memory_mib)
+                state.on_node.setdefault(a.node_id, set()).add((job_id, a.replica))
+                state.changed_s[a.node_id] = at
+        elif isinstance(p, JobStarted):
+            owner = state.services.get(state.replica_of.get(job_id, ""))
+            if owner is not None and job_id in owner.replicas:
+                owner.replicas[job_id].running = True
+                owner.failures = 0
+        elif isinstance(p, JobExited):
+            self._drop_alloc(state, (job_id, p.replica), at)
+        elif isinstance(p, JobIdleDetected):
+            state.idle_jobs[job_id] = at
+        elif t == "job.idle_ended":
+            state.idle_jobs.pop(job_id, None)
+            for key in [k for k in state.allocs if k[0] == job_id]:
+                state.changed_s[state.allocs[key][0]] = at  # busy again: its node's idle clock restarts
+        elif t in ENDED or t == "job.request_refused":
+            if t != "job.request_refused":
+                self._job_ended(state, job_id, at)
+            if svc is not None and t != "job.request_refused":
+                svc.active, svc.ended = False, True
+            service_id = state.replica_of.get(job_id)
+            owner = state.services.get(service_id or "")
+            if owner is not None and (job_id in owner.replicas or job_id in owner.removing):
+                was_ours = job_id in owner.removing
+                owner.replicas.pop(job_id, None)
+                owner.removing.discard(job_id)
+                if not was_ours and t in ("job.failed", "job.rejected", "job.request_refused"):
+                    owner.failures += 1
+                    owner.retry_s = at + REPLACE_BACKOFF_S[min(owner.failures, len(REPLACE_BACKOFF_S)) - 1]
+        return state
+
+    def _evolve_replica_submit(self, state: AutoscalerState, env: Envelope, p: SubmitRequested) -> None:
+        """Our own submit of a replica (the spec names its service and index)."""
+        if not self._ours(env):
+            return
+        env_vars = p.spec.get("env") if isinstance(p.spec, dict) else None
+        if not isinstance(env_vars, dict):
+            return
+        svc = state.services.get(str(env_vars.get(SERVICE_ENV, "")))
+        index = str(env_vars.get(REPLICA_ENV, ""))
+        if svc is None or svc.tenant != env.tenant or not index.isdigit() or p.job_id in state.replica_of:
+            return
+        state.replica_of[p.job_id] = svc.job_id
+        svc.replicas[p.job_id] = ReplicaJob(p.job_id, int(index))
+        svc.next_index = max(svc.next_index, int(index) + 1)
+
+    def _job_ended(self, state: AutoscalerState, job_id: str, at: float) -> None:
+        state.specs.pop(job_id, None)
+        state.unschedulable.pop(job_id, None)
+        state.idle_jobs.pop(job_id, None)
+        for key in [k for k in state.allocs if k[0] == job_id]:
+            self._drop_alloc(state, key, at)
+
+    @staticmethod
+    def _drop_alloc(state: AutoscalerState, key: tuple[str, int], at: float) -> None:
+        held = state.allocs.pop(key, None)
+        if held is None:
+            return
+        on = state.on_node.get(held[0])
+        if on is not None:
+            on.discard(key)
+            if not on:
+                del state.on_node[held[0]]
+        state.changed_s[held[0]] = at
+
+    def _evolve_node(self, state: AutoscalerState, env: Envelope, at: float) -> None:
         p = env.payload
+        if isinstance(p, NodeProvisionRequested):
+            if p.node_id not in state.pool_nodes:
+                state.pool_nodes[p.node_id] = PoolNode(p.node_id, p.pool, p.provider, at, p.ready_after_s)
+                state.requests[p.node_id] = (p, None)
+                prefix = f"{p.pool}-"
+                if p.node_id.startswith(prefix) and p.node_id[len(prefix):].isdigit():
+                    n = int(p.node_id[len(prefix):]) + 1
+                    state.pool_seq[p.pool] = max(state.pool_seq.get(p.pool, 0), n)
+            return
+        node = state.pool_nodes.get(env.node_id or "")
         if isinstance(p, NodeRegistered):
             state.nodes.add(p.node_id)
-        elif isinstance(p, JobUnschedulable):
-            state.unschedulable[p.job_id] = p.nodes_total
-        elif env.type in ("job.placed", "job.cancelled"):
-            state.unschedulable.pop(env.job_id or "", None)
-        return state
+            state.changed_s.setdefault(p.node_id, at)
+            if node is not None:
+                node.lost = False
+                if node.registered_s is None:
+                    node.registered_s = node.offered_s = at
+                    state.changed_s[p.node_id] = at
+        elif node is None:
+            if isinstance(p, NodeDeregistered):
+                state.nodes.discard(p.node_id)
+            return
+        elif isinstance(p, NodeLost):
+            node.lost = True
+        elif isinstance(p, NodeCordoned):
+            node.cordoned = True
+            if self._ours(env):
+                node.drained_by_us_s = at
+        elif isinstance(p, NodeUncordoned):
+            node.cordoned = False
+            node.drained_by_us_s = None
+            node.offered_s = at
+            state.changed_s[p.node_id] = at
+        elif isinstance(p, NodeRemovalRequested):
+            node.removal_requested = True
+            made = state.requests.get(p.node_id)
+            if made is not None:
+                state.requests[p.node_id] = (made[0], p)
+        elif isinstance(p, NodeDeregistered):
+            node.gone = True
+            state.nodes.discard(p.node_id)
+            state.requests.pop(p.node_id, None)
+            del state.pool_nodes[p.node_id]  # (its id is never handed out again: pool_seq only grows)
+
+    # ------------------------------------------------------------ decide
+
+    def decide(self, state: AutoscalerState, env: Envelope, ctx: Ctx) -> list[Envelope]:
+        p, t = env.payload, env.type
+        job_id = env.job_id
+        if job_id is None:
+            return []
+        now = ctx.now.timestamp()
+        svc = state.services.get(job_id)
+        if svc is not None:
+            if t == "job.admitted" and svc.active and svc.desired == 0 and svc.scale_events == 0:
+                return self._scale(state, svc, svc.auto.min_replicas, Reason(
+                    code="initial", message=f"service admitted: minReplicas {svc.auto.min_replicas}"), ctx)
+            if isinstance(p, ReportLoadCmd) and svc.active and env.tenant == svc.tenant:
+                return self._evaluate(state, svc, now, ctx)
+            if t in ENDED and (svc.replicas or svc.removing):
+                return self._cancel_all(svc, ctx, "service ended")
+            return []
+        owner = state.services.get(state.replica_of.get(job_id, ""))
+        if owner is not None and (t in ENDED or t == "job.request_refused"):
+            return self._reconcile(state, owner, now, ctx)
+        return []
+
+    def tick(self, state: AutoscalerState, ctx: Ctx) -> list[Envelope]:
+        now = ctx.now.timestamp()
+        out: list[Envelope] = []
+        for svc in state.services.values():
+            if not svc.active:
+                continue
+            if self._idle_for_zero(svc):
+                out += self._evaluate(state, svc, now, ctx)
+            else:
+                out += self._reconcile(state, svc, now, ctx)
+        if self.pools:
+            up = self._scale_pools_up(state, now, ctx)
+            taken_back = {e.node_id for e in up if e.type == "node.uncordoned"}
+            out += up + self._scale_pools_down(state, now, ctx, taken_back)
+        return out
+
+    # ------------------------------------------------------------ services
+
+    @staticmethod
+    def _idle_for_zero(svc: Service) -> bool:
+        """No requests in the reports of the last scaleToZeroAfter (by the reporter's clock)."""
+        after = svc.auto.scale_to_zero_after_s
+        return (after is not None and svc.desired > 0 and svc.rps == 0 and svc.report_s is not None
+                and svc.busy_s is not None and svc.report_s - svc.busy_s >= after)
+
+    def _evaluate(self, state: AutoscalerState, svc: Service, now: float, ctx: Ctx) -> list[Envelope]:
+        """Scale on the latest load report: to zero, from zero, up, or (stabilised) down."""
+        a = svc.auto
+        cur = svc.desired
+        metrics = _metrics(svc)
+        if self._idle_for_zero(svc):
+            idle_s = (svc.report_s or 0.0) - (svc.busy_s or 0.0)
+            return self._scale(state, svc, 0, Reason(code="scale_to_zero", message=(
+                f"no requests for {idle_s:.0f}s (scaleToZeroAfter {a.scale_to_zero_after_s:.0f}s)")), ctx)
+        if cur == 0:
+            if svc.rps is None or svc.rps <= 0:
+                return []
+            n = math.ceil(svc.rps / a.target_rps_per_replica - 1e-9) if a.target_rps_per_replica else 1
+            to = min(a.max_replicas, max(a.min_replicas, n))
+            return self._scale(state, svc, to, Reason(code="from_zero", message=f"requests again: {metrics}"), ctx)
+        rec, why = recommend(a, cur, svc.rps, svc.p99_ms)
+        since = now - svc.last_change_s if svc.last_change_s is not None else math.inf
+        if rec > cur:
+            if since < a.scale_up_cooldown_s:
+                return []
+            return self._scale(state, svc, rec, Reason(code=why, message=(
+                f"{metrics}: {cur} -> {rec} replicas (max {a.max_replicas})")), ctx)
+        if rec < cur:
+            # the stabilisation window: the largest recommendation of the last scaleDownCooldown
+            # (of reports, by their clock)
+            horizon = (svc.report_s or now) - a.scale_down_cooldown_s
+            window = [n for at, n in svc.recommendations if at >= horizon]
+            if since < a.scale_down_cooldown_s:
+                window.append(cur)  # the last change is recent: nothing lower yet
+            to = max([rec, *window])
+            if to >= cur:
+                return []
+            return self._scale(state, svc, to, Reason(code=why, message=(
+                f"{metrics}: {cur} -> {to} replicas (largest recommendation of the last "
+                f"{a.scale_down_cooldown_s:.0f}s; min {a.min_replicas})")), ctx)
+        return []
+
+    def _scale(self, state: AutoscalerState, svc: Service, to: int, reason: Reason, ctx: Ctx) -> list[Envelope]:
+        cur = svc.desired
+        if to == cur:
+            return []
+        added, removed = self._plan(svc, to)
+        scaled = ctx.emit(JobScaled(job_id=svc.job_id, from_replicas=cur, to_replicas=to, reason=reason,
+                                    rps=svc.rps, p99_ms=svc.p99_ms, added=tuple(r for r, _ in added),
+                                    removed=tuple(removed)),
+                          tenant=svc.tenant, key=f"scaled:{svc.job_id}:{svc.scale_events}")
+        out = [scaled]
+        for rid, index in added:
+            out.append(self._submit(svc, rid, index, ctx, scaled.event_id))
+        for rid in removed:
+            out.append(self._cancel(svc, rid, ctx, scaled.event_id, f"scaled down {cur} -> {to}"))
+        return out
+
+    @staticmethod
+    def _plan(svc: Service, to: int) -> tuple[list[tuple[str, int]], list[str]]:
+        """Replica jobs to add (id, index) and to cancel so that `to` are counted."""
+        have = len(svc.replicas)
+        added = [(replica_job_id(svc.job_id, svc.next_index + i), svc.next_index + i) for i in range(max(0, to - have))]
+        # newest first, and those not running yet before those that serve
+        order = sorted(svc.replicas.values(), key=lambda r: (r.running, -r.index))
+        removed = [r.job_id for r in order[: max(0, have - to)]]
+        return added, removed
+
+    def _reconcile(self, state: AutoscalerState, svc: Service, now: float, ctx: Ctx) -> list[Envelope]:
+        """Replace replicas that ended (after a backoff if they keep failing); cancel extra ones."""
+        if not svc.active:
+            return []
+        have = len(svc.replicas)
+        if have > svc.desired:
+            _, removed = self._plan(svc, svc.desired)
+            return [self._cancel(svc, rid, ctx, None, f"more replicas than desired ({svc.desired})") for rid in removed]
+        if have < svc.desired and now >= svc.retry_s:
+            added, _ = self._plan(svc, svc.desired)
+            return [self._submit(svc, rid, index, ctx, None) for rid, index in added]
+        return []
+
+    def _submit(self, svc: Service, rid: str, index: int, ctx: Ctx, cause: str | None) -> Envelope:
+        wire = spec_to_wire(svc.spec)
+        wire.pop("autoscale", None)
+        wire["name"] = f"{svc.spec.name[:50]}-r{index}"[-64:]
+        wire["env"] = {**svc.spec.env, SERVICE_ENV: svc.job_id, REPLICA_ENV: str(index)}
+        return ctx.emit(SubmitRequested(job_id=rid, spec=wire), tenant=svc.tenant,
+                        cause_id=cause, key=f"submit:{rid}")
+
+    def _cancel(self, svc: Service, rid: str, ctx: Ctx, cause: str | None, why: str) -> Envelope:
+        return ctx.emit(CancelRequestedCmd(job_id=rid, reason=f"autoscaler: {why}"), tenant=svc.tenant,
+                        cause_id=cause, key=f"cancel:{rid}")
+
+    def _cancel_all(self, svc: Service, ctx: Ctx, why: str) -> list[Envelope]:
+        return [self._cancel(svc, rid, ctx, None, why) for rid in sorted(svc.replicas)]
+
+    # ------------------------------------------------------------ pools: up
+
+    def _rooms(self, state: AutoscalerState, pool_name: str, now: float) -> list[Room]:
+        """What the pool's nodes could still take: nodes coming (empty), nodes that came lately (what
+        is free on them: the placer may not have retried yet), nodes we are draining (uncordoned
+        if used)."""
+        pool = self.pools[pool_name]
+        rooms: list[Room] = []
+        for n in sorted(state.pool_nodes.values(), key=lambda n: n.node_id):
+            if n.pool != pool_name or n.removal_requested or n.gone or n.lost:
+                continue
+            if n.cordoned and n.drained_by_us_s is None:
+                continue  # cordoned by someone else (maintenance): not ours to take back
+            fresh = n.offered_s is None or now - n.offered_s < pool.scale_up_after_s
+            if not fresh and n.drained_by_us_s is None:
+                continue
+            room = empty_room(pool)
+            room.node_id = n.node_id
+            for key in state.on_node.get(n.node_id, ()):
+                _, gpus, cpu, mem = state.allocs[key]
+                room.cpu_milli -= cpu
+                room.memory_mib -= mem
+                for i, m in gpus:
+                    if 0 <= i < len(room.gpu_milli):
+                        room.gpu_milli[i] -= m
+            room.gpu_milli.sort(reverse=True)
+            rooms.append(room)
+        return rooms
+
+    def _pool_count(self, state: AutoscalerState, pool_name: str) -> int:
+        return sum(1 for n in state.pool_nodes.values()
+                   if n.pool == pool_name and not n.removal_requested and not n.gone)
+
+    def _scale_pools_up(self, state: AutoscalerState, now: float, ctx: Ctx) -> list[Envelope]:
+        out: list[Envelope] = []
+        rooms = {name: self._rooms(state, name, now) for name in self.pools}
+        count = {name: self._pool_count(state, name) for name in self.pools}
+        reuse: dict[str, set[str]] = {name: set() for name in self.pools}
+        served: dict[str, list[tuple[str, float]]] = {name: [] for name in self.pools}
+        # smallest node shapes first: an 8-GPU job does not get a bigger node than it needs
+        order = sorted(self.pools, key=lambda n: (self.pools[n].shape.gpus, self.pools[n].shape.cpu_milli,
+                                                  self.pools[n].shape.memory_mib, n))
+        for job_id, w in sorted(state.unschedulable.items(), key=lambda kv: (kv[1].since_s, kv[0])):
+            spec = state.specs.get(job_id)
+            if spec is None:
+                continue
+            for name in order:
+                pool = self.pools[name]
+                if now - w.since_s < pool.scale_up_after_s or not replica_fits_shape(name, pool, spec):
+                    continue
+                new_before = sum(1 for r in rooms[name] if r.node_id is None)
+                packed = pack(rooms[name], spec, pool, pool.max - count[name] - new_before)
+                if packed is None:
+                    continue
+                rooms[name], used = packed
+                reuse[name] |= used
+                served[name].append((job_id, now - w.since_s))
+                break
+        for name in order:
+            pool = self.pools[name]
+            for node_id in sorted(reuse[name]):
+                n = state.pool_nodes[node_id]
+                if n.drained_by_us_s is not None and n.cordoned:
+                    out.append(ctx.emit(NodeUncordoned(node_id=node_id), tenant=SYS_TENANT,
+                                        key=f"uncordon:{node_id}:{n.drained_by_us_s}"))
+            new = sum(1 for r in rooms[name] if r.node_id is None)
+            jobs = served[name]
+            if new:
+                waited = max(s for _, s in jobs)
+                ids = ", ".join(j for j, _ in jobs[:5]) + (f" and {len(jobs) - 5} more" if len(jobs) > 5 else "")
+                reason = Reason(code="unschedulable", message=(
+                    f"{len(jobs)} job(s) unschedulable for up to {waited:.0f}s (scaleUpAfter "
+                    f"{pool.scale_up_after_s:.0f}s) fit a {name} node: {ids}; pool {name} "
+                    f"{count[name]} -> {count[name] + new} node(s) (max {pool.max})"))
+                out += self._provision(state, name, new, reason, tuple(j for j, _ in jobs), ctx)
+            elif count[name] < pool.min:
+                reason = Reason(code="below_min", message=f"pool {name} has {count[name]} node(s), min {pool.min}")
+                out += self._provision(state, name, pool.min - count[name], reason, (), ctx)
+        return out
+
+    def _provision(self, state: AutoscalerState, pool_name: str, n: int, reason: Reason, jobs: tuple[str, ...],
+                   ctx: Ctx) -> list[Envelope]:
+        pool = self.pools[pool_name]
+        out = []
+        seq = state.pool_seq.get(pool_name, 0)
+        for i in range(n):
+            node_id = f"{pool_name}-{seq + i:04d}"
+            out.append(ctx.emit(NodeProvisionRequested(
+                node_id=node_id, pool=pool_name, provider=pool.provider,
+                inventory=pool_inventory(pool_name, pool, node_id), ready_after_s=pool.provision_delay_s,
+                reason=reason, for_jobs=jobs[:64]), tenant=SYS_TENANT, key=f"provision:{node_id}"))
+        return out
+
+    # ------------------------------------------------------------ pools: down
+
+    def idle_since(self, state: AutoscalerState, node_id: str, pool: NodePoolConfig) -> float | None:
+        """Since when the node has been idle: nothing on it, or (idleWhen: gpus_idle) only jobs
+        telemetry found idle. None: busy."""
+        changed = state.changed_s.get(node_id, 0.0)
+        jobs = {j for j, _ in state.on_node.get(node_id, ())}
+        if not jobs:
+            return changed
+        if pool.idle_when == "gpus_idle" and all(j in state.idle_jobs for j in jobs):
+            return max(changed, *(state.idle_jobs[j] for j in jobs))
+        return None
+
+    def _scale_pools_down(self, state: AutoscalerState, now: float, ctx: Ctx,
+                          taken_back: set[str | None]) -> list[Envelope]:
+        out: list[Envelope] = []
+        for name, pool in self.pools.items():
+            nodes = sorted((n for n in state.pool_nodes.values()
+                            if n.pool == name and not n.removal_requested and not n.gone),
+                           key=lambda n: n.node_id, reverse=True)  # the newest go first
+            keep = sum(1 for n in nodes if n.drained_by_us_s is None)
+            for n in nodes:
+                if n.registered_s is None or n.lost or n.node_id in taken_back:
+                    continue
+                if n.drained_by_us_s is not None:
+                    if not state.on_node.get(n.node_id) and now - n.drained_by_us_s >= DRAIN_SETTLE_S:
+                        out.append(ctx.emit(NodeRemovalRequested(
+                            node_id=n.node_id, pool=name, provider=n.provider, reason=Reason(
+                                code="idle", message=f"drained: nothing on it since it was cordoned "
+                                                     f"{now - n.drained_by_us_s:.0f}s ago")),
+                            tenant=SYS_TENANT, key=f"remove:{n.node_id}"))
+                    continue
+                since = self.idle_since(state, n.node_id, pool)
+                if n.cordoned or since is None or now - since < pool.scale_down_after_s or keep <= pool.min:
+                    continue
+                keep -= 1
+                what = "nothing placed on it" if not state.on_node.get(n.node_id) else "its jobs' GPUs idle"
+                out.append(ctx.emit(NodeCordoned(node_id=n.node_id, reason=(
+                    f"autoscaler: {what} for {now - since:.0f}s (pool {name} scaleDownAfter "
+                    f"{pool.scale_down_after_s:.0f}s, {keep + 1} -> {keep} node(s), min {pool.min}); "
+                    f"draining to remove it")), tenant=SYS_TENANT, key=f"drain:{n.node_id}:{since}"))
+        return out
+
+
+def _metrics(svc: Service) -> str:
+    a = svc.auto
+    parts = []
+    if svc.rps is not None:
+        per = svc.rps / max(svc.desired, 1)
+        parts.append(f"{svc.rps:g} req/s ({per:.1f} per replica"
+                     + (f", target {a.target_rps_per_replica:g})" if a.target_rps_per_replica else ")"))
+    if svc.p99_ms is not None:
+        parts.append(f"p99 {svc.p99_ms:g} ms" + (f" (target {a.target_p99_ms:g})" if a.target_p99_ms else ""))
+    return ", ".join(parts) or "no load reported"

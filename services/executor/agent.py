@@ -123,7 +123,7 @@ class ExecutorAgent:
     async def heartbeat(self) -> None:
         if not self.beating:
             return
-        nodes = sorted(self.core.nodes)
+        nodes = self.core.hosted(self.state)
         running: dict[str, list[str]] = {}
         for (job_id, _), r in self.state.running.items():
             if r.node_id in self.core.driver_nodes:
@@ -285,6 +285,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--sim-nodes", type=int, default=4, help="simulated nodes this executor hosts (sim)")
     ap.add_argument("--node-prefix", default="sim", help="node id prefix (sim)")
     ap.add_argument("--sim-mix", default="", help="node shapes cycled over the sim nodes (h100x8,h100mig,...)")
+    ap.add_argument("--no-sim-pools", action="store_true",
+                    help="do not provide the autoscaler's sim node pools (sim; run one provider per mesh)")
     ap.add_argument("--node-id", default=os.environ.get("GPUFLEET_NODE_ID"), help="this node (process/docker; default: host name)")
     ap.add_argument("--work-dir", default=None, help="job files and logs (default: <data dir>/executor/<node>)")
     ap.add_argument("--checkpoint-root", default=os.environ.get("GPUFLEET_CHECKPOINT_ROOT"),
@@ -300,8 +302,10 @@ def main(argv: list[str] | None = None) -> None:
     url = args.nats_url or resolve_nats_url(args.data_dir)
     driver: Driver | None = None
     gpu: GpuBackend | None = None
+    sim_pools = False
     if args.driver == "sim":
         nodes = sim_fleet(args.sim_nodes, args.node_prefix, args.sim_mix)
+        sim_pools = not args.no_sim_pools
     else:
         from gpufleet.shared.hostinfo import host_inventory
         from gpufleet.shared.nvml import nvml_status, open_backend
@@ -333,7 +337,7 @@ def main(argv: list[str] | None = None) -> None:
 
     async def run() -> None:
         bus = await Bus.connect(url, name=f"gpufleet-executor-{args.instance}")
-        agent = ExecutorAgent(ExecutorCore(nodes), bus, driver, gpu, instance=args.instance,
+        agent = ExecutorAgent(ExecutorCore(nodes, sim_pools=sim_pools), bus, driver, gpu, instance=args.instance,
                               heartbeat_s=args.heartbeat_s, grace_s=args.grace_s,
                               checkpoint_root=args.checkpoint_root, batch=args.batch)
         _stop_on_signals(agent.stop)

@@ -4,6 +4,10 @@ folds: its nodes, job specs, running replicas     decides: node.registered, job.
                                                            job.exited (end, cancel, timeout)
 On `sim` nodes this core is the driver: a replica "runs" for `spec.sim.duration` (or until its
 max runtime) and exits with `spec.sim.exitCode`; one process can host thousands of sim nodes.
+With `sim_pools`, it is also the `sim` provider of the autoscaler's node pools: a node asked for
+(`node.provision_requested`, provider sim) registers here once its provision delay has passed and
+is heartbeated like the others; asked to go (`node.removal_requested`) it deregisters
+(`node.deregistered`), after reporting any replica still on it as lost.
 On `process` / `docker` nodes it folds what *should* run there (`desired`), and the pure
 `reconcile` compares that with what the driver sees, kubelet-style (services/executor/agent.py
 does the I/O). A node the log says was lost registers again once its executor is back.
@@ -27,9 +31,12 @@ from gpufleet.shared.events import (
     JobResumeRequested,
     JobStarted,
     JobSubmitted,
+    NodeDeregistered,
     NodeInventory,
     NodeLost,
+    NodeProvisionRequested,
     NodeRegistered,
+    NodeRemovalRequested,
     ReplicaAllocation,
     utc,
 )
@@ -76,6 +83,16 @@ class Desired:
 
 
 @dataclass
+class PoolNode:
+    """A node of an autoscaler pool this executor provides (sim provider)."""
+
+    inventory: NodeInventory
+    ready_at_s: float
+    requested_event_id: str
+    removal_event_id: str | None = None
+
+
+@dataclass
 class ExecutorState:
     registered: dict[str, str] = field(default_factory=dict)  # node_id -> inventory digest
     plans: dict[str, RunPlan] = field(default_factory=dict)
@@ -97,6 +114,7 @@ class ExecutorState:
     stop_grace: dict[str, float] = field(default_factory=dict)  # job -> the grace its preemption gives
     abandoned: dict[tuple[str, int], Desired] = field(default_factory=dict)  # old attempts never started
     resume_from: dict[str, str] = field(default_factory=dict)  # job -> the checkpoint its next run starts from
+    pool_nodes: dict[str, PoolNode] = field(default_factory=dict)  # sim provider: nodes asked for, not gone
 
 
 class ExecutorCore(BaseCore[ExecutorState]):
@@ -108,24 +126,54 @@ class ExecutorCore(BaseCore[ExecutorState]):
         "fleet.evt.*.job.*.preemption_requested",
         "fleet.evt.*.job.*.succeeded", "fleet.evt.*.job.*.failed", "fleet.evt.*.job.*.cancelled",
         "fleet.evt.*.job.*.preempted", "fleet.evt.*.job.*.resume_requested", "fleet.evt.sys.node.*.lost",
+        "fleet.evt.sys.node.*.provision_requested", "fleet.evt.sys.node.*.removal_requested",
+        "fleet.evt.sys.node.*.deregistered",
     )
     tick_s = 0.2
 
-    def __init__(self, nodes: dict[str, NodeInventory]) -> None:
+    def __init__(self, nodes: dict[str, NodeInventory], sim_pools: bool = False) -> None:
         self.nodes = nodes
         self.driver_nodes = {n for n, inv in nodes.items() if inv.driver != "sim"}
+        self.sim_pools = sim_pools  # the `sim` provider of node pools: one executor per mesh should be
+
+    def hosts(self, state: ExecutorState, node_id: str) -> bool:
+        """Whether the node is this executor's: one of its own, or a pool node it provides."""
+        return node_id in self.nodes or node_id in state.pool_nodes
+
+    def inventory(self, state: ExecutorState, node_id: str) -> NodeInventory:
+        pool = state.pool_nodes.get(node_id)
+        return pool.inventory if pool is not None else self.nodes[node_id]
+
+    def hosted(self, state: ExecutorState) -> list[str]:
+        """Every node it heartbeats: its own, and the pool nodes that registered."""
+        return sorted({*self.nodes, *(n for n in state.pool_nodes if n in state.registered)})
 
     def initial_state(self) -> ExecutorState:
         return ExecutorState()
 
     def evolve(self, state: ExecutorState, env: Envelope) -> ExecutorState:
         t, p = env.type, env.payload
+        if isinstance(p, NodeProvisionRequested):
+            if self.sim_pools and p.provider == "sim" and p.node_id not in self.nodes:
+                state.pool_nodes.setdefault(p.node_id, PoolNode(
+                    p.inventory, env.occurred_at.timestamp() + p.ready_after_s, env.event_id))
+            return state
+        if isinstance(p, NodeRemovalRequested):
+            pool_node = state.pool_nodes.get(p.node_id)
+            if pool_node is not None and pool_node.removal_event_id is None:
+                pool_node.removal_event_id = env.event_id
+            return state
+        if isinstance(p, NodeDeregistered):
+            if state.pool_nodes.pop(p.node_id, None) is not None:
+                state.registered.pop(p.node_id, None)
+                state.lost.pop(p.node_id, None)
+            return state
         if isinstance(p, NodeRegistered):
-            if p.node_id in self.nodes:
+            if self.hosts(state, p.node_id):
                 state.registered[p.node_id] = inventory_digest(p.inventory)
             return state
         if isinstance(p, NodeLost):
-            if p.node_id in self.nodes:
+            if self.hosts(state, p.node_id):
                 state.registered.pop(p.node_id, None)  # registers again (tick): the node is back
                 state.lost[p.node_id] = state.lost.get(p.node_id, 0) + 1
             return state
@@ -157,7 +205,7 @@ class ExecutorCore(BaseCore[ExecutorState]):
                     # placed here but never started: its allocation must still be given back
                     state.abandoned[key] = old
         elif isinstance(p, JobStarted):
-            if p.node_id in self.nodes and job_id not in state.ended:
+            if self.hosts(state, p.node_id) and job_id not in state.ended:
                 plan = state.plans.get(job_id, RunPlan(0.0, 0, 86400.0))
                 state.started.setdefault(job_id, set()).add((p.replica, p.attempt))
                 run = Running(
@@ -236,7 +284,7 @@ class ExecutorCore(BaseCore[ExecutorState]):
             for a in p.allocations:
                 if a.node_id in self.driver_nodes:
                     continue  # started by the agent once its driver has it running (reconcile)
-                if (a.node_id in self.nodes and (job_id, a.replica) not in state.running
+                if (self.hosts(state, a.node_id) and (job_id, a.replica) not in state.running
                         and (a.replica, p.attempt) not in state.started.get(job_id, ())):
                     if job_id in state.cancelling:
                         # the cancel overtook this placement: never start it, free what it holds
@@ -269,10 +317,11 @@ class ExecutorCore(BaseCore[ExecutorState]):
         now = ctx.now.timestamp()
         out = []
         for node_id, n_lost in state.lost.items():
-            if node_id not in state.registered:  # the log says this node was lost, but here it is
-                inv = self.nodes[node_id]
+            if node_id not in state.registered and self.hosts(state, node_id):  # lost, but here it is
+                inv = self.inventory(state, node_id)
                 out.append(ctx.emit(NodeRegistered(node_id=node_id, inventory=inv), tenant=SYS_TENANT,
                                     key=f"register:{node_id}:{inventory_digest(inv)}:{n_lost}"))
+        out += self._pool_tick(state, ctx, now)
         due: list[Running] = []
         # walk the heap down from its root to every entry that is due, without changing it
         # (tick is pure; evolve drops the entries of replicas that ended)
@@ -294,6 +343,22 @@ class ExecutorCore(BaseCore[ExecutorState]):
                 out.append(self._exit(r, ctx, EXIT_TIMEOUT, "timeout", "exit"))
             elif elapsed >= r.plan.duration_s:
                 out.append(self._exit(r, ctx, r.plan.exit_code, "completed" if r.plan.exit_code == 0 else "error", "exit"))
+        return out
+
+    def _pool_tick(self, state: ExecutorState, ctx: Ctx, now: float) -> list[Envelope]:
+        """The sim provider: pool nodes come up after their delay, and go when asked to."""
+        out: list[Envelope] = []
+        for node_id, pn in sorted(state.pool_nodes.items()):
+            if pn.removal_event_id is not None:
+                # replicas still there (placed as it was being drained) are lost with it
+                for r in sorted((r for r in state.running.values() if r.node_id == node_id),
+                                key=lambda r: (r.job_id, r.replica)):
+                    out.append(self._exit(r, ctx, EXIT_KILLED, "node_lost", "exit"))
+                out.append(ctx.emit(NodeDeregistered(node_id=node_id, reason="removed by its pool's provider (sim)"),
+                                    tenant=SYS_TENANT, cause_id=pn.removal_event_id, key="deregistered"))
+            elif node_id not in state.registered and node_id not in state.lost and now >= pn.ready_at_s:
+                out.append(ctx.emit(NodeRegistered(node_id=node_id, inventory=pn.inventory), tenant=SYS_TENANT,
+                                    cause_id=pn.requested_event_id, key=f"register:{inventory_digest(pn.inventory)}"))
         return out
 
     @staticmethod

@@ -116,7 +116,9 @@ class QuotaCore(BaseCore[QuotaState]):
             state.specs[job_id] = p.spec
         elif t == "job.admitted":
             spec = state.specs.get(job_id)
-            if spec is not None and job_id not in state.reserved and job_id not in state.ended:
+            # an autoscaled inference service holds nothing itself: its replicas are jobs of their own
+            if (spec is not None and spec.autoscale is None and job_id not in state.reserved
+                    and job_id not in state.ended):
                 state.admitted_n += 1
                 state.pending.setdefault(job_id, Pending(
                     job_id, env.tenant, spec.queue, spec.priority, state.admitted_n, env.occurred_at.timestamp()))

@@ -30,6 +30,7 @@ from gpufleet.shared.events import (
     JobPlaced,
     JobStarted,
     JobSubmitted,
+    NodeDeregistered,
     NodeGpuCleared,
     NodeGpuUnhealthy,
     NodeGpuZombieDetected,
@@ -172,6 +173,11 @@ class TelemetryCore(BaseCore[TelemetryState]):
             state.lost.discard(p.node_id)
         elif isinstance(p, NodeLost):
             state.lost.add(p.node_id)
+        elif isinstance(p, NodeDeregistered):  # removed on purpose (a node pool): no lease to keep
+            state.nodes.pop(p.node_id, None)
+            state.registered_at.pop(p.node_id, None)
+            state.registration.pop(p.node_id, None)
+            state.lost.discard(p.node_id)
         elif isinstance(p, NodeGpuZombieDetected):
             _hold(state, (p.node_id, p.gpu_index), "zombie")
             state.zombies_said.add((p.node_id, p.gpu_index, p.pid))

@@ -1,0 +1,104 @@
+"""Node pools, pure helpers: a pool's node inventory, whether a job fits a pool's node shape, and
+how many new nodes a set of waiting jobs needs (first fit, gangs all or nothing)."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+from gpufleet.shared.clusterconfig import NodePoolConfig
+from gpufleet.shared.events import GpuDevice, NodeInventory
+from gpufleet.shared.spec import JobSpec
+
+MILLI = 1000
+
+
+def pool_inventory(pool_name: str, pool: NodePoolConfig, node_id: str) -> NodeInventory:
+    """What a node of the pool registers with (the sim provider registers exactly this)."""
+    s = pool.shape
+    per_island = max(1, s.gpus // s.nvlink_islands)
+    gpus = tuple(
+        GpuDevice(index=i, uuid=f"GPU-{hashlib.blake2b(f'{node_id}/{i}'.encode(), digest_size=8).hexdigest()}",
+                  model=s.gpu_model, memory_mib=s.gpu_memory_mib, nvlink_island=i // per_island,
+                  pcie_switch=i // max(1, s.gpus // 4), numa_node=0 if i < s.gpus // 2 or s.gpus == 1 else 1)
+        for i in range(s.gpus)
+    )
+    labels = {"rack": f"rack-{pool_name}", "leaf": f"leaf-{pool_name}", "spine": "spine-pools",
+              **s.labels, "pool": pool_name}
+    return NodeInventory(cpu_milli=s.cpu_milli, memory_mib=s.memory_mib, gpus=gpus,
+                         numa_nodes=2 if s.gpus > 1 else 1, labels=labels, taints=s.taints, driver="sim")
+
+
+@dataclass
+class Room:
+    """What is free on one node (or on one node that will come): GPUs in milli, CPU, memory."""
+
+    gpu_milli: list[int]
+    cpu_milli: int
+    memory_mib: int
+    node_id: str | None = None  # None: a node not asked for yet
+
+
+def replica_fits_shape(pool_name: str, pool: NodePoolConfig, spec: JobSpec) -> bool:
+    """Whether one replica of the job could run on an empty node of the pool."""
+    r, s = spec.resources, pool.shape
+    if r.mig:
+        return False  # pool nodes have no MIG instances
+    labels = {**s.labels, "pool": pool_name}
+    if any(labels.get(k) != v for k, v in spec.node_selector.items()):
+        return False
+    if any(t not in spec.tolerations for t in s.taints):
+        return False
+    if r.gpu:
+        if r.gpu > s.gpus or (r.gpu_models and s.gpu_model not in r.gpu_models):
+            return False
+        if r.gpu_memory_mib and s.gpu_memory_mib < r.gpu_memory_mib:
+            return False
+    return r.cpu_milli <= s.cpu_milli and r.memory_mib <= s.memory_mib
+
+
+def empty_room(pool: NodePoolConfig) -> Room:
+    s = pool.shape
+    return Room([MILLI] * s.gpus, s.cpu_milli, s.memory_mib)
+
+
+def _take(room: Room, spec: JobSpec) -> bool:
+    """Put one replica on `room` if it fits (mutates it)."""
+    r = spec.resources
+    if r.cpu_milli > room.cpu_milli or r.memory_mib > room.memory_mib:
+        return False
+    picked: list[int] = []
+    if r.gpu:
+        want = r.gpu_milli if r.gpu_milli < MILLI else MILLI
+        picked = [i for i, left in enumerate(room.gpu_milli) if left >= want][: r.gpu]
+        if len(picked) < r.gpu:
+            return False
+        for i in picked:
+            room.gpu_milli[i] -= want
+    room.cpu_milli -= r.cpu_milli
+    room.memory_mib -= r.memory_mib
+    return True
+
+
+def pack(rooms: list[Room], spec: JobSpec, pool: NodePoolConfig, new_max: int) -> tuple[list[Room], set[str]] | None:
+    """Place every replica of the job on `rooms` (first fit), opening new empty nodes of the pool
+    as needed (at most `new_max`). Returns the rooms after (new ones appended) and the existing
+    nodes it used, or None when the gang does not fit: then `rooms` is unchanged."""
+    trial = [Room(list(x.gpu_milli), x.cpu_milli, x.memory_mib, x.node_id) for x in rooms]
+    used: set[str] = set()
+    opened = 0
+    for _ in range(spec.replicas):
+        for room in trial:
+            if _take(room, spec):
+                if room.node_id is not None:
+                    used.add(room.node_id)
+                break
+        else:
+            if opened >= new_max:
+                return None
+            room = empty_room(pool)
+            if not _take(room, spec):
+                return None
+            trial.append(room)
+            opened += 1
+    return trial, used

@@ -1,0 +1,488 @@
+"""The autoscaler's pure core: HPA math, bounds, cooldowns, scale to zero, replica jobs, node pools;
+and the sim provider's side in the executor and telemetry cores. No NATS: given -> when -> then."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+from typing import Any
+
+import pytest
+
+from gpufleet.services.autoscaler.core import (
+    REPLICA_ENV,
+    SERVICE_ENV,
+    AutoscalerCore,
+    AutoscalerState,
+    recommend,
+    replica_job_id,
+)
+from gpufleet.services.autoscaler.pools import pool_inventory, replica_fits_shape
+from gpufleet.services.executor.core import ExecutorCore
+from gpufleet.services.telemetry.core import Rules, TelemetryCore
+from gpufleet.shared.clusterconfig import parse_config
+from gpufleet.shared.errors import SpecError
+from gpufleet.shared.events import (
+    CancelRequestedCmd,
+    Envelope,
+    JobCancelled,
+    JobFailed,
+    JobIdleDetected,
+    JobScaled,
+    JobStarted,
+    JobUnschedulable,
+    NodeDeregistered,
+    NodeProvisionRequested,
+    NodeRegistered,
+    NodeRemovalRequested,
+    Reason,
+    ReportLoadCmd,
+    SubmitRequested,
+)
+from gpufleet.shared.runtime import Ctx
+from gpufleet.shared.spec import AutoscaleSpec, parse_spec
+
+from .builders import T0, Harness, admitted, event, exited, make_job, placed, started, submitted
+
+ACTOR = "autoscaler/0"
+SVC = "svc1"
+
+
+class Play(Harness[Any]):
+    """The harness, with the autoscaler's actor on its outputs (it recognises its own commands)."""
+
+    def when(self, env: Envelope, now: datetime = T0) -> list[Envelope]:
+        self.state = self.core.evolve(self.state, env)
+        return self._own(self.core.decide(self.state, env, Ctx(now=now, actor=ACTOR, cause=env)))
+
+    def tick(self, now: datetime) -> list[Envelope]:
+        return self._own(self.core.tick(self.state, Ctx(now=now, actor=ACTOR)))
+
+
+def at(s: float) -> datetime:
+    return T0 + timedelta(seconds=s)
+
+
+def auto(**kw: Any) -> dict[str, Any]:
+    return {"minReplicas": 1, "maxReplicas": 10, "targetRpsPerReplica": 100, "scaleUpCooldown": "10s",
+            "scaleDownCooldown": "60s", **kw}
+
+
+def service(h: Play, **kw: Any) -> list[Envelope]:
+    spec = make_job("web").type("inference").gpus(1).runs("1h").set("autoscale", auto(**kw)).spec()
+    h.given(submitted(spec, SVC))
+    return h.when(admitted(SVC), at(0))
+
+
+def load(rps: float, p99: float | None = None, s: float = 0, tenant: str = "acme") -> Envelope:
+    return event(ReportLoadCmd(job_id=SVC, rps=rps, p99_ms=p99), tenant=tenant, at=at(s))
+
+
+def scaled(out: list[Envelope]) -> list[JobScaled]:
+    return [e.payload for e in out if isinstance(e.payload, JobScaled)]
+
+
+def replicas(h: Play) -> int:
+    return len(h.state.services[SVC].replicas)
+
+
+# ---------------------------------------------------------------- HPA math
+
+
+@pytest.mark.parametrize(("current", "rps", "p99", "want", "why"), [
+    (2, 200.0, None, 2, "load"),  # exactly on target
+    (2, 215.0, None, 2, "load"),  # within the 10 % tolerance
+    (2, 300.0, None, 3, "load"),  # ceil(300 / 100)
+    (2, 301.0, None, 4, "load"),
+    (4, 100.0, None, 1, "load"),
+    (4, 0.0, None, 1, "bounds"),  # ceil(0) = 0, held at minReplicas
+    (2, 5000.0, None, 10, "bounds"),  # held at maxReplicas
+    (2, 200.0, 400.0, 4, "latency"),  # p99 twice its target: ceil(2 x 2), the larger proposal wins
+    (3, 100.0, 100.0, 2, "latency"),  # load says 1, latency says ceil(3 x 0.5): the larger
+    (0, 250.0, None, 3, "load"),  # from nothing: the load alone
+])
+def test_recommend_is_target_tracking(current: int, rps: float, p99: float | None, want: int, why: str) -> None:
+    a = AutoscaleSpec.model_validate(auto(targetP99Ms=200))
+    assert recommend(a, current, rps, p99) == (want, why)
+
+
+def test_recommend_without_a_metric_for_its_target_keeps_the_count() -> None:
+    a = AutoscaleSpec.model_validate(auto(targetRpsPerReplica=None, targetP99Ms=200))
+    assert recommend(a, 3, 900.0, None) == (3, "none")
+
+
+@pytest.mark.parametrize(("section", "field"), [
+    ({"minReplicas": 3, "maxReplicas": 2, "targetP99Ms": 9}, "autoscale.maxReplicas"),
+    ({"maxReplicas": 3}, "autoscale.targetP99Ms"),
+    ({"minReplicas": 0, "targetP99Ms": 9}, "autoscale.minReplicas"),
+    ({"targetRpsPerReplica": 0}, "autoscale.targetRpsPerReplica"),
+    ({"targetP99Ms": 9, "scaleToZeroAfter": "soon"}, "autoscale.scaleToZeroAfter"),
+    ({"targetP99Ms": 9, "replicasMax": 3}, "autoscale.replicasMax"),
+])
+def test_a_bad_autoscale_section_names_the_field(section: dict[str, Any], field: str) -> None:
+    with pytest.raises(SpecError) as err:
+        parse_spec({"name": "s", "tenant": "acme", "type": "inference", "autoscale": section})
+    assert err.value.field == field
+
+
+def test_autoscale_is_for_inference_only() -> None:
+    with pytest.raises(SpecError) as err:
+        parse_spec({"name": "s", "tenant": "acme", "type": "training", "autoscale": {"targetP99Ms": 9}})
+    assert err.value.field == "autoscale" and "inference" in str(err.value)
+
+
+@pytest.mark.parametrize(("pools", "field"), [
+    ({"p": {"min": 2, "max": 1}}, "nodePools.p.max"),
+    ({"p": {"shape": {"gpus": 65}}}, "nodePools.p.shape.gpus"),
+    ({"p": {"provisionDelay": -1}}, "nodePools.p.provisionDelay"),
+    ({"p.q": {}}, "nodePools.p.q"),
+])
+def test_a_bad_node_pool_names_the_field(pools: dict[str, Any], field: str) -> None:
+    with pytest.raises(SpecError) as err:
+        parse_config({"nodePools": pools})
+    assert err.value.field == field
+
+
+def test_an_unknown_provider_is_refused_by_the_autoscaler() -> None:
+    with pytest.raises(SpecError) as err:
+        AutoscalerCore(parse_config({"nodePools": {"p": {"provider": "gcp", "max": 1}}}))
+    assert err.value.field == "nodePools.p.provider"
+
+
+# ---------------------------------------------------------------- services
+
+
+def test_an_admitted_service_starts_min_replicas_as_ordinary_submits() -> None:
+    h = Play(AutoscalerCore())
+    out = service(h, minReplicas=2)
+    assert [e.type for e in out] == ["job.scaled", "cmd.submit", "cmd.submit"]
+    s = scaled(out)[0]
+    assert (s.from_replicas, s.to_replicas, s.reason.code) == (0, 2, "initial")
+    assert s.added == (replica_job_id(SVC, 0), replica_job_id(SVC, 1))
+    sub = out[1].payload
+    assert isinstance(sub, SubmitRequested) and out[1].subject() == "fleet.cmd.acme.submit"
+    spec = parse_spec(sub.spec)  # a plain job spec admission takes as it is
+    assert spec.autoscale is None and spec.type == "inference" and spec.resources.gpu == 1
+    assert spec.env[SERVICE_ENV] == SVC and spec.env[REPLICA_ENV] == "0"
+    assert replicas(h) == 2
+    assert h.when(admitted(SVC), at(1)) == []  # redelivered: decided already
+
+
+def test_load_scales_up_with_a_reason_and_the_cooldown_holds_the_next_step() -> None:
+    h = Play(AutoscalerCore())
+    service(h)
+    out = h.when(load(420, s=20), at(20))
+    s = scaled(out)[0]
+    assert (s.from_replicas, s.to_replicas, s.reason.code, s.rps) == (1, 5, "load", 420)
+    assert "420 req/s" in s.reason.message and "target 100" in s.reason.message
+    assert [e.type for e in out].count("cmd.submit") == 4 and replicas(h) == 5
+    assert h.when(load(900, s=25), at(25)) == []  # within scaleUpCooldown (10s) of the last change
+    assert scaled(h.when(load(900, s=31), at(31)))[0].to_replicas == 9
+
+
+def test_scale_down_waits_for_the_stabilisation_window_and_cancels_the_newest_not_running_first() -> None:
+    h = Play(AutoscalerCore())
+    service(h)
+    h.when(load(400, s=20), at(20))  # -> 4
+    h.given(started(replica_job_id(SVC, 0), "n1"), started(replica_job_id(SVC, 3), "n1"))
+    assert h.when(load(100, s=30), at(30)) == []  # 1 is enough, but 400 was asked 10s ago
+    assert h.when(load(100, s=70), at(70)) == []  # the 20s recommendation (4) is still in the window
+    out = h.when(load(190, s=81), at(81))
+    s = scaled(out)[0]
+    assert (s.from_replicas, s.to_replicas) == (4, 2)  # the largest of the last 60s: ceil(190 / 100)
+    assert set(s.removed) == {replica_job_id(SVC, 2), replica_job_id(SVC, 1)}  # not running yet: first
+    cancels = [e.payload for e in out if isinstance(e.payload, CancelRequestedCmd)]
+    assert {c.job_id for c in cancels} == set(s.removed)
+    assert replicas(h) == 2
+
+
+def test_bounds_and_tolerance() -> None:
+    h = Play(AutoscalerCore())
+    service(h, maxReplicas=3)
+    assert scaled(h.when(load(5000, s=20), at(20)))[0].to_replicas == 3
+    assert scaled(h.when(load(5000, s=40), at(40))) == []  # at max: nothing more to say
+    assert h.when(load(310, s=50), at(50)) == []  # 310 / 3 per replica is within 10 % of 100
+
+
+def test_scale_to_zero_after_idle_and_back_on_the_first_request() -> None:
+    h = Play(AutoscalerCore())
+    service(h, minReplicas=2, scaleToZeroAfter="30s")
+    h.when(load(0, s=10), at(10))
+    assert scaled(h.when(load(0, s=25), at(25))) == []  # no requests in 15s of reports
+    assert scaled(h.tick(at(30))) == []  # no new report: nothing new known, nothing done
+    out = h.when(load(0, s=41), at(41))  # 31s of reports without requests
+    s = scaled(out)[0]
+    assert (s.to_replicas, s.reason.code) == (0, "scale_to_zero") and replicas(h) == 0
+    assert h.tick(at(40)) == []
+    assert h.when(load(0, s=50), at(50)) == []  # still idle: stays at zero
+    s = scaled(h.when(load(350, s=60), at(60)))[0]
+    assert (s.from_replicas, s.to_replicas, s.reason.code) == (0, 4, "from_zero")  # ceil(350/100), >= min
+
+
+def test_without_scale_to_zero_idle_holds_min() -> None:
+    h = Play(AutoscalerCore())
+    service(h, minReplicas=2)
+    h.when(load(0, s=10), at(10))
+    assert h.tick(at(10_000)) == []
+    assert h.state.services[SVC].desired == 2
+
+
+def test_a_failed_replica_is_replaced_after_a_backoff_and_a_cancelled_service_cancels_its_replicas() -> None:
+    h = Play(AutoscalerCore())
+    service(h, minReplicas=2)
+    r0 = replica_job_id(SVC, 0)
+    h.when(event(JobFailed(job_id=r0, reason=Reason(code="error", message="exit 1")), at=at(5)), at(5))
+    assert replicas(h) == 1
+    assert h.tick(at(6)) == []  # backoff (2s after the first failure)
+    out = h.tick(at(7.5))
+    assert [e.type for e in out] == ["cmd.submit"] and out[0].job_id == replica_job_id(SVC, 2)
+    assert replicas(h) == 2 and h.state.services[SVC].desired == 2  # a replacement is not a scale event
+    out = h.when(event(JobCancelled(job_id=SVC, reason="user"), at=at(9)), at(9))
+    assert sorted(e.job_id or "" for e in out) == [replica_job_id(SVC, 1), replica_job_id(SVC, 2)]
+    assert all(e.type == "cmd.cancel" for e in out)
+    assert h.tick(at(20)) == []
+
+
+def test_load_of_another_tenant_or_an_unknown_job_is_ignored() -> None:
+    h = Play(AutoscalerCore())
+    service(h)
+    assert h.when(load(5000, tenant="evil", s=20), at(20)) == []
+    assert h.when(event(ReportLoadCmd(job_id="nope", rps=10), at=at(20)), at(20)) == []
+
+
+def test_a_forged_replica_submit_is_not_counted() -> None:
+    h = Play(AutoscalerCore())
+    service(h)
+    forged = event(SubmitRequested(job_id="x-r9", spec={"env": {SERVICE_ENV: SVC, REPLICA_ENV: "9"}}), actor="mallory")
+    h.given(forged)
+    assert replicas(h) == 1
+
+
+# ---------------------------------------------------------------- node pools
+
+POOLS = {
+    "a10": {"shape": {"gpuModel": "A10", "gpus": 4, "cpu": 32, "memory": "256Gi"}, "max": 4,
+            "provisionDelay": "5s", "scaleUpAfter": "10s", "scaleDownAfter": "60s"},
+    "h100": {"shape": {"gpuModel": "H100", "gpus": 8, "cpu": 96, "memory": "1Ti"}, "max": 2,
+             "provisionDelay": "5s", "scaleUpAfter": "10s", "scaleDownAfter": "60s"},
+}
+
+
+def pools(**over: Any) -> AutoscalerCore:
+    cfg = {name: {**p, **over.get(name, {})} for name, p in POOLS.items()}
+    return AutoscalerCore(parse_config({"nodePools": cfg}))
+
+
+def waiting(h: Play, job_id: str, gpus: int, s: float, replicas_n: int = 1, model: str | None = None) -> None:
+    b = make_job(job_id).gpus(gpus).replicas(replicas_n)
+    if model:
+        b = b.model(model)
+    h.given(submitted(b, job_id), event(JobUnschedulable(
+        job_id=job_id, reasons=(Reason(code="no_fit", message="no fit"),)), at=at(s)))
+
+
+def provisions(out: list[Envelope]) -> list[NodeProvisionRequested]:
+    return [e.payload for e in out if isinstance(e.payload, NodeProvisionRequested)]
+
+
+def test_pool_fit_and_inventory() -> None:
+    core = pools()
+    spec = make_job().gpus(8).model("H100").spec()
+    assert replica_fits_shape("h100", core.pools["h100"], spec)
+    assert not replica_fits_shape("a10", core.pools["a10"], spec)
+    assert not replica_fits_shape("h100", core.pools["h100"], make_job().mig("1g.10gb").spec())
+    assert not replica_fits_shape("h100", core.pools["h100"], make_job().gpus(1).set("nodeSelector", {"zone": "b"}).spec())
+    inv = pool_inventory("h100", core.pools["h100"], "h100-0000")
+    assert len(inv.gpus) == 8 and inv.gpus[0].model == "H100" and inv.labels["pool"] == "h100"
+
+
+def test_unschedulable_demand_past_scale_up_after_asks_the_smallest_fitting_pool() -> None:
+    h = Play(pools())
+    waiting(h, "big", 8, s=0)
+    waiting(h, "small", 2, s=0)
+    assert h.tick(at(9)) == []  # not waited scaleUpAfter yet
+    out = h.tick(at(10))
+    got = {(p.pool, p.node_id, tuple(p.for_jobs)) for p in provisions(out)}
+    assert got == {("h100", "h100-0000", ("big",)), ("a10", "a10-0000", ("small",))}
+    p = next(p for p in provisions(out) if p.pool == "h100")
+    assert p.reason.code == "unschedulable" and "0 -> 1" in p.reason.message and p.ready_after_s == 5
+    assert p.inventory.gpus[0].model == "H100" and out[0].subject().startswith("fleet.evt.sys.node.")
+    assert h.tick(at(11)) == []  # the nodes coming take that demand: not asked twice
+    waiting(h, "big2", 8, s=12)
+    assert [p.node_id for p in provisions(h.tick(at(22)))] == ["h100-0001"]
+    waiting(h, "big3", 8, s=12)
+    assert h.tick(at(23)) == []  # h100 is at max 2
+
+
+def test_a_gang_gets_all_its_nodes_or_none() -> None:
+    h = Play(pools())
+    waiting(h, "gang", 8, s=0, replicas_n=2, model="H100")
+    assert [p.node_id for p in provisions(h.tick(at(10)))] == ["h100-0000", "h100-0001"]
+    h2 = Play(pools())
+    waiting(h2, "gang3", 8, s=0, replicas_n=3, model="H100")
+    assert h2.tick(at(10)) == []  # 3 nodes, max 2: never half a gang
+
+
+def test_min_nodes_are_kept() -> None:
+    h = Play(pools(a10={"min": 2}))
+    out = provisions(h.tick(at(0)))
+    assert [(p.node_id, p.reason.code) for p in out] == [("a10-0000", "below_min"), ("a10-0001", "below_min")]
+    assert h.tick(at(1)) == []
+
+
+def registered_pool_node(h: Play, pool: str, node_id: str, s: float) -> None:
+    core: AutoscalerCore = h.core
+    inv = pool_inventory(pool, core.pools[pool], node_id)
+    h.given(event(NodeProvisionRequested(node_id=node_id, pool=pool, provider="sim", inventory=inv,
+                                         reason=Reason(code="unschedulable", message="x")), at=at(s), actor=ACTOR),
+            event(NodeRegistered(node_id=node_id, inventory=inv), at=at(s + 5)))
+
+
+def test_an_idle_pool_node_is_cordoned_then_removed_once_drained_and_never_below_min() -> None:
+    h = Play(pools(h100={"min": 1}))
+    registered_pool_node(h, "h100", "h100-0000", 0)
+    registered_pool_node(h, "h100", "h100-0001", 0)
+    h.given(placed("j1", ("h100-0001", [0, 1])))
+    h.given(exited("j1", "h100-0001"))
+    state: AutoscalerState = h.state
+    state.changed_s["h100-0001"] = T0.timestamp() + 20  # (its job left at 20s)
+    assert h.tick(at(64)) == []  # idle since 5s: not 60s yet
+    out = h.tick(at(66))
+    assert [(e.type, e.node_id) for e in out] == [("node.cordoned", "h100-0000")]
+    assert "nothing placed on it" in out[0].payload.reason  # type: ignore[union-attr]
+    assert h.tick(at(67)) == []  # drain settling; and 0001 stays: min 1
+    out = h.tick(at(90))
+    assert [(e.type, e.node_id) for e in out] == [("node.removal_requested", "h100-0000")]
+    assert h.tick(at(91)) == []
+
+
+def test_a_busy_node_stays_and_one_whose_jobs_are_all_idle_is_drained() -> None:
+    h = Play(pools())
+    registered_pool_node(h, "h100", "h100-0000", 0)
+    h.given(submitted(make_job("j").gpus(8), "j1"), placed("j1", ("h100-0000", range(8))))
+    h.state.changed_s["h100-0000"] = T0.timestamp() + 6
+    assert h.tick(at(200)) == []
+    h.given(event(JobIdleDetected(job_id="j1", gpu_util_pct=1, idle_s=30), at=at(210)))
+    assert h.tick(at(260)) == []
+    out = h.tick(at(271))
+    assert [e.type for e in out] == ["node.cordoned"] and "idle" in out[0].payload.reason  # type: ignore[union-attr]
+    assert h.tick(at(300)) == []  # cordoned, but j1 is still on it: no removal yet
+    h.given(exited("j1", "h100-0000"))
+    assert [e.type for e in h.tick(at(301))] == ["node.removal_requested"]
+
+
+def test_demand_takes_back_a_draining_node_before_asking_for_a_new_one() -> None:
+    h = Play(pools())
+    registered_pool_node(h, "h100", "h100-0000", 0)
+    out = h.tick(at(70))
+    assert [e.type for e in out] == ["node.cordoned"]
+    waiting(h, "big", 8, s=70)
+    out = h.tick(at(80))
+    assert [(e.type, e.node_id) for e in out] == [("node.uncordoned", "h100-0000")]
+    assert h.tick(at(81)) == []
+
+
+# ---------------------------------------------------------------- the sim provider (executor) and telemetry
+
+
+def _ex_ctx(s: float, cause: Envelope | None = None) -> Ctx:
+    return Ctx(now=at(s), actor="executor/0", cause=cause)
+
+
+def test_the_sim_executor_registers_a_pool_node_after_its_delay_and_deregisters_it_on_removal() -> None:
+    core = ExecutorCore({}, sim_pools=True)
+    h: Harness[Any] = Harness(core)
+    inv = pool_inventory("h100", pools().pools["h100"], "h100-0000")
+    h.given(event(NodeProvisionRequested(node_id="h100-0000", pool="h100", provider="sim", inventory=inv,
+                                         ready_after_s=5, reason=Reason(code="x", message="x")), at=at(0)))
+    assert h.tick(at(4)) == []
+    out = h.tick(at(5))
+    assert [e.type for e in out] == ["node.registered"] and out[0].payload == NodeRegistered(node_id="h100-0000",
+                                                                                            inventory=inv)
+    assert core.hosted(h.state) == ["h100-0000"]  # heartbeated from now on
+    assert h.tick(at(6)) == []
+    h.given(submitted(make_job().runs("1h"), "j1"), started("j1", "h100-0000", at=at(7)))
+    h.given(event(NodeRemovalRequested(node_id="h100-0000", pool="h100", provider="sim",
+                                       reason=Reason(code="idle", message="x")), at=at(8)))
+    out = h.tick(at(9))
+    assert [e.type for e in out] == ["job.exited", "node.deregistered"]
+    assert out[0].payload.reason == "node_lost"  # type: ignore[union-attr]
+    assert core.hosted(h.state) == [] and h.tick(at(10)) == []
+
+
+def test_an_executor_without_sim_pools_leaves_pool_nodes_alone() -> None:
+    h: Harness[Any] = Harness(ExecutorCore({}))
+    inv = pool_inventory("h100", pools().pools["h100"], "h100-0000")
+    h.given(event(NodeProvisionRequested(node_id="h100-0000", pool="h100", provider="sim", inventory=inv,
+                                         reason=Reason(code="x", message="x")), at=at(0)))
+    assert h.tick(at(100)) == []
+
+
+def test_telemetry_does_not_lose_a_deregistered_node() -> None:
+    core = TelemetryCore(Rules(lease_s=5))
+    inv = pool_inventory("h100", pools().pools["h100"], "h100-0000")
+    state = core.initial_state()
+    for e in (event(NodeRegistered(node_id="h100-0000", inventory=inv), at=at(0)),
+              event(NodeDeregistered(node_id="h100-0000"), at=at(1))):
+        state = core.evolve(state, e)
+    assert core.check_leases(state, {}, at(100).timestamp(), _ex_ctx(100)) == []
+
+
+def test_replica_started_resets_failures() -> None:
+    h = Play(AutoscalerCore())
+    service(h)
+    h.given(event(JobStarted(job_id=replica_job_id(SVC, 0), node_id="n"), at=at(1)))
+    assert h.state.services[SVC].replicas[replica_job_id(SVC, 0)].running
+
+
+def test_an_oscillating_load_pattern_gives_a_bounded_number_of_scale_events() -> None:
+    """Load swinging between 50 and 350 req/s (target 100) every second for an hour: up once, then held by the
+    stabilisation window; a square wave slower than the window moves it, at most twice a period."""
+    h = Play(AutoscalerCore())
+    service(h)
+    for i in range(3600):
+        h.when(load(350 if i % 2 == 0 else 50, s=1 + i), at(1 + i))
+    assert h.state.services[SVC].scale_events == 2  # initial, then 1 -> 4 once
+    h2 = Play(AutoscalerCore())
+    service(h2)
+    for i in range(3600):  # a 4-minute square wave (2 high, 2 low), window 60s: follows, no faster
+        h2.when(load(350 if (i // 120) % 2 == 0 else 50, s=1 + i), at(1 + i))
+        h2.tick(at(1.5 + i))
+    events = h2.state.services[SVC].scale_events
+    assert 1 < events <= 1 + 2 * (3600 // 240)
+
+
+class RecordingProvider:
+    """A provider that keeps what it was asked (a cloud provider would call its API here)."""
+
+    name = "rec"
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str]] = []
+
+    async def create(self, request: NodeProvisionRequested) -> None:
+        self.calls.append(("create", request.node_id))
+
+    async def delete(self, request: NodeRemovalRequested) -> None:
+        self.calls.append(("delete", request.node_id))
+
+
+async def test_the_provider_agent_hands_each_decision_to_its_pool_provider_once() -> None:
+    from types import SimpleNamespace
+
+    from gpufleet.services.autoscaler.providers import PROVIDERS, ProviderAgent
+
+    assert set(PROVIDERS) == {"sim"}
+    core = AutoscalerCore(parse_config({"nodePools": {"p": {**POOLS["h100"], "provider": "rec"}}}),
+                          providers=("sim", "rec"))
+    h = Play(core)
+    waiting(h, "big", 8, s=0)
+    h.tick(at(10))
+    rec = RecordingProvider()
+    agent = ProviderAgent(SimpleNamespace(state=h.state), {"rec": rec})  # type: ignore[arg-type]
+    await agent.once()
+    await agent.once()
+    assert rec.calls == [("create", "p-0000")]
+    h.given(event(NodeRemovalRequested(node_id="p-0000", pool="p", provider="rec",
+                                       reason=Reason(code="idle", message="x")), at=at(99)))
+    await agent.once()
+    assert rec.calls == [("create", "p-0000"), ("delete", "p-0000")]
