@@ -394,6 +394,9 @@ def sim(scenario: Annotated[Path, typer.Argument(exists=True, dir_okay=False, he
         typer.echo(f"jobs {doc['jobs']}; wait p50 {doc['wait_p50_s']} s, p95 {doc['wait_p95_s']} s; "
                    f"GPU allocation {doc['gpu_allocation_pct']} %; preemptions {doc['preemptions']}, "
                    f"resumes {doc['resumes']}, nodes lost {doc['nodes_lost']}")
+        if doc["nodes_provisioned"] or doc["scale_events"]:
+            typer.echo(f"autoscaler: {doc['nodes_provisioned']} nodes provisioned, {doc['nodes_removed']} removed; "
+                       f"{doc['scale_events']} service scale events")
         if any(doc["chaos"].values()):
             typer.echo("chaos from the seed: " + ", ".join(f"{k} {v}" for k, v in doc["chaos"].items()))
         typer.echo("audit: " + ("every invariant holds" if doc["audit"]["ok"] else

@@ -27,11 +27,16 @@ Scenario (YAML; examples/sim/):
                                                      # then catches up, in order
       - {at: 90m, cordon: h06}             # and uncordon: h06; gpu_cleared: {node: h05, gpu: 1}
       - {at: 95m, cancel: small-0003}      # a user cancels a job (cancel: {job: J, tenant: T})
+    load:                        # what an inference service's load balancer reports (cmd.report_load):
+      - {service: chat, at: 10m, every: 1m, rps: [5, 20, 40, 40, 10, 0], p99_ms: 120}
     chaos:                       # delivery faults drawn from the seed, per delivery of an event to
       duplicate: 0.01            #   a service: delivered twice (decided again, as a redelivery)
       delay: 0.005               #   the service stalls for delay_by, then catches up in order
       delay_by: 20s
       restart: 0.001             #   the service restarts (folds the log again) before the delivery
+
+The autoscaler runs too: `config.nodePools` (provider sim) grow and shrink the cluster, an
+inference job with `autoscale` gets its replicas from the load reports.
 
 With chaos, the seed decides which deliveries go wrong: a seed that breaks an invariant (the
 report's audit) is a regression test as it stands — same seed, same faults, same log.
@@ -52,6 +57,7 @@ import yaml
 
 from gpufleet.audit import audit
 from gpufleet.services.admission.core import AdmissionCore
+from gpufleet.services.autoscaler.core import AutoscalerCore
 from gpufleet.services.executor.core import ExecutorCore
 from gpufleet.services.guardian.core import GuardianCore
 from gpufleet.services.placer.core import PlacerCore
@@ -69,7 +75,9 @@ from gpufleet.shared.events import (
     NodeGpuUnhealthy,
     NodeGpuZombieDetected,
     NodeInventory,
+    NodeRegistered,
     NodeUncordoned,
+    ReportLoadCmd,
     SubmitRequested,
     utc,
 )
@@ -117,7 +125,7 @@ class Chaos:
 
 
 FAULT_KINDS = ("node_lost", "gpu_unhealthy", "zombie", "gpu_cleared", "cordon", "uncordon", "cancel", "restart",
-               "duplicate", "delay")
+               "duplicate", "delay", "load")
 
 
 @dataclass
@@ -193,9 +201,32 @@ def load_scenario(doc: dict[str, Any], seed: int | None = None) -> Scenario:
                 raise ScenarioError(f"faults[{i}].delay: {{service: NAME, by: DURATION}}")
             f = {**f, "delay": {"service": d["service"], "by": _dur(d.get("by", "30s"), f"faults[{i}].delay.by")}}
         faults.append(Fault(_dur(f.get("at", 0), f"faults[{i}].at"), kinds[0], f[kinds[0]]))
+    for i, ld in enumerate(doc.get("load") or []):
+        faults += _load_reports(ld, f"load[{i}]")
     until = _dur(doc["until"], "until") if "until" in doc else None
     return Scenario(nodes, sorted(submits, key=lambda s: (s.at, s.job_id)), sorted(faults, key=lambda f: f.at),
                     config, until, seed, load_chaos(doc.get("chaos")))
+
+
+def _load_reports(doc: Any, where: str) -> list[Fault]:
+    """`{service, at, every, rps: N | [N...], p99_ms: M | [M...], tenant}`: one report per value."""
+    if not isinstance(doc, dict) or "service" not in doc or "rps" not in doc:
+        raise ScenarioError(f"{where}: {{service: JOB, at: DURATION, every: DURATION, rps: N or [N, ...], p99_ms: M}}")
+    rps = doc["rps"] if isinstance(doc["rps"], list) else [doc["rps"]]
+    p99 = doc.get("p99_ms")
+    p99s = p99 if isinstance(p99, list) else [p99] * len(rps)
+    if len(p99s) != len(rps):
+        raise ScenarioError(f"{where}.p99_ms: as many values as rps ({len(rps)})")
+    at, every = _dur(doc.get("at", 0), f"{where}.at"), _dur(doc.get("every", "30s"), f"{where}.every")
+    out = []
+    for k, (r, q) in enumerate(zip(rps, p99s, strict=True)):
+        try:
+            arg = {"job": str(doc["service"]), "tenant": doc.get("tenant"), "rps": float(r),
+                   "p99_ms": None if q is None else float(q), "window_s": float(every) or 10.0}
+        except (TypeError, ValueError):
+            raise ScenarioError(f"{where}: rps and p99_ms are numbers") from None
+        out.append(Fault(at + k * every, "load", arg))
+    return out
 
 
 def load_chaos(doc: Any) -> Chaos:
@@ -244,8 +275,9 @@ class Simulation:
         self.rules = Rules(lease_s=lease_s)
         self.telemetry = TelemetryCore(self.rules)
         cfg = scenario.config
-        cores: list[Core[Any]] = [AdmissionCore(cfg), QuotaCore(cfg), PlacerCore(cfg), ExecutorCore(scenario.nodes),
-                                  GuardianCore(cfg), self.telemetry]
+        self.executor = ExecutorCore(scenario.nodes, sim_pools=True)  # also the sim provider of node pools
+        cores: list[Core[Any]] = [AdmissionCore(cfg), QuotaCore(cfg), PlacerCore(cfg), self.executor,
+                                  GuardianCore(cfg), self.telemetry, AutoscalerCore(cfg)]
         self.members = [_Member(c, SubjectFilter(c.subjects), c.initial_state()) for c in cores]
         self.last_seen: dict[str, float] = {}
 
@@ -333,7 +365,8 @@ class Simulation:
             if m.core.tick_s is not None and self.now >= m.next_tick:
                 m.next_tick = self.now + m.core.tick_s
                 self.append(m.core.tick(m.state, self.ctx(m.core.name)), m)
-        for node in self.sc.nodes:
+        ex = next(m for m in self.members if m.core is self.executor)
+        for node in self.executor.hosted(ex.state):  # its own nodes and the pool nodes it brought up
             if node not in self.dead:
                 self.last_seen[node] = self.now
         tel = next(m for m in self.members if m.core is self.telemetry)
@@ -371,6 +404,14 @@ class Simulation:
             self.append([Envelope(event_id=derive_id(f"sim:{self.sc.seed}:{job_id}", f"cancel:{f.at}"),
                                   type="cmd.cancel", occurred_at=utc(self.now), tenant=tenant, actor="sim",
                                   correlation_id=job_id, payload=CancelRequestedCmd(job_id=job_id))])
+        elif f.kind == "load":
+            job_id = str(f.arg["job"])
+            tenant = str(f.arg.get("tenant") or next((s.tenant for s in self.sc.submits if s.job_id == job_id), "acme"))
+            self.append([Envelope(event_id=derive_id(f"sim:{self.sc.seed}:{job_id}", f"load:{f.at}"),
+                                  type="cmd.report_load", occurred_at=utc(self.now), tenant=tenant, actor="sim",
+                                  correlation_id=job_id,
+                                  payload=ReportLoadCmd(job_id=job_id, rps=f.arg["rps"], p99_ms=f.arg.get("p99_ms"),
+                                                        window_s=f.arg.get("window_s") or 10.0))])
         elif f.kind == "restart":
             m = next((m for m in self.members if m.core.name == f.arg), None)
             if m is None:
@@ -449,8 +490,19 @@ class Simulation:
             elif e.type in TERMINAL_JOB_TYPES or e.type == "job.preempted":
                 status[j] = e.type.removeprefix("job.")
         waits = sorted(first_place[j] - first_submit[j] for j in first_place if j in first_submit)
-        total_gpus = sum(len([g for g in inv.gpus if not g.mig_enabled]) for inv in self.sc.nodes.values())
         span = max(1.0, self.now - EPOCH)
+        # GPU-seconds the cluster had: each node from its registration to its removal (pool nodes
+        # come and go) or the end
+        up: dict[str, tuple[float, int]] = {}
+        capacity_gpu_s = 0.0
+        for e in self.log:
+            p = e.payload
+            if isinstance(p, NodeRegistered) and p.node_id not in up:
+                up[p.node_id] = (e.occurred_at.timestamp(), len([g for g in p.inventory.gpus if not g.mig_enabled]))
+            elif e.type == "node.deregistered" and e.node_id in up:
+                since, n = up.pop(e.node_id)
+                capacity_gpu_s += (e.occurred_at.timestamp() - since) * n
+        capacity_gpu_s += sum((self.now - since) * n for since, n in up.values())
         by_status: dict[str, int] = {}
         for s in status.values():
             by_status[s] = by_status.get(s, 0) + 1
@@ -461,10 +513,14 @@ class Simulation:
             "jobs": by_status,
             "wait_p50_s": round(statistics.median(waits), 3) if waits else None,
             "wait_p95_s": round(waits[min(len(waits) - 1, int(0.95 * len(waits)))], 3) if waits else None,
-            "gpu_allocation_pct": round(100 * alloc_gpu_s / (total_gpus * span), 2) if total_gpus else 0.0,
+            "gpu_allocation_pct": round(100 * alloc_gpu_s / capacity_gpu_s, 2) if capacity_gpu_s else 0.0,
+            "gpu_hours_available": round(capacity_gpu_s / 3600, 2),
             "preemptions": sum(1 for e in self.log if e.type == "job.preemption_requested"),
             "resumes": sum(1 for e in self.log if e.type == "job.resume_requested"),
             "nodes_lost": sum(1 for e in self.log if e.type == "node.lost"),
+            "nodes_provisioned": sum(1 for e in self.log if e.type == "node.provision_requested"),
+            "nodes_removed": sum(1 for e in self.log if e.type == "node.deregistered"),
+            "scale_events": sum(1 for e in self.log if e.type == "job.scaled"),
             "redeliveries": self.redeliveries,
             "chaos": dict(self.chaos_faults),
             "audit": {"ok": audited.ok, "violations": [v.__dict__ for v in audited.violations[:20]]},
@@ -488,7 +544,7 @@ def scenario_from_log(history: list[tuple[int, Envelope]], config: ClusterConfig
                       nodes_override: dict[str, NodeInventory] | None = None) -> Scenario:
     """The recorded workload as a scenario: the nodes as registered, each submit at its time with
     the run time it really had (or its sim duration if it never ran), each lost node lost again."""
-    from gpufleet.shared.events import JobExited, NodeLost, NodeRegistered
+    from gpufleet.shared.events import JobExited, NodeLost
 
     if not history:
         raise ScenarioError("the log is empty: nothing to replay")
@@ -500,10 +556,21 @@ def scenario_from_log(history: list[tuple[int, Envelope]], config: ClusterConfig
     accepted: set[str] = set()
     submits: list[Submit] = []
     faults: list[Fault] = []
+    # the autoscaler's own work is not replayed: it runs again (its replica submits and cancels,
+    # the pool nodes it brought up) under the config being tried
+    pooled = {e.payload.node_id for _, e in history if e.type == "node.provision_requested"}  # type: ignore[union-attr]
+
+    def by_autoscaler(e: Envelope) -> bool:
+        return e.actor.split("/", 1)[0] == "autoscaler"
+
     for _, e in history:
         p = e.payload
         if isinstance(p, NodeRegistered):
-            nodes.setdefault(p.node_id, p.inventory.model_copy(update={"driver": "sim"}))
+            if p.node_id not in pooled:
+                nodes.setdefault(p.node_id, p.inventory.model_copy(update={"driver": "sim"}))
+        elif isinstance(p, ReportLoadCmd):
+            faults.append(Fault(e.occurred_at.timestamp() - t0, "load", {
+                "job": p.job_id, "tenant": e.tenant, "rps": p.rps, "p99_ms": p.p99_ms, "window_s": p.window_s}))
         elif isinstance(p, JobExited) and p.reason in ("completed", "error", "timeout"):
             ran.setdefault(p.job_id, (p.runtime_s, p.exit_code))  # how it ended, as it ended
         elif e.type == "job.started" and e.job_id:
@@ -525,11 +592,11 @@ def scenario_from_log(history: list[tuple[int, Envelope]], config: ClusterConfig
         elif isinstance(p, NodeCordoned | NodeUncordoned):
             faults.append(Fault(e.occurred_at.timestamp() - t0, "cordon" if isinstance(p, NodeCordoned) else "uncordon",
                                 p.node_id))
-        elif isinstance(p, CancelRequestedCmd):
+        elif isinstance(p, CancelRequestedCmd) and not by_autoscaler(e):
             faults.append(Fault(e.occurred_at.timestamp() - t0, "cancel", {"job": p.job_id, "tenant": e.tenant}))
     for _, e in history:
         p = e.payload
-        if isinstance(p, SubmitRequested) and p.job_id in accepted:
+        if isinstance(p, SubmitRequested) and p.job_id in accepted and not by_autoscaler(e):
             spec = json.loads(json.dumps(p.spec))
             if p.job_id in ran:
                 runtime, code = ran[p.job_id]
@@ -544,8 +611,10 @@ def scenario_from_log(history: list[tuple[int, Envelope]], config: ClusterConfig
             submits.append(Submit(round(e.occurred_at.timestamp() - t0, 3), p.job_id, e.tenant, spec))
     if nodes_override:
         nodes = nodes_override
-        faults = [f for f in faults if f.kind == "cancel" or (f.arg["node"] if isinstance(f.arg, dict) else f.arg) in nodes]
-    faults.sort(key=lambda f: f.at)
+    # (a fault on a node not in the cluster tried, or on a pool node, which the autoscaler may not make again, is dropped)
+    faults = [f for f in faults if f.kind in ("cancel", "load")
+              or (f.arg["node"] if isinstance(f.arg, dict) else f.arg) in nodes]
+    faults.sort(key=lambda f: f.at)  # (stable: recorded order within one instant)
     if not nodes:
         raise ScenarioError("no node registered in the log")
     return Scenario(nodes, submits, faults, config, None, 0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 
 from gpufleet.sim import ScenarioError, Simulation, load_scenario, run_file
 
@@ -180,3 +181,39 @@ def test_what_if_replays_cancels_cordons_and_gpu_faults_as_they_happened() -> No
     same = what_if(history, recorded.sc.config, recorded.sc.config)
     assert same["what_if"]["jobs"] == {"succeeded": 32, "cancelled": 1}
     assert same["would_have_failed"] == []
+
+
+def test_the_autoscaler_in_the_simulation_grows_and_shrinks_the_pool_and_follows_the_load() -> None:
+    s = run_file(EXAMPLES / "autoscale.yaml")
+    r = s.report()
+    assert r["audit"]["ok"], r["audit"]["violations"]
+    assert r["jobs"].get("succeeded") == 5  # the burst ran
+    # the burst (5 x 8 GPUs on 16 GPUs of its own) grew the pool; idle afterwards, it shrank back to 0
+    assert 1 <= r["nodes_provisioned"] <= 4 and r["nodes_removed"] == r["nodes_provisioned"]
+    pooled = {e.node_id for e in s.log if e.type == "node.provision_requested"}
+    assert any(a.node_id in pooled for e in s.log if e.type == "job.placed"
+               for a in e.payload.allocations)  # type: ignore[union-attr]
+    # the service followed its load up (250 req/s at 50 per replica: 5) and down, without flapping
+    scaled = [e.payload for e in s.log if e.type == "job.scaled"]
+    peak = max(p.to_replicas for p in scaled)  # type: ignore[union-attr]
+    assert peak == 5 and scaled[-1].to_replicas <= 1  # type: ignore[union-attr]
+    assert len(scaled) <= 8
+    assert r["gpu_hours_available"] > 16 * 3  # the pool's nodes counted while they were there
+
+
+def test_what_if_a_smaller_pool() -> None:
+    from gpufleet.shared.clusterconfig import parse_config
+    from gpufleet.sim import what_if
+
+    recorded = run_file(EXAMPLES / "autoscale.yaml")
+    history = list(enumerate(recorded.log, start=1))
+    cfg = recorded.sc.config
+    doc = yaml.safe_load((EXAMPLES / "autoscale.yaml").read_text())
+    doc["config"]["nodePools"]["h100"]["max"] = 1
+    same = what_if(history, cfg, cfg)
+    # the autoscaler runs again, from the recorded load reports: the same decisions
+    assert same["recorded"]["nodes_provisioned"] == recorded.report()["nodes_provisioned"]
+    assert same["recorded"]["scale_events"] == recorded.report()["scale_events"]
+    small = what_if(history, cfg, parse_config(doc["config"]))
+    assert small["what_if"]["nodes_provisioned"] == 1
+    assert small["delta"]["wait_p95_s"] > 0 and small["finished_later"] > 0
