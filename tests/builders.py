@@ -201,12 +201,12 @@ def reserved(job: JobBuilder | JobSpec, job_id: str = "j1") -> list[Envelope]:
 
 
 def placed(job_id: str, *allocs: tuple[str, Iterable[int]], tenant: str = "acme", cpu_milli: int = 1000,
-           memory_mib: int = 1024, attempt: int = 1) -> Envelope:
+           memory_mib: int = 1024, attempt: int = 1, at: datetime | None = None) -> Envelope:
     """`placed("j1", ("n1", [0, 1]), ("n2", [0, 1]))`: replica i gets the i-th (node, GPUs)."""
     return event(JobPlaced(job_id=job_id, attempt=attempt, allocations=tuple(
         ReplicaAllocation(replica=i, node_id=n, gpu_indices=tuple(g), cpu_milli=cpu_milli, memory_mib=memory_mib)
         for i, (n, g) in enumerate(allocs)
-    )), tenant=tenant)
+    )), tenant=tenant, at=at)
 
 
 def started(job_id: str, node_id: str, replica: int = 0, *, tenant: str = "acme", at: datetime = T0,

@@ -142,7 +142,8 @@ def _busy_cluster(backfill: bool = True) -> Harness[PlacerState]:
         node("n1"), node("n2"), node("n3"))
     for job_id, node_id, hours in (("r1", "n1", 1), ("r2", "n2", 3)):
         job = make_job().gpus(8).max_runtime(f"{hours}h")
-        h.given(submitted(job, job_id), quota_reserved(job, job_id), placed(job_id, (node_id, range(8))))
+        # placed at T0 exactly (an event's default time drifts with the events made before it in the session)
+        h.given(submitted(job, job_id), quota_reserved(job, job_id), placed(job_id, (node_id, range(8)), at=T0))
     return h
 
 
