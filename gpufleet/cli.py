@@ -456,30 +456,18 @@ def audit(data_dir: DataDir = None, as_json: JsonOut = False,
 @app.command()
 def explain(job_id: str, data_dir: DataDir = None, as_json: JsonOut = False) -> None:
     """The job's timeline: each event with its sequence, time, actor and cause."""
-    from gpufleet.sdk import job_filter
-
-    hist = _run(_with_fleet(data_dir, lambda f: f.history(job_filter(job_id=job_id))))
-    hist += [(s, e) for s, e in _run(_with_fleet(data_dir, lambda f: f.history("fleet.cmd.*.*")))
-             if e.job_id == job_id]
-    hist.sort(key=lambda x: x[0])
-    if not hist:
+    doc = _run(_with_fleet(data_dir, lambda f: f.explain(job_id)))
+    if doc is None:
         typer.echo(f"no events for job {job_id}", err=True)
         raise typer.Exit(1)
-    from gpufleet.shared.view import interruptions, pending_reasons
-
-    its = interruptions(hist)
-    pending = pending_reasons(hist)
     if as_json:
-        _print_json({"job_id": job_id,
-                     "events": [{"seq": s, **e.model_dump(mode="json", exclude_none=True)} for s, e in hist],
-                     "pending": pending,
-                     "interruptions": [{**it.__dict__, "text": it.line()} for it in its]})
+        _print_json(doc.to_json())
         return
-    for s, e in hist:
+    for s, e in doc.history:
         _echo_event(s, e, False)
-    for it in its:
-        typer.echo(it.line())
-    for p in pending:
+    for it in doc.interruptions:
+        typer.echo(it["text"])
+    for p in doc.pending:
         typer.echo(p["text"])
 
 

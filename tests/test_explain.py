@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+from gpufleet.sdk import Fleet
+from gpufleet.shared.bus import Bus
 from gpufleet.shared.events import JobPreemptionRequested, JobQueued, JobUnschedulable, Reason
 from gpufleet.shared.view import pending_reasons
 
+from .helpers import default_cores, nodes_registered, running, wait_until
 from .test_node_cores import T0, ev, placed, submitted
 
 
@@ -22,3 +27,29 @@ def test_pending_statements_point_at_their_events() -> None:
         nodes_total=4))], start=10))
     (p,) = pending_reasons(unplaced)
     assert (p["seq"], p["kind"], p["filtered"]) == (11, "placement", {"gpus": 4})
+
+
+async def test_the_sdk_explains_a_job_from_the_log(bus: Bus, nats_url: str) -> None:
+    """`Fleet.explain`: what `gpufleet explain --json` prints, for a program."""
+    async with running(nats_url, default_cores(sim_nodes=1)):
+        await wait_until(lambda: nodes_registered(bus, 1))
+        async with await Fleet.connect(nats_url=nats_url) as fleet:
+            ok = await fleet.submit({"name": "fits", "tenant": "acme", "resources": {"gpu": 8}, "sim": {"duration": "30s"}})
+            waits = await fleet.submit({"name": "waits", "tenant": "acme", "resources": {"gpu": 8},
+                                        "sim": {"duration": "1s"}})
+
+            async def told() -> Any:
+                doc = await fleet.explain(waits)
+                return doc if doc is not None and doc.pending and doc.pending[0]["kind"] == "placement" else None
+
+            doc = await wait_until(told)
+            assert doc.job_id == waits and [e.type for _, e in doc.history][:2] == ["cmd.submit", "job.submitted"]
+            # the one node's 8 GPUs are taken by the first job; the node is held for this one from
+            # when the first reaches its max runtime
+            assert [p["kind"] for p in doc.pending] == ["placement", "backfill"]
+            why = doc.pending[0]
+            assert why["seq"] in [s for s, _ in doc.history] and "job.unschedulable" in [e.type for _, e in doc.history]
+            js = doc.to_json()
+            assert js["job_id"] == waits and js["events"][0]["seq"] == doc.history[0][0] and js["pending"] == doc.pending
+            await fleet.cancel(ok, "acme")
+            assert await fleet.explain("no-such-job") is None

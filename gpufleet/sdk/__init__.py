@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
@@ -54,6 +55,20 @@ def job_filter(tenant: str | None = None, job_id: str | None = None, type_patter
     if job_id or tenant or type_pattern:
         return f"fleet.evt.{tenant or '*'}.job.{job_id or '*'}.{short}"
     return "fleet.>"
+
+
+@dataclass
+class Explanation:
+    job_id: str
+    history: list[tuple[int, Envelope]]  # (seq, event), in log order
+    pending: list[dict[str, Any]]  # why it waits: {seq, kind, code, message, text, ...}
+    interruptions: list[dict[str, Any]]  # each run that ended and how it went on: {..., text}
+
+    def to_json(self) -> dict[str, Any]:
+        """`gpufleet explain --json`: {job_id, events, pending, interruptions}."""
+        return {"job_id": self.job_id,
+                "events": [{"seq": s, **e.model_dump(mode="json", exclude_none=True)} for s, e in self.history],
+                "pending": self.pending, "interruptions": self.interruptions}
 
 
 class Fleet:
@@ -118,6 +133,20 @@ class Fleet:
                 except Exception:  # noqa: BLE001
                     continue
         return out
+
+    async def explain(self, job_id: str) -> Explanation | None:
+        """What `gpufleet explain JOB` says: the job's events (with the client commands that name
+        it) in log order, why it waits (each statement with the seq of its event) and its
+        interruptions; None when the log has nothing of the job."""
+        from gpufleet.shared.view import interruptions, pending_reasons
+
+        hist = await self.history(job_filter(job_id=job_id))
+        hist += [(s, e) for s, e in await self.history("fleet.cmd.*.*") if e.job_id == job_id]
+        hist.sort(key=lambda x: x[0])
+        if not hist:
+            return None
+        return Explanation(job_id, hist, pending_reasons(hist),
+                           [{**it.__dict__, "text": it.line()} for it in interruptions(hist)])
 
     async def watch(self, subject: str = "fleet.>", from_start: bool = False,
                     until_terminal: str | None = None, since: float | None = None,
