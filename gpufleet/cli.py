@@ -653,6 +653,29 @@ def bench_placement(
                        f"{p.get('frag_80_mean', float('nan')):>11.2f}{r['seconds_per_seed']:>8.1f}")
 
 
+@bench_app.command("replay")
+def bench_replay(
+    events: Annotated[int, typer.Option(help="events in the synthetic log to build")] = 100_000,
+    repeat: Annotated[int, typer.Option(help="rounds; the median is reported")] = 5,
+    mesh_log: Annotated[bool, typer.Option("--mesh-log", help="read the running mesh's log instead (--data-dir)")] = False,
+    data_dir: DataDir = None,
+    as_json: JsonOut = False,
+) -> None:
+    """Fold speed of the log (what `replay` does) beside the raw JetStream read rate, same run."""
+    from gpufleet.bench_replay import run
+    from gpufleet.shared.config import resolve_nats_url
+
+    doc = run(events, repeat, resolve_nats_url(data_dir) if mesh_log else None,
+              progress=None if as_json else (lambda m: typer.echo(m, err=True)))
+    if as_json:
+        _print_json(doc)
+        return
+    typer.echo(f"{doc['raw_read']['events']:,} events ({doc['source']}), median of {doc['repeat']} rounds:")
+    for m in ("raw_read", "parse", "fold"):
+        r = doc[m]
+        typer.echo(f"  {m:<9} {r['events_per_s']:>10,} events/s   {r['median_s']:>8} s   x{r['vs_raw_read']} of raw read")
+
+
 @bench_app.command("decide")
 def bench_decide(
     nodes: Annotated[int, typer.Option(help="sim nodes")] = 5000,
