@@ -7,9 +7,10 @@ a service shows up here instead of being agreed with:
   names a GPU its node does not have;
 - quota_limit: no queue goes over nominal + borrowingLimit, no cohort over its subtree quota +
   borrowingLimit, no root over the quota it holds (the cluster config's tree);
-- pending_reason: every job submitted either ended, runs, or waits with a reason it was told
+- pending_reason: every job submitted either ended, runs (a service: serves), or waits with a reason it was told
   (`job.queued`, `job.unschedulable`, `job.rejected` ...) — checked at the head of the log;
-- lost_node: no job is placed or started on a node after it was lost (until it registers again);
+- lost_node: no job is placed or started on a node after it was lost (until it registers again)
+  or removed (`node.deregistered`: a removed node's GPUs leave the capacity books);
 - preemption_request: every preemption (`job.preempted`, an exit `preempted`) follows a
   `job.preemption_requested` for that job.
 """
@@ -30,6 +31,7 @@ from gpufleet.shared.events import (
     JobResumeRequested,
     JobStarted,
     JobSubmitted,
+    NodeDeregistered,
     NodeLost,
     NodeRegistered,
     ReplicaAllocation,
@@ -60,6 +62,7 @@ class _Books:
     used: dict[tuple[str, int], int] = field(default_factory=dict)  # (node, gpu) -> milli held
     held: dict[tuple[str, int], tuple[int, ReplicaAllocation]] = field(default_factory=dict)  # (job, replica)
     lost: set[str] = field(default_factory=set)
+    gone: set[str] = field(default_factory=set)  # removed (deregistered), until it registers again
     reserved: dict[str, tuple[str, dict[str, int]]] = field(default_factory=dict)  # job -> (queue, demand)
     usage: dict[str, dict[str, int]] = field(default_factory=dict)  # queue -> resource -> amount
     asked_to_stop: set[str] = field(default_factory=set)
@@ -110,12 +113,20 @@ def audit(history: Iterable[tuple[int, Envelope]], config: ClusterConfig | None 
             b.gpus[p.node_id] = {g.index for g in p.inventory.gpus if not g.mig_enabled}
             b.mig[p.node_id] = {m.uuid for g in p.inventory.gpus for m in g.mig_devices}
             b.lost.discard(p.node_id)
+            b.gone.discard(p.node_id)
         elif isinstance(p, NodeLost):
             b.lost.add(p.node_id)
+        elif isinstance(p, NodeDeregistered):
+            b.gone.add(p.node_id)
+            b.gpus.pop(p.node_id, None)
+            b.mig.pop(p.node_id, None)
         elif isinstance(p, JobPlaced):
             for a in p.allocations:
                 if a.node_id in b.lost:
                     bad("lost_node", seq, env, f"replica {a.replica} placed on {a.node_id}, which was lost", a.node_id)
+                if a.node_id in b.gone:
+                    bad("lost_node", seq, env, f"replica {a.replica} placed on {a.node_id}, which was removed",
+                        a.node_id)
                 for g in a.gpu_indices:
                     if a.node_id in b.gpus and g not in b.gpus[a.node_id]:
                         bad("gpu_capacity", seq, env, f"GPU {g} of {a.node_id} does not exist", a.node_id)
@@ -134,8 +145,9 @@ def audit(history: Iterable[tuple[int, Envelope]], config: ClusterConfig | None 
                     b.mig_held[uuid] = p.job_id
                 b.held[(p.job_id, a.replica)] = (p.attempt, a)
         elif isinstance(p, JobStarted):
-            if p.node_id in b.lost:
-                bad("lost_node", seq, env, f"started on {p.node_id}, which was lost", p.node_id)
+            if p.node_id in b.lost or p.node_id in b.gone:
+                bad("lost_node", seq, env, f"started on {p.node_id}, which was "
+                    f"{'lost' if p.node_id in b.lost else 'removed'}", p.node_id)
         elif isinstance(p, JobExited):
             got = b.held.get((p.job_id, p.replica))
             if got is not None and got[0] == p.attempt:
@@ -171,12 +183,13 @@ def audit(history: Iterable[tuple[int, Envelope]], config: ClusterConfig | None 
                 b.told_since[job] = True
             elif isinstance(p, JobSubmitted) or env.type in (
                     "job.admitted", "job.quota_reserved", "job.placed", "job.started", "job.resume_requested",
-                    "job.exited") or env.type in ENDED:
+                    "job.exited", "job.scaled") or env.type in ENDED:
                 b.last[job] = (seq, env)
                 b.told_since[job] = False
     for job, (seq, env) in sorted(b.last.items(), key=lambda kv: kv[1][0]):
-        if env.type in ENDED or env.type in ("job.placed", "job.started", "job.exited") or b.told_since.get(job):
-            continue  # ended, running, or just ended a run (the guardian decides what follows)
+        if (env.type in ENDED or env.type in ("job.placed", "job.started", "job.exited", "job.scaled")
+                or b.told_since.get(job)):
+            continue  # ended, running (an inference service: serving), or just ended a run (the guardian decides)
         if head_at - env.occurred_at.timestamp() < pending_grace_s:
             continue  # just happened: its answer may be on its way
         bad("pending_reason", seq, env, f"waiting since {env.type} (seq {seq}) and never told why")

@@ -26,6 +26,7 @@ from gpufleet.shared.events import (
     JobPlaced,
     JobQuotaReserved,
     JobResumeRequested,
+    NodeDeregistered,
     NodeGpuCleared,
     NodeGpuUnhealthy,
     NodeGpuZombieDetected,
@@ -60,6 +61,10 @@ class Board:
         p = env.payload
         if isinstance(p, NodeRegistered):
             self.gpus[p.node_id] = [g.index for g in p.inventory.gpus if not g.mig_enabled]
+        elif isinstance(p, NodeDeregistered):  # removed by its pool's provider: off the map
+            self.gpus.pop(p.node_id, None)
+            self.held.pop(p.node_id, None)
+            self.bad.pop(p.node_id, None)
         elif isinstance(p, NodeGpuUnhealthy | NodeGpuZombieDetected):
             self.bad.setdefault(p.node_id, {}).setdefault(p.gpu_index, set()).add(p.type.split("_", 1)[1])
         elif isinstance(p, NodeGpuCleared):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 
+from .clusterconfig import ClusterConfig, NodePoolConfig
 from .events import GpuDevice, MigDevice, NodeInventory
 
 GIB = 1024
@@ -88,6 +89,24 @@ def sim_fleet(n: int, prefix: str = "sim", mix: str = "") -> dict[str, NodeInven
         node_id = f"{prefix}-{i:05d}"
         nodes[node_id] = shape_inventory(order[i % len(order)], node_id, rack=f"rack-{i // 16:03d}")
     return nodes
+
+
+def pool_inventory(pool_name: str, pool: NodePoolConfig, node_id: str) -> NodeInventory:
+    """What a node of an autoscaler pool registers with (the sim provider registers exactly this)."""
+    s = pool.shape
+    labels = {"rack": f"rack-{pool_name}", "leaf": f"leaf-{pool_name}", "spine": "spine-pools",
+              **s.labels, "pool": pool_name}
+    return NodeInventory(cpu_milli=s.cpu_milli, memory_mib=s.memory_mib,
+                         gpus=_gpus(s.gpu_model, s.gpus, s.gpu_memory_mib, s.nvlink_islands, node_id),
+                         numa_nodes=2 if s.gpus > 1 else 1, labels=labels, taints=s.taints, driver="sim")
+
+
+def pool_shapes(config: ClusterConfig) -> dict[str, NodeInventory]:
+    """pool name -> the inventory one of its nodes will have, for every pool that may have nodes
+    (max > 0): capacity the cluster can grow to, which admission and the placer count as possible
+    (a job only a pool's shape can hold waits for the autoscaler instead of being refused)."""
+    return {name: pool_inventory(name, pool, f"{name}-shape")
+            for name, pool in sorted(config.node_pools.items()) if pool.max > 0}
 
 
 def inventory_digest(inv: NodeInventory) -> str:

@@ -22,15 +22,18 @@ from .events import (
     JobQueued,
     JobRejected,
     JobResumeRequested,
+    JobScaled,
     JobSubmitted,
     JobUnschedulable,
+    NodeDeregistered,
     NodeRegistered,
     _NodePayload,
 )
 
-# The documented job statuses, in life-cycle order.
+# The documented job statuses, in life-cycle order. `serving`: an inference service (autoscale),
+# which holds nothing itself, once the autoscaler set its replicas (`replicas`: how many it wants).
 JOB_STATUSES: tuple[str, ...] = (
-    "submitted", "admitted", "queued", "reserved", "placed", "running",
+    "submitted", "admitted", "queued", "reserved", "placed", "running", "serving",
     "succeeded", "failed", "cancelled", "preempted", "rejected",
 )
 TERMINAL_STATUSES = frozenset({"succeeded", "failed", "cancelled", "rejected"})
@@ -39,7 +42,7 @@ NODE_STATUSES: tuple[str, ...] = ("ready", "cordoned", "lost")
 
 _LATE_AFTER_END = frozenset({
     "job.submitted", "job.admitted", "job.queued", "job.quota_reserved", "job.unschedulable", "job.placed",
-    "job.started", "job.cancel_requested", "job.resume_requested",
+    "job.started", "job.cancel_requested", "job.resume_requested", "job.scaled",
 })
 
 
@@ -133,6 +136,10 @@ def apply(view: ClusterView, env: Envelope, seq: int) -> tuple[set[str], set[str
             node.memory_mib = inv.memory_mib
         elif node is None:
             return jobs_touched, nodes_touched
+        elif isinstance(p, NodeDeregistered):  # removed by its pool's provider: the row goes
+            del view.nodes[node_id]
+            nodes_touched.add(node_id)
+            return jobs_touched, nodes_touched
         elif t == "node.lost":
             node.status = "lost"
         elif t == "node.cordoned":
@@ -211,6 +218,9 @@ def apply(view: ClusterView, env: Envelope, seq: int) -> tuple[set[str], set[str
         job.reason = f"cancelling: {p.reason}"
     elif isinstance(p, JobResumeRequested):
         job.status, job.reason = "queued", p.reason.message
+    elif isinstance(p, JobScaled):  # an inference service: its replicas are jobs of their own
+        job.status, job.replicas = "serving", p.to_replicas
+        job.reason = f"{p.to_replicas} replica(s) ({p.reason.code}): {p.reason.message}"
     else:
         return jobs_touched, nodes_touched
     job.updated_at = at

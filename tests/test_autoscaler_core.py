@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from gpufleet.services.admission.core import AdmissionCore
 from gpufleet.services.autoscaler.core import (
     REPLICA_ENV,
     SERVICE_ENV,
@@ -18,6 +19,7 @@ from gpufleet.services.autoscaler.core import (
 )
 from gpufleet.services.autoscaler.pools import pool_inventory, replica_fits_shape
 from gpufleet.services.executor.core import ExecutorCore
+from gpufleet.services.placer.core import PlacerCore
 from gpufleet.services.telemetry.core import Rules, TelemetryCore
 from gpufleet.shared.clusterconfig import parse_config
 from gpufleet.shared.errors import SpecError
@@ -27,6 +29,7 @@ from gpufleet.shared.events import (
     JobCancelled,
     JobFailed,
     JobIdleDetected,
+    JobRejected,
     JobScaled,
     JobStarted,
     JobUnschedulable,
@@ -41,7 +44,21 @@ from gpufleet.shared.events import (
 from gpufleet.shared.runtime import Ctx
 from gpufleet.shared.spec import AutoscaleSpec, parse_spec
 
-from .builders import T0, Harness, admitted, event, exited, make_job, placed, started, submitted
+from .builders import (
+    T0,
+    Harness,
+    admitted,
+    event,
+    exited,
+    make_job,
+    node,
+    placed,
+    quota_reserved,
+    started,
+    submit,
+    submitted,
+    types,
+)
 
 ACTOR = "autoscaler/0"
 SVC = "svc1"
@@ -177,6 +194,17 @@ def test_load_scales_up_with_a_reason_and_the_cooldown_holds_the_next_step() -> 
     assert [e.type for e in out].count("cmd.submit") == 4 and replicas(h) == 5
     assert h.when(load(900, s=25), at(25)) == []  # within scaleUpCooldown (10s) of the last change
     assert scaled(h.when(load(900, s=31), at(31)))[0].to_replicas == 9
+
+
+def test_a_scale_up_held_by_the_cooldown_happens_when_it_ends_without_another_report() -> None:
+    h = Play(AutoscalerCore())
+    service(h)
+    h.when(load(420, s=20), at(20))  # 1 -> 5
+    assert h.when(load(900, s=25), at(25)) == []  # held: within the 10 s cooldown
+    assert scaled(h.tick(at(29))) == []  # still within it
+    s = scaled(h.tick(at(30.5)))  # over: the held report is acted on, once
+    assert [(x.from_replicas, x.to_replicas) for x in s] == [(5, 9)]
+    assert scaled(h.tick(at(45))) == [] and replicas(h) == 9
 
 
 def test_scale_down_waits_for_the_stabilisation_window_and_cancels_the_newest_not_running_first() -> None:
@@ -486,3 +514,133 @@ async def test_the_provider_agent_hands_each_decision_to_its_pool_provider_once(
                                        reason=Reason(code="idle", message="x")), at=at(99)))
     await agent.once()
     assert rec.calls == [("create", "p-0000"), ("delete", "p-0000")]
+
+
+# ---------------------------------------------------------------- what the pools may add counts as capacity
+
+
+def pool_config(**over: Any) -> Any:
+    return parse_config({"nodePools": {name: {**p, **over.get(name, {})} for name, p in POOLS.items()}})
+
+
+def codes(out: list[Envelope]) -> list[str]:
+    return [r.code for e in out if isinstance(e.payload, JobRejected) for r in e.payload.reasons]
+
+
+@pytest.mark.parametrize(("job", "with_pools", "want"), [
+    (make_job().gpus(8).model("H100"), True, []),  # no H100 node, but the h100 pool's shape holds it
+    (make_job().gpus(8).model("H100"), False, ["gpu_model_unknown"]),  # as before: no pool
+    (make_job().gpus(16).model("H100"), True, ["exceeds_node"]),  # more than a pool node has
+    (make_job().gpus(8).model("B200"), True, ["gpu_model_unknown"]),  # neither a node nor a pool has it
+    (make_job().gpus(1).cpu(100), True, ["exceeds_node"]),  # 100 cores: no node (64) nor pool node (96)
+    (make_job().gpus(1).cpu(90), True, []),  # 90 cores: an h100 pool node has 96
+])
+def test_admission_counts_the_pools_node_shapes_as_capacity(job: Any, with_pools: bool, want: list[str]) -> None:
+    h = Harness(AdmissionCore(pool_config() if with_pools else None)).given(node("a1", model="A100"))
+    assert codes(h.when(submit(job, "j1"))) == want
+
+
+def test_a_pool_with_max_0_adds_no_capacity_and_a_removed_node_none_either() -> None:
+    h = Harness(AdmissionCore(pool_config(h100={"max": 0}))).given(node("a1", model="A100"), node("h1"))
+    assert codes(h.when(submit(make_job().gpus(8).model("H100"), "j1"))) == []
+    h.given(event(NodeDeregistered(node_id="h1")))
+    assert codes(h.when(submit(make_job().gpus(8).model("H100"), "j2"))) == ["gpu_model_unknown"]
+
+
+def test_an_inference_service_does_not_count_towards_max_pending_jobs() -> None:
+    cfg = parse_config({"tenants": {"acme": {"maxPendingJobs": 1}}})
+    h = Harness(AdmissionCore(cfg)).given(node("n1"))
+    svc = make_job("web").type("inference").gpus(1).set("autoscale", auto())
+    assert types(h.when(submit(svc, "svc"))) == ["job.submitted", "job.admitted"]
+    assert types(h.when(submit(make_job().gpus(1), "r0"))) == ["job.submitted", "job.admitted"]  # its replica
+    assert codes(h.when(submit(make_job().gpus(1), "j2"))) == ["too_many_pending"]  # r0 waits: 1 of 1
+
+
+def _placer(cfg: Any = None) -> Harness[Any]:
+    return Harness(PlacerCore(cfg)).given(node("a1", model="A100"))
+
+
+def test_the_placer_keeps_waiting_a_job_only_a_pool_can_hold_and_fails_one_no_pool_can() -> None:
+    big = make_job().gpus(8).model("H100")
+    h = _placer(pool_config()).given(submitted(big, "j1"))
+    out = h.when(quota_reserved(big, "j1"))
+    assert types(out) == ["job.unschedulable"]  # the autoscaler grows the pool for it
+    h0 = _placer().given(submitted(big, "j1"))
+    assert [e.payload.reason.code for e in h0.when(quota_reserved(big, "j1"))  # type: ignore[union-attr]
+            if isinstance(e.payload, JobFailed)] == ["never_fits"]  # as before without pools
+    gang = make_job().gpus(8).model("H100").replicas(3)  # 3 nodes: the pool has at most 2
+    h.given(submitted(gang, "g"))
+    failed = [e.payload for e in h.when(quota_reserved(gang, "g")) if isinstance(e.payload, JobFailed)]
+    assert failed and failed[0].reason.code == "never_fits" and "h100 up to 2" in failed[0].reason.message
+
+
+def test_registered_pool_nodes_are_not_counted_twice() -> None:
+    core = pools()
+    h = _placer(pool_config())
+    for node_id in ("h100-0000", "h100-0001"):  # the pool is at its max: 2 nodes, both busy
+        h.given(event(NodeRegistered(node_id=node_id, inventory=pool_inventory("h100", core.pools["h100"], node_id))))
+    filler = make_job().gpus(8).model("H100").replicas(2)
+    h.given(submitted(filler, "f"), placed("f", ("h100-0000", range(8)), ("h100-0001", range(8))))
+    two, three = make_job().gpus(8).model("H100").replicas(2), make_job().gpus(8).model("H100").replicas(3)
+    h.given(submitted(two, "two"), submitted(three, "three"))
+    assert "job.unschedulable" in types(h.when(quota_reserved(two, "two")))  # fits once f ends: waits
+    assert types(h.when(quota_reserved(three, "three"))) == ["job.failed"]  # 2 + 0 more, never 3
+
+
+def test_a_deregistered_node_leaves_the_placer() -> None:
+    h = _placer()
+    h.given(node("h1"))
+    version = h.state.fleet_version
+    h.given(event(NodeDeregistered(node_id="h1")))
+    s = h.state
+    assert "h1" not in s.nodes and "h1" not in s.inventories and s.fleet_version == version + 1
+    assert all("h1" not in bucket for by_free in s.index.values() for bucket in by_free.values())
+    job = make_job().gpus(8).model("H100")
+    h.given(submitted(job, "j1"))
+    assert types(h.when(quota_reserved(job, "j1"))) == ["job.failed"]  # no H100 left, no pool: never fits
+
+
+# ---------------------------------------------------------------- a node that never registers
+
+
+def test_a_node_that_never_registers_is_given_up_and_another_asked_for() -> None:
+    h = Play(pools(h100={"provisionTimeout": "60s"}))
+    waiting(h, "big", 8, s=0, model="H100")
+    assert [p.node_id for p in provisions(h.tick(at(10)))] == ["h100-0000"]
+    assert h.tick(at(69)) == []  # asked at 10s: not 60s yet
+    out = h.tick(at(70))
+    assert [(e.type, e.node_id) for e in out] == [("node.removal_requested", "h100-0000")]
+    reason = out[0].payload.reason  # type: ignore[union-attr]
+    assert reason.code == "provision_timeout" and "never registered" in reason.message and "1 -> 0" in reason.message
+    assert h.state.requests["h100-0000"][1] is not None  # the provider is told to delete what it made
+    assert [p.node_id for p in provisions(h.tick(at(71)))] == ["h100-0001"]  # its room no longer counts
+    registered_pool_node(h, "h100", "h100-0001", 0)  # (registered: never given up)
+    assert [e.type for e in h.tick(at(200)) if e.type == "node.removal_requested"] == []
+
+
+def test_the_default_provision_timeout_is_10_minutes_and_at_least_twice_the_delay() -> None:
+    assert pools().pools["h100"].give_up_after_s == 600
+    assert pools(h100={"provisionDelay": "20m"}).pools["h100"].give_up_after_s == 2400
+    with pytest.raises(SpecError) as err:
+        parse_config({"nodePools": {"p": {"provisionDelay": "1m", "provisionTimeout": "30s"}}})
+    assert err.value.field == "nodePools.p.provisionTimeout"
+
+
+def test_pool_summary_counts_nodes_by_state_with_the_last_decision() -> None:
+    from gpufleet.services.autoscaler.core import pool_summary
+
+    h = Play(pools(h100={"provisionTimeout": "60s"}))
+    registered_pool_node(h, "h100", "h100-0000", 0)
+    waiting(h, "big", 8, s=10, model="H100")
+    h.tick(at(20))  # h100-0001 asked for
+    rows = {r["pool"]: r for r in pool_summary(h.core, h.state)}
+    assert set(rows) == {"a10", "h100"}
+    h100 = rows["h100"]
+    assert (h100["ready"], h100["provisioning"], h100["draining"], h100["min"], h100["max"]) == (1, 1, 0, 0, 2)
+    assert h100["last_decision"]["type"] == "node.provision_requested"
+    assert h100["last_decision"]["node_id"] == "h100-0001" and "unschedulable" in h100["last_decision"]["reason"]
+    assert rows["a10"]["last_decision"] is None and rows["a10"]["nodes"] == []
+    h.tick(at(80))  # h100-0001 given up; h100-0000 idle since 5s: cordoned to drain
+    h100 = {r["pool"]: r for r in pool_summary(h.core, h.state)}["h100"]
+    assert {n["node_id"]: n["state"] for n in h100["nodes"]} == {"h100-0000": "draining", "h100-0001": "given_up"}
+    assert h100["last_decision"]["type"] == "node.cordoned"

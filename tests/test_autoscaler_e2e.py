@@ -8,6 +8,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -26,7 +27,17 @@ from gpufleet.shared.cluster import sim_fleet
 from gpufleet.shared.clusterconfig import parse_config
 from gpufleet.shared.events import Envelope, JobScaled, ReportLoadCmd, utc
 
-from .helpers import agent_running, cancel_cmd, job_status, new_id, read_log, running, submit_cmd, wait_until
+from .helpers import (
+    agent_running,
+    cancel_cmd,
+    fold_log,
+    job_status,
+    new_id,
+    read_log,
+    running,
+    submit_cmd,
+    wait_until,
+)
 
 SERVICE = {
     "name": "web", "tenant": "acme", "type": "inference", "resources": {"gpu": 1, "cpu": 2, "memory": "8Gi"},
@@ -38,13 +49,13 @@ SERVICE = {
 
 @asynccontextmanager
 async def mesh(url: str, config: dict[str, Any] | None = None, sim_nodes: int = 4, mix: str = "",
-               telemetry: bool = False) -> AsyncIterator[None]:
+               telemetry: bool = False, sim_pools: bool = True) -> AsyncIterator[None]:
     cfg = parse_config(config or {})
     async with AsyncExitStack() as stack:
         await stack.enter_async_context(running(url, [
-            AdmissionCore(cfg), QuotaCore(cfg), PlacerCore(), GuardianCore(cfg), AutoscalerCore(cfg)]))
+            AdmissionCore(cfg), QuotaCore(cfg), PlacerCore(cfg), GuardianCore(cfg), AutoscalerCore(cfg)]))
         await stack.enter_async_context(agent_running(url, "executor", lambda bus: ExecutorAgent(
-            ExecutorCore(sim_fleet(sim_nodes, mix=mix), sim_pools=True), bus, heartbeat_s=0.3)))
+            ExecutorCore(sim_fleet(sim_nodes, mix=mix), sim_pools=sim_pools), bus, heartbeat_s=0.3)))
         if telemetry:
             await stack.enter_async_context(agent_running(url, "telemetry", lambda bus: TelemetryAgent(
                 TelemetryCore(Rules(lease_s=3.0)), bus, sample_s=0.2, lease_check_s=0.2)))
@@ -86,7 +97,7 @@ async def test_an_inference_service_scales_up_under_a_load_ramp_and_back_down(na
         svc = new_id()
         await bus.publish(submit_cmd(SERVICE, svc))
         await wait_until(lambda: replicas_running(bus, svc), timeout_s=20)  # minReplicas: one replica runs
-        assert await job_status(bus, svc) == "admitted"  # the service itself holds nothing
+        assert await job_status(bus, svc) == "serving"  # the service itself holds nothing
         for rps in (10, 20, 35, 35):  # the ramp: 35 req/s at 10 per replica -> 4
             await report(bus, svc, rps)
             await asyncio.sleep(1.1)
@@ -95,6 +106,8 @@ async def test_an_inference_service_scales_up_under_a_load_ramp_and_back_down(na
             await report(bus, svc, 35)
             return len(await replicas_running(bus, svc)) == 4
         await wait_until(four, timeout_s=30, every_s=0.5)
+        row = (await fold_log(bus)).jobs[svc]
+        assert (row.status, row.replicas) == ("serving", 4)
         ups = await scale_events(bus, svc)
         assert ups[0].reason.code == "initial" and ups[-1].to_replicas == 4
         assert all(e.reason.code in ("initial", "load") for e in ups)
@@ -183,3 +196,53 @@ async def test_oscillating_load_does_not_flap(nats_url: str, bus: Bus) -> None:
         # initial, then up to 4 once; the stabilisation window (3s) keeps it there: a naive
         # autoscaler would have scaled about 30 times
         assert [e.to_replicas for e in events] == [1, 4]
+
+
+@pytest.mark.slow
+async def test_a_job_only_a_pool_shape_can_hold_is_admitted_grows_the_pool_and_runs(nats_url: str, bus: Bus) -> None:
+    """Pool h100 (min 0) and no H100 node at all: the 8-GPU H100 job is neither refused by admission
+    (gpu_model_unknown) nor failed by the placer (never_fits); it waits, the pool grows, it runs, and
+    the node, idle again, is removed and leaves the view."""
+    async with mesh(nats_url, POOL, sim_nodes=1, mix="a100x8"):
+        await wait_until(lambda: of_type(bus, "node.registered"), timeout_s=20)
+        big = new_id()
+        await bus.publish(submit_cmd(gpu_job("big", "2s"), big))
+        provision = await wait_until(lambda: of_type(bus, "node.provision_requested"), timeout_s=20)
+        p = provision[0].payload
+        assert p.node_id == "h100-0000" and big in p.for_jobs  # type: ignore[union-attr]
+        await wait_until(lambda: _status_is(bus, big, "succeeded"), timeout_s=30)
+        placed = [e for e in await of_type(bus, "job.placed") if e.job_id == big]
+        assert [a.node_id for a in placed[0].payload.allocations] == ["h100-0000"]  # type: ignore[union-attr]
+        assert await of_type(bus, "job.rejected") == [] and await of_type(bus, "job.failed") == []
+
+        await wait_until(lambda: of_type(bus, "node.deregistered"), timeout_s=30)  # idle 2s: removed
+        assert sorted((await fold_log(bus)).nodes) == ["sim-00000"]  # gone from the view too
+
+        too_big = new_id()  # 16 GPUs on one node: no node and no pool shape has that many
+        await bus.publish(submit_cmd({**gpu_job("too-big", "2s"), "resources": {"gpu": 16, "gpuModel": "H100"}},
+                                     too_big))
+        rejected = await wait_until(lambda: of_type(bus, "job.rejected"), timeout_s=20)
+        assert [r.code for r in rejected[0].payload.reasons] == ["exceeds_node"]  # type: ignore[union-attr]
+
+
+@pytest.mark.slow
+async def test_a_node_that_never_registers_is_given_up_and_another_is_asked_for(nats_url: str, bus: Bus) -> None:
+    """No sim provider plays the pool (an executor without sim pools): the node asked for never comes;
+    after provisionTimeout the autoscaler gives up on it, with the reason, and asks for another."""
+    pool = {"nodePools": {"h100": {**POOL["nodePools"]["h100"], "provisionTimeout": "2s"}}}
+    async with mesh(nats_url, pool, sim_nodes=1, mix="a100x8", sim_pools=False):
+        await wait_until(lambda: of_type(bus, "node.registered"), timeout_s=20)
+        big = new_id()
+        await bus.publish(submit_cmd(gpu_job("big", "2s"), big))
+
+        async def second() -> list[Envelope]:
+            return [e for e in await of_type(bus, "node.provision_requested") if e.node_id == "h100-0001"]
+        await wait_until(second, timeout_s=30)
+        log = [e for _, e in await read_log(bus) if e.type.startswith("node.") and e.node_id != "sim-00000"]
+        assert [(e.type, e.node_id) for e in log][:3] == [
+            ("node.provision_requested", "h100-0000"), ("node.removal_requested", "h100-0000"),
+            ("node.provision_requested", "h100-0001")]
+        gave_up = log[1].payload.reason  # type: ignore[union-attr]
+        assert gave_up.code == "provision_timeout" and "never registered" in gave_up.message
+        assert log[1].occurred_at - log[0].occurred_at >= timedelta(seconds=2)
+        assert await job_status(bus, big) == "reserved"  # still waiting, and told why (unschedulable)

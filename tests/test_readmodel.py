@@ -24,10 +24,12 @@ from gpufleet.shared.events import (
     JobAdmitted,
     JobPlaced,
     JobRejected,
+    JobScaled,
     JobStarted,
     JobSubmitted,
     JobSucceeded,
     NodeCordoned,
+    NodeDeregistered,
     NodeInventory,
     NodeRegistered,
     Reason,
@@ -254,6 +256,31 @@ async def test_apply_batch_is_idempotent_and_reload_continues_the_fold(pg_pool: 
     assert await rm.as_json() == fold(part1 + part2 + part3).as_json()
     assert (await rm.job("job-2") or {})["status"] == "succeeded"
     assert next(n for n in await rm.nodes() if n["node_id"] == "node-a")["gpus_allocated"] == 0
+
+
+async def test_a_removed_node_leaves_the_tables_and_a_service_shows_serving(pg_pool: asyncpg.Pool) -> None:
+    ev = Events()
+    svc = parse_spec({"name": "chat", "tenant": "acme", "type": "inference", "resources": {"gpu": 1},
+                      "autoscale": {"maxReplicas": 4, "targetRpsPerReplica": 40}})
+    items = list(enumerate([
+        ev.node("pool-0000"), ev.node("node-b", gpus=4, model="A100"),
+        ev(JobSubmitted(job_id="svc", spec=svc)), ev(JobAdmitted(job_id="svc")),
+        ev(JobScaled(job_id="svc", from_replicas=0, to_replicas=2, reason=Reason(code="initial", message="min 2"))),
+        ev(NodeCordoned(node_id="pool-0000", reason="autoscaler: idle"), tenant="sys"),
+        ev(NodeDeregistered(node_id="pool-0000"), tenant="sys"),
+    ], start=1))
+    rm = ReadModel(pg_pool)
+    await rm.ensure_schema()
+    await rm.load()
+    await rm.apply_batch(items[:5])
+    assert {n["node_id"] for n in await rm.nodes()} == {"pool-0000", "node-b"}
+    await rm.apply_batch(items[5:])
+    got = await rm.as_json()
+    assert got == fold(items).as_json()
+    assert [n["node_id"] for n in got["nodes"]] == ["node-b"]  # the row went with the node
+    row = await rm.job("svc") or {}
+    assert (row["status"], row["replicas"]) == ("serving", 2)
+    assert await ReadModel(pg_pool).load() == fold(items)  # and a reload continues the fold exactly
 
 
 # -------------------------------------------------------------------- the projector

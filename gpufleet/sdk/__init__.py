@@ -23,6 +23,7 @@ from gpufleet.shared.events import (
     TERMINAL_JOB_TYPES,
     CancelRequestedCmd,
     Envelope,
+    ReportLoadCmd,
     SubmitRequested,
     parse_envelope,
     utc,
@@ -103,6 +104,19 @@ class Fleet:
             tenant=tenant, actor="sdk", correlation_id=job_id, payload=CancelRequestedCmd(job_id=job_id, reason=reason),
         )
         await self.bus.publish(env)
+
+    async def report_load(self, job_id: str, tenant: str, rps: float, p99_ms: float | None = None,
+                          window_s: float = 10.0, actor: str = "sdk") -> Envelope:
+        """Tell the autoscaler the load an inference service (its job id) is under: requests per
+        second of all its replicas together and the p99 latency, measured over `window_s`
+        (`cmd.report_load`, docs/autoscaling.md). Raises pydantic's ValidationError on bad values."""
+        payload = ReportLoadCmd(job_id=job_id, rps=rps, p99_ms=p99_ms, window_s=window_s)
+        env = Envelope(
+            event_id=derive_id(job_id, f"load:{time.time_ns()}"), type=payload.type, occurred_at=utc(time.time()),
+            tenant=tenant, actor=actor, correlation_id=job_id, payload=payload,
+        )
+        await self.bus.publish(env)
+        return env
 
     async def fold(self, until_seq: int | None = None, until_time: float | None = None) -> ClusterView:
         """The cluster state after `until_seq` (default: the head), or as it was at `until_time`

@@ -13,8 +13,9 @@ decides:
   - pools: `node.provision_requested` for demand unschedulable past a pool's scaleUpAfter that
     the pool's node shape can hold (first fit over the nodes coming, gangs all or nothing, up to
     max); `node.cordoned` for a pool node idle past scaleDownAfter (down to min), then
-    `node.removal_requested` once nothing is on it. The provider (sim: the sim executor) makes
-    the node, which registers like any other, and removes it (`node.deregistered`).
+    `node.removal_requested` once nothing is on it; `node.removal_requested` (provision_timeout)
+    for a node asked for that has not registered within provisionTimeout. The provider (sim: the
+    sim executor) makes the node, which registers like any other, and removes it (`node.deregistered`).
 
 The service job itself holds nothing: quota never reserves it (services/quota), so it is never
 placed; it lives from `job.admitted` until it is cancelled, and its replicas are jobs
@@ -26,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from gpufleet.shared.clusterconfig import ClusterConfig, NodePoolConfig
 from gpufleet.shared.errors import SpecError
@@ -139,6 +141,8 @@ class AutoscalerState:
     nodes: set[str] = field(default_factory=set)
     # pool node -> what was asked of its provider (for the provider agent; dropped once it is gone)
     requests: dict[str, tuple[NodeProvisionRequested, NodeRemovalRequested | None]] = field(default_factory=dict)
+    # pool -> its latest decision: (when, event type, node, why) (for `gpufleet pools`)
+    pool_last: dict[str, tuple[float, str, str, str]] = field(default_factory=dict)
 
 
 def replica_job_id(service_id: str, index: int) -> str:
@@ -326,6 +330,7 @@ class AutoscalerCore(BaseCore[AutoscalerState]):
             if p.node_id not in state.pool_nodes:
                 state.pool_nodes[p.node_id] = PoolNode(p.node_id, p.pool, p.provider, at, p.ready_after_s)
                 state.requests[p.node_id] = (p, None)
+                state.pool_last[p.pool] = (at, p.type, p.node_id, p.reason.message)
                 prefix = f"{p.pool}-"
                 if p.node_id.startswith(prefix) and p.node_id[len(prefix):].isdigit():
                     n = int(p.node_id[len(prefix):]) + 1
@@ -350,12 +355,17 @@ class AutoscalerCore(BaseCore[AutoscalerState]):
             node.cordoned = True
             if self._ours(env):
                 node.drained_by_us_s = at
+                state.pool_last[node.pool] = (at, p.type, p.node_id, p.reason)
         elif isinstance(p, NodeUncordoned):
+            if self._ours(env) and node.drained_by_us_s is not None:
+                state.pool_last[node.pool] = (at, p.type, p.node_id, "taken back for waiting demand")
             node.cordoned = False
             node.drained_by_us_s = None
             node.offered_s = at
             state.changed_s[p.node_id] = at
         elif isinstance(p, NodeRemovalRequested):
+            if not node.removal_requested:
+                state.pool_last[node.pool] = (at, p.type, p.node_id, p.reason.message)
             node.removal_requested = True
             made = state.requests.get(p.node_id)
             if made is not None:
@@ -395,11 +405,12 @@ class AutoscalerCore(BaseCore[AutoscalerState]):
         for svc in state.services.values():
             if not svc.active:
                 continue
-            if self._idle_for_zero(svc):
+            if self._idle_for_zero(svc) or self._up_held(svc, now):
                 out += self._evaluate(state, svc, now, ctx)
             else:
                 out += self._reconcile(state, svc, now, ctx)
         if self.pools:
+            out += self._give_up(state, now, ctx)
             up = self._scale_pools_up(state, now, ctx)
             taken_back = {e.node_id for e in up if e.type == "node.uncordoned"}
             out += up + self._scale_pools_down(state, now, ctx, taken_back)
@@ -413,6 +424,17 @@ class AutoscalerCore(BaseCore[AutoscalerState]):
         after = svc.auto.scale_to_zero_after_s
         return (after is not None and svc.desired > 0 and svc.rps == 0 and svc.report_s is not None
                 and svc.busy_s is not None and svc.report_s - svc.busy_s >= after)
+
+    @staticmethod
+    def _up_held(svc: Service, now: float) -> bool:
+        """The last report asks for more replicas than the service has, and the scale-up cooldown
+        that held it back is over: scale now, as the HPA's periodic evaluation would, instead of
+        waiting for the next report (a one-off report would otherwise change nothing)."""
+        if svc.desired == 0 or svc.rps is None or svc.last_change_s is None:
+            return False
+        if now - svc.last_change_s < svc.auto.scale_up_cooldown_s:
+            return False
+        return recommend(svc.auto, svc.desired, svc.rps, svc.p99_ms)[0] > svc.desired
 
     def _evaluate(self, state: AutoscalerState, svc: Service, now: float, ctx: Ctx) -> list[Envelope]:
         """Scale on the latest load report: to zero, from zero, up, or (stabilised) down."""
@@ -598,6 +620,28 @@ class AutoscalerCore(BaseCore[AutoscalerState]):
                 reason=reason, for_jobs=jobs[:64]), tenant=SYS_TENANT, key=f"provision:{node_id}"))
         return out
 
+    def _give_up(self, state: AutoscalerState, now: float, ctx: Ctx) -> list[Envelope]:
+        """Nodes asked for that have not registered within their pool's provisionTimeout: their
+        removal is requested (the provider deletes whatever it made), so they stop counting as room
+        coming and towards the pool's size, and the next tick may ask for another."""
+        out: list[Envelope] = []
+        count: dict[str, int] = {}
+        for n in sorted(state.pool_nodes.values(), key=lambda n: n.node_id):
+            pool = self.pools.get(n.pool)
+            if pool is None or n.registered_s is not None or n.removal_requested or n.gone:
+                continue
+            waited = now - n.requested_s
+            if waited < pool.give_up_after_s:
+                continue
+            have = count[n.pool] = count.get(n.pool, self._pool_count(state, n.pool)) - 1
+            out.append(ctx.emit(NodeRemovalRequested(
+                node_id=n.node_id, pool=n.pool, provider=n.provider, reason=Reason(
+                    code="provision_timeout", message=(
+                        f"asked for {waited:.0f}s ago and never registered (provisionTimeout "
+                        f"{pool.give_up_after_s:.0f}s): given up; pool {n.pool} {have + 1} -> {have} node(s)"))),
+                tenant=SYS_TENANT, key=f"remove:{n.node_id}"))
+        return out
+
     # ------------------------------------------------------------ pools: down
 
     def idle_since(self, state: AutoscalerState, node_id: str, pool: NodePoolConfig) -> float | None:
@@ -640,6 +684,45 @@ class AutoscalerCore(BaseCore[AutoscalerState]):
                     f"{pool.scale_down_after_s:.0f}s, {keep + 1} -> {keep} node(s), min {pool.min}); "
                     f"draining to remove it")), tenant=SYS_TENANT, key=f"drain:{n.node_id}:{since}"))
         return out
+
+
+NODE_STATES = ("ready", "provisioning", "draining", "removing", "given_up", "cordoned", "lost")
+
+
+def node_state(n: PoolNode) -> str:
+    """One word for where a pool node is: provisioning, ready, draining, cordoned (by someone
+    else), lost, given_up (never registered; its removal was asked for) or removing."""
+    if n.removal_requested:
+        return "given_up" if n.registered_s is None else "removing"
+    if n.registered_s is None:
+        return "provisioning"
+    if n.lost:
+        return "lost"
+    if n.drained_by_us_s is not None:
+        return "draining"
+    return "cordoned" if n.cordoned else "ready"
+
+
+def pool_summary(core: AutoscalerCore, state: AutoscalerState) -> list[dict[str, Any]]:
+    """Each configured pool (and any pool the log names that the config no longer has): its nodes
+    and their states, min, max and the autoscaler's latest decision about it (`gpufleet pools`)."""
+    names = sorted(set(core.pools) | {n.pool for n in state.pool_nodes.values()} | set(state.pool_last))
+    out: list[dict[str, Any]] = []
+    for name in names:
+        pool = core.pools.get(name)
+        nodes = sorted((n for n in state.pool_nodes.values() if n.pool == name), key=lambda n: n.node_id)
+        states = {n.node_id: node_state(n) for n in nodes}
+        counts = {k: sum(1 for v in states.values() if v == k) for k in NODE_STATES}
+        last = state.pool_last.get(name)
+        out.append({
+            "pool": name, "configured": pool is not None, "provider": pool.provider if pool else None,
+            "shape": pool.shape.model_dump(by_alias=True) if pool else None,
+            "min": pool.min if pool else None, "max": pool.max if pool else None, **counts,
+            "nodes": [{"node_id": k, "state": v} for k, v in states.items()],
+            "last_decision": None if last is None else {"at": last[0], "type": last[1], "node_id": last[2],
+                                                        "reason": last[3]},
+        })
+    return out
 
 
 def _metrics(svc: Service) -> str:

@@ -3,30 +3,14 @@ how many new nodes a set of waiting jobs needs (first fit, gangs all or nothing)
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 
+from gpufleet.shared.cluster import pool_inventory
 from gpufleet.shared.clusterconfig import NodePoolConfig
-from gpufleet.shared.events import GpuDevice, NodeInventory
 from gpufleet.shared.spec import JobSpec
 
 MILLI = 1000
-
-
-def pool_inventory(pool_name: str, pool: NodePoolConfig, node_id: str) -> NodeInventory:
-    """What a node of the pool registers with (the sim provider registers exactly this)."""
-    s = pool.shape
-    per_island = max(1, s.gpus // s.nvlink_islands)
-    gpus = tuple(
-        GpuDevice(index=i, uuid=f"GPU-{hashlib.blake2b(f'{node_id}/{i}'.encode(), digest_size=8).hexdigest()}",
-                  model=s.gpu_model, memory_mib=s.gpu_memory_mib, nvlink_island=i // per_island,
-                  pcie_switch=i // max(1, s.gpus // 4), numa_node=0 if i < s.gpus // 2 or s.gpus == 1 else 1)
-        for i in range(s.gpus)
-    )
-    labels = {"rack": f"rack-{pool_name}", "leaf": f"leaf-{pool_name}", "spine": "spine-pools",
-              **s.labels, "pool": pool_name}
-    return NodeInventory(cpu_milli=s.cpu_milli, memory_mib=s.memory_mib, gpus=gpus,
-                         numa_nodes=2 if s.gpus > 1 else 1, labels=labels, taints=s.taints, driver="sim")
+__all__ = ["Room", "empty_room", "pack", "pool_inventory", "replica_fits_shape"]
 
 
 @dataclass

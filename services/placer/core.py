@@ -22,6 +22,7 @@ from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 
 from gpufleet.shared.checkpoints import CHECKPOINTED_TYPES
+from gpufleet.shared.cluster import pool_shapes
 from gpufleet.shared.clusterconfig import ClusterConfig
 from gpufleet.shared.events import (
     Envelope,
@@ -39,6 +40,7 @@ from gpufleet.shared.events import (
     JobUnschedulable,
     NodeCordoned,
     NodeDatasetsCached,
+    NodeDeregistered,
     NodeGpuCleared,
     NodeGpuUnhealthy,
     NodeGpuZombieDetected,
@@ -172,18 +174,9 @@ def _register(state: PlacerState, node_id: str, inv: NodeInventory) -> None:
     if old is not None:
         _unindex(state, old)
     state.inventories[node_id] = inv
-    held = state.quarantined.get(node_id, {})
-    whole = [g for g in inv.gpus if not g.mig_enabled and g.index not in held]
-    models = sorted({g.model for g in inv.gpus})
-    node = Node(
-        node_id=node_id, model=models[0] if models else CPU_ONLY, gpu_ids=[g.index for g in whole],
-        left=[MILLI] * len(whole), cpu_left=inv.cpu_milli, mem_left=inv.memory_mib, cpu_total=inv.cpu_milli,
-        mem_total=inv.memory_mib, gpu_mem_mib=min((g.memory_mib for g in whole), default=0),
-        island=[g.nvlink_island for g in whole], switch=[g.pcie_switch for g in whole],
-        numa=[g.numa_node for g in whole], labels=dict(inv.labels), taints=frozenset(inv.taints),
-        healthy=node_id not in state.lost and node_id not in state.cordoned,
-        datasets=old.datasets if old is not None else frozenset(),
-    )
+    node = node_of(node_id, inv, state.quarantined.get(node_id, {}),
+                   healthy=node_id not in state.lost and node_id not in state.cordoned,
+                   datasets=old.datasets if old is not None else frozenset())
     state.nodes[node_id] = node
     slot = MigSlot()
     for g in inv.gpus:
@@ -202,6 +195,35 @@ def _register(state: PlacerState, node_id: str, inv: NodeInventory) -> None:
                 node.take(_positions(node, a.gpu_indices), a.gpu_milli, a.cpu_milli, a.memory_mib)
                 _take_mig(state.mig.get(node_id), a.mig_devices)
     _reindex(state, node)
+
+
+def node_of(node_id: str, inv: NodeInventory, held: dict[int, set[str]] | None = None, healthy: bool = True,
+            datasets: frozenset[str] = frozenset()) -> Node:
+    """The placer's node for an inventory, empty (its quarantined GPUs `held` left out)."""
+    held = held or {}
+    whole = [g for g in inv.gpus if not g.mig_enabled and g.index not in held]
+    models = sorted({g.model for g in inv.gpus})
+    return Node(
+        node_id=node_id, model=models[0] if models else CPU_ONLY, gpu_ids=[g.index for g in whole],
+        left=[MILLI] * len(whole), cpu_left=inv.cpu_milli, mem_left=inv.memory_mib, cpu_total=inv.cpu_milli,
+        mem_total=inv.memory_mib, gpu_mem_mib=min((g.memory_mib for g in whole), default=0),
+        island=[g.nvlink_island for g in whole], switch=[g.pcie_switch for g in whole],
+        numa=[g.numa_node for g in whole], labels=dict(inv.labels), taints=frozenset(inv.taints),
+        healthy=healthy, datasets=datasets,
+    )
+
+
+def _deregister(state: PlacerState, node_id: str) -> None:
+    """A node its pool's provider removed: gone from every book (its id is never reused)."""
+    node = state.nodes.pop(node_id, None)
+    if node is not None:
+        _unindex(state, node)
+    state.inventories.pop(node_id, None)
+    state.mig.pop(node_id, None)
+    state.quarantined.pop(node_id, None)
+    state.lost.discard(node_id)
+    state.cordoned.discard(node_id)
+    state.jobs_on.pop(node_id, None)  # (whatever ran there was reported lost before it went)
 
 
 def ask_of(spec: JobSpec) -> Ask:
@@ -250,6 +272,12 @@ class PlacerCore(BaseCore[PlacerState]):
         self.ctx = Context()
         self._typical_at = -1
         self._fits_memo: dict[tuple[str, int], bool] = {}
+        # node pools that may have nodes: (pool, max nodes, an empty node of its shape). A job only
+        # a pool's shape can hold is not `never_fits`: it waits (unschedulable) and the pool grows.
+        # Computed once per config; `ever_fits` alone reads it, and only when a job does not fit now.
+        self.pools: tuple[tuple[str, int, Node], ...] = tuple(
+            (name, self.config.node_pools[name].max, node_of(f"{name}-shape", inv))
+            for name, inv in pool_shapes(self.config).items())
 
     def initial_state(self) -> PlacerState:
         self._typical_at = -1
@@ -265,6 +293,12 @@ class PlacerCore(BaseCore[PlacerState]):
             state.lost.discard(p.node_id)  # a lost node registering again is back
             _register(state, p.node_id, p.inventory)
             state.fleet_version += 1
+            return state
+        if isinstance(p, NodeDeregistered):
+            known = p.node_id in state.nodes
+            _deregister(state, p.node_id)
+            if known:
+                state.fleet_version += 1
             return state
         if isinstance(p, NodeLost | NodeCordoned | NodeUncordoned):
             (state.lost if isinstance(p, NodeLost) else state.cordoned).add(p.node_id)
@@ -480,7 +514,9 @@ class PlacerCore(BaseCore[PlacerState]):
             # keep its quota (and block others) while it waits; it fails, and says why.
             return [ctx.emit(JobFailed(job_id=job_id, reason=Reason(code="never_fits", message=(
                 f"{spec.replicas} x {_ask(spec)} ({', '.join(spec.resources.gpu_models) or 'any model'}) cannot "
-                f"fit even on the empty cluster of {len(state.nodes) - len(state.cordoned)} nodes not cordoned"))),
+                f"fit even on the empty cluster of {len(state.nodes) - len(state.cordoned)} nodes not cordoned"
+                + (f" nor on nodes its pools may add ({', '.join(f'{n} up to {m}' for n, m, _ in self.pools)})"
+                   if self.pools else "")))),
                 tenant=spec.tenant, key=f"never:{job_id}")]
         if self.placement.backfill and state.nodes:
             out += self._reserve(state, job_id, spec, ctx, now)
@@ -682,12 +718,18 @@ class PlacerCore(BaseCore[PlacerState]):
 
     def ever_fits(self, state: PlacerState, spec: JobSpec) -> bool:
         """Whether all replicas would fit if every node not cordoned were empty (a lost node, or
-        a quarantined GPU, counts: it may come back, and a job must not fail for a passing fault)."""
+        a quarantined GPU, counts: it may come back, and a job must not fail for a passing fault),
+        together with the nodes the node pools may still add (each pool up to its max)."""
         a = ask_of(spec)
         r = spec.resources
         room = 0
+        in_pool: dict[str, int] = {}
         for node in state.nodes.values():
-            if node.node_id in state.cordoned or not all(ok(node, a) for ok in LASTING_CONSTRAINTS):
+            if node.node_id in state.cordoned:
+                continue
+            if self.pools and (pool := node.labels.get("pool")):
+                in_pool[pool] = in_pool.get(pool, 0) + 1
+            if not all(ok(node, a) for ok in LASTING_CONSTRAINTS):
                 continue
             if (a.gpus or r.mig) and a.models and node.model not in a.models:
                 continue
@@ -704,6 +746,12 @@ class PlacerCore(BaseCore[PlacerState]):
             room += max(0, min(per))
             if room >= spec.replicas:
                 return True
+        for name, most, shape in self.pools:
+            more = most - in_pool.get(name, 0)  # its registered nodes were counted above
+            if more > 0:
+                room += more * _replicas_on(shape, a, spec)
+                if room >= spec.replicas:
+                    return True
         return False
 
     def _filtered(self, state: PlacerState, spec: JobSpec) -> dict[str, int]:
@@ -736,6 +784,21 @@ class PlacerCore(BaseCore[PlacerState]):
             code="no_fit",
             message=f"{spec.replicas} x {_ask(spec)}: no fit on {len(state.nodes)} nodes ({parts}){held}",
         )]
+
+
+def _replicas_on(shape: Node, a: Ask, spec: JobSpec) -> int:
+    """How many replicas of the job an empty node of a pool's shape could hold (as `ever_fits`
+    counts a registered node; a pool node has no MIG instances)."""
+    r = spec.resources
+    if r.mig or not all(ok(shape, a) for ok in LASTING_CONSTRAINTS):
+        return 0
+    if a.gpus and ((a.models and shape.model not in a.models) or not shape.gpus_total
+                   or (a.gpu_mem and shape.gpu_mem_mib < a.gpu_mem)):
+        return 0
+    per_gpu = MILLI // a.milli if a.milli < MILLI else 1
+    return max(0, min(shape.gpus_total * per_gpu // a.gpus if a.gpus else spec.replicas,
+                      shape.cpu_total // a.cpu if a.cpu else spec.replicas,
+                      shape.mem_total // a.mem if a.mem else spec.replicas))
 
 
 def _ask(spec: JobSpec) -> str:
