@@ -244,9 +244,10 @@ def jobs(data_dir: DataDir = None, as_json: JsonOut = False,
     if as_json:
         _print_json(rows)
         return
-    typer.echo(f"{'JOB':<28}{'TENANT':<10}{'QUEUE':<10}{'NAME':<16}{'GPUS':>5}  {'STATUS':<10} REASON")
+    w = max([28, *(len(r["job_id"]) + 2 for r in rows)])  # (a service's replicas: <service id>-r<n>)
+    typer.echo(f"{'JOB':<{w}}{'TENANT':<10}{'QUEUE':<10}{'NAME':<16}{'GPUS':>5}  {'STATUS':<10} REASON")
     for r in rows:
-        typer.echo(f"{r['job_id']:<28}{r['tenant']:<10}{r['queue']:<10}{r['name'][:15]:<16}{r['gpus']:>5}  "
+        typer.echo(f"{r['job_id']:<{w}}{r['tenant']:<10}{r['queue']:<10}{r['name'][:15]:<16}{r['gpus']:>5}  "
                    f"{r['status']:<10} {r['reason']}")
 
 
@@ -698,6 +699,30 @@ def bench_decide(
         typer.echo(f"  {name:<28} median {r['median_ms']:>8} ms   p99 {r['p99_ms']:>8} ms{extra}")
 
 
+@bench_app.command("billing")
+def bench_billing(
+    events: Annotated[int, typer.Option("--events", help="events of synthetic job lifecycles to fold")] = 200_000,
+    repeat: Annotated[int, typer.Option(help="folds timed per fold kind (the median reported)")] = 5,
+    as_json: JsonOut = False,
+) -> None:
+    """The billing core's fold rate (events/s) and state size, beside the cluster view's fold of the same events."""
+    from gpufleet.bench_billing import run as run_billing
+
+    if events < 100 or repeat < 1:
+        typer.echo("error: --events must be at least 100 and --repeat at least 1", err=True)
+        raise typer.Exit(2)
+    doc = run_billing(events, repeat)
+    if as_json:
+        _print_json(doc)
+        return
+    typer.echo(f"{doc['events']} events, {doc['jobs']} jobs, {doc['log_hours']} h of log; median of {doc['repeat']}")
+    typer.echo(f"  {'fold':<26}{'events/s':>10}{'x baseline':>11}{'peak KiB':>10}{'kept KiB':>10}  entries")
+    for name, r in doc["folds"].items():
+        entries = " ".join(f"{k}={v}" for k, v in r["entries"].items() if v)
+        typer.echo(f"  {name:<26}{r['events_per_s_median']:>10}{r['rate_vs_baseline']:>11}{r['peak_kib']:>10}"
+                   f"{r['kept_kib']:>10}  {entries}")
+
+
 # ------------------------------------------------------------------ billing (docs/billing.md)
 
 
@@ -719,9 +744,11 @@ def _cluster_config(data_dir: str | None, path: Path | None) -> Any:
 
 async def _estimate_doc(spec: Any, cfg: Any, data_dir: str | None, duration_s: float | None,
                         with_wait: bool) -> dict[str, Any]:
-    """The estimate; the wait (and the cluster's GPU models) from the placer's fold of the log."""
+    """The estimate; the wait (and the cluster's GPU models) from the quota's and the placer's folds
+    of the log (services/billing/wait.py)."""
     from gpufleet.services.billing.report import estimate, expected_wait, fold
     from gpufleet.services.placer.core import PlacerCore
+    from gpufleet.services.quota.core import QuotaCore
 
     if not with_wait:
         return estimate(spec, cfg, duration_s=duration_s, wait_note="not asked: `gpufleet estimate` asks the cluster")
@@ -732,11 +759,13 @@ async def _estimate_doc(spec: Any, cfg: Any, data_dir: str | None, duration_s: f
     except Exception as exc:  # noqa: BLE001 - no mesh: the cost alone
         return estimate(spec, cfg, duration_s=duration_s, wait_note=f"no mesh to ask ({exc})")
     try:
-        placer = PlacerCore(cfg)
-        [pstate] = await fold(fleet.bus, [placer])
+        placer, quota = PlacerCore(cfg), QuotaCore(cfg)
+        pstate, qstate = await fold(fleet.bus, [placer, quota])
         models = {g.model for inv in pstate.inventories.values() for g in inv.gpus}
-        wait_s, why = expected_wait(placer, pstate, spec, time.time())
-        return estimate(spec, cfg, duration_s=duration_s, cluster_models=models, wait_s=wait_s, wait_note=why)
+        if spec.priority_class in cfg.priority_classes:  # as admission records it
+            spec = spec.model_copy(update={"priority": cfg.priority_classes[spec.priority_class]})
+        wait = expected_wait(placer, pstate, quota, qstate, spec, time.time())
+        return estimate(spec, cfg, duration_s=duration_s, cluster_models=models, wait=wait)
     finally:
         await fleet.close()
 
@@ -865,6 +894,106 @@ async def _ledger_charges(data_dir: str | None, tenant: str | None, since: Any, 
                               ChargeLine(r["resource"], r["quantity"], r["unit_price"], r["seconds"], r["cost"],
                                          r["idle_seconds"], r["idle_cost"]) for r in rows)))
     return out
+
+
+# ------------------------------------------------------------------ autoscaling (docs/autoscaling.md)
+
+
+@app.command("report-load")
+def report_load(
+    job_id: Annotated[str, typer.Argument(help="the inference service's job id")],
+    rps: Annotated[float, typer.Option("--rps", help="requests per second, all replicas together")],
+    p99_ms: Annotated[float | None, typer.Option("--p99-ms", help="p99 latency over the window, in ms")] = None,
+    window: Annotated[str, typer.Option(help="the window the figures cover: 30s, 1m")] = "10s",
+    tenant: Annotated[str | None, typer.Option(help="the service's tenant (default: looked up)")] = None,
+    data_dir: DataDir = None,
+    as_json: JsonOut = False,
+) -> None:
+    """Report the load an inference service is under (cmd.report_load), as its load balancer would."""
+    from pydantic import ValidationError
+
+    from gpufleet.shared.spec import parse_duration_s
+
+    try:
+        window_s = parse_duration_s(window)
+    except (ValueError, TypeError):
+        typer.echo(f"error: --window: {window!r} is not a duration (30s, 1m)", err=True)
+        raise typer.Exit(2) from None
+
+    async def go(fleet: Any) -> Envelope:
+        t = tenant
+        if t is None:
+            from gpufleet.shared.events import JobSubmitted
+
+            found = [e for _, e in await fleet.history(f"fleet.evt.*.job.{job_id}.submitted")
+                     if isinstance(e.payload, JobSubmitted)]
+            if not found:
+                raise GpufleetError(f"no job {job_id}")
+            spec = found[0].payload.spec
+            if spec.autoscale is None:
+                raise GpufleetError(f"job {job_id} is not an inference service (no autoscale): "
+                                    "the autoscaler would ignore its load")
+            t = found[0].tenant
+        sent: Envelope = await fleet.report_load(job_id, t, rps, p99_ms=p99_ms, window_s=window_s, actor="cli")
+        return sent
+
+    try:
+        env = _run(_with_fleet(data_dir, go))
+    except ValidationError as exc:
+        typer.echo(f"error: {'; '.join(str(e['loc'][-1]) + ': ' + e['msg'] for e in exc.errors())}", err=True)
+        raise typer.Exit(2) from None
+    doc = {"job_id": job_id, "tenant": env.tenant, "rps": rps, "p99_ms": p99_ms, "window_s": window_s,
+           "event_id": env.event_id}
+    if as_json:
+        _print_json(doc)
+        return
+    p99 = f", p99 {p99_ms:g} ms" if p99_ms is not None else ""
+    typer.echo(f"load reported for {job_id} ({env.tenant}): {rps:g} req/s{p99} over {window_s:g}s")
+
+
+async def _pools_state(fleet: Any, config: Any) -> list[dict[str, Any]]:
+    from gpufleet.services.autoscaler.core import AutoscalerCore, pool_summary
+    from gpufleet.services.autoscaler.providers import PROVIDERS
+    from gpufleet.shared.events import parse_envelope
+    from gpufleet.shared.log import read_stream
+
+    core = AutoscalerCore(config, providers=tuple(PROVIDERS))
+    state = core.initial_state()
+    async for batch in read_stream(fleet.bus, ("fleet.evt.sys.node.>",)):  # pools: node facts alone
+        for msg in batch:
+            try:
+                state = core.evolve(state, parse_envelope(msg.data))
+            except Exception:  # noqa: BLE001 - dead letters are the services' business
+                continue
+    return pool_summary(core, state)
+
+
+@app.command()
+def pools(data_dir: DataDir = None, as_json: JsonOut = False) -> None:
+    """Each node pool: its nodes ready / provisioning / draining, min, max and the autoscaler's
+    latest decision about it (folded from the log)."""
+    from gpufleet.shared.events import utc
+
+    rows = _run(_with_fleet(data_dir, lambda f: _pools_state(f, _mesh_config(data_dir))))
+    for r in rows:
+        if r["last_decision"] is not None:
+            r["last_decision"]["at"] = utc(r["last_decision"]["at"]).isoformat()
+    if as_json:
+        _print_json(rows)
+        return
+    if not rows:
+        typer.echo("no node pools (nodePools in the cluster config: docs/config.md)")
+        return
+    typer.echo(f"{'POOL':<14}{'SHAPE':<14}{'READY':>6}{'PROV':>6}{'DRAIN':>6}{'MIN':>5}{'MAX':>5}  LAST DECISION")
+    for r in rows:
+        shape = r["shape"] or {}
+        what = f"{shape.get('gpuModel') or 'cpu'}x{shape.get('gpus', 0)}" if shape else "(not configured)"
+        last = r["last_decision"]
+        said = (f"{last['at'][11:19]} {last['type'].removeprefix('node.')} {last['node_id']}: {last['reason']}"
+                if last else "-")
+        draining = r["draining"] + r["removing"]
+        typer.echo(f"{r['pool']:<14}{what:<14}{r['ready']:>6}{r['provisioning']:>6}{draining:>6}"
+                   f"{r['min'] if r['min'] is not None else '-':>5}{r['max'] if r['max'] is not None else '-':>5}  {said}")
 
 
 def main() -> None:

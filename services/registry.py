@@ -23,7 +23,9 @@ def make_core(name: str, args: argparse.Namespace) -> Core[Any]:
         return QuotaCore(load_config(getattr(args, "config", None)))
     if name == "placer":
         from gpufleet.services.placer.core import PlacerCore
-        return PlacerCore()
+        from gpufleet.shared.clusterconfig import load_config
+        # (placement profile and backfill; the node pools' shapes count as capacity)
+        return PlacerCore(load_config(getattr(args, "config", None)))
     if name == "executor":
         from gpufleet.services.executor.core import ExecutorCore
         from gpufleet.shared.cluster import sim_fleet

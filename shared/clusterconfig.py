@@ -23,14 +23,14 @@
     defaults: {...}                        # the policy of unlisted tenants when openTenants
     nodePools:                             # nodes the autoscaler adds and removes (docs/autoscaling.md)
       h100: {provider: sim, shape: {gpuModel: H100, gpus: 8, cpu: 96, memory: 1Ti},
-             min: 0, max: 4, provisionDelay: 30s, scaleUpAfter: 60s, scaleDownAfter: 10m}
+             min: 0, max: 4, provisionDelay: 30s, provisionTimeout: 10m, scaleUpAfter: 60s, scaleDownAfter: 10m}
     prices:                                # billing (docs/billing.md); money is decimal, never float
       currency: USD
       gpuHour: {H100: "4.10", A100: "2.20", "*": "1.50"}   # per GPU-hour by model; "*": any other
       cpuCoreHour: "0.04"
       memoryGiBHour: "0.005"
-    budgets:                               # per tenant and per queue, over all time
-      tenants: {acme: {amount: "5000", thresholds: [50, 80], policy: hold}}
+    budgets:                               # per tenant and per queue, over all time or per month
+      tenants: {acme: {amount: "5000", thresholds: [50, 80], policy: hold, period: month}}
       queues: {research: {amount: "800", policy: warn}}
 
 Without a config file the mesh is open: every tenant gets the default policy (any queue).
@@ -39,6 +39,7 @@ Without a config file the mesh is open: every tenant gets the default policy (an
 from __future__ import annotations
 
 import fnmatch
+from datetime import UTC, datetime
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -196,13 +197,15 @@ class PriceTable(BaseModel):
 
 class BudgetConfig(BaseModel):
     """A budget: an amount (in the prices' currency), the percentages that warn, and what happens
-    at 100 %: `warn` only, or `hold` (admission refuses new submits while it is exceeded)."""
+    at 100 %: `warn` only, or `hold` (admission refuses new submits while it is exceeded).
+    `period: month` counts each calendar month (UTC) afresh; `all` (the default) all time."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
 
     amount: Money
     thresholds: tuple[int, ...] = (50, 80, 100)
     policy: Literal["warn", "hold"] = "warn"
+    period: Literal["all", "month"] = "all"
 
     @field_validator("thresholds", mode="before")
     @classmethod
@@ -216,6 +219,13 @@ class BudgetConfig(BaseModel):
     def percentages(self) -> tuple[int, ...]:
         """The thresholds, sorted, with 100 always among them (exceeded is always said)."""
         return tuple(sorted({*self.thresholds, 100}))
+
+    def period_of(self, when: datetime) -> str | None:
+        """The period `when` falls in: `2026-05` (its UTC month) for a monthly budget, else None."""
+        if self.period != "month":
+            return None
+        when = when.astimezone(UTC) if when.tzinfo else when
+        return f"{when.year:04d}-{when.month:02d}"
 
 
 class BudgetsConfig(BaseModel):
@@ -254,6 +264,10 @@ class NodePoolConfig(BaseModel):
     min: int = Field(default=0, ge=0, le=10_000)
     max: int = Field(default=0, ge=0, le=10_000)
     provision_delay_s: DurationS = Field(default=30.0, alias="provisionDelay", le=86400)
+    # a node asked for that has not registered this long after is given up on (removal requested,
+    # reason provision_timeout): its room stops counting and the pool may ask for another.
+    # Default: 10 minutes, at least twice provisionDelay (`give_up_after_s`)
+    provision_timeout_s: DurationS | None = Field(default=None, alias="provisionTimeout", le=7 * 86400)
     scale_up_after_s: DurationS = Field(default=30.0, alias="scaleUpAfter", le=86400)
     scale_down_after_s: DurationS = Field(default=600.0, alias="scaleDownAfter", le=30 * 86400)
     # empty: a node is idle when nothing is placed on it; gpus_idle: also when every job on it was
@@ -267,6 +281,21 @@ class NodePoolConfig(BaseModel):
         if lo is not None and v < lo:
             raise ValueError(f"must be >= min ({lo})")
         return v
+
+    @field_validator("provision_timeout_s")
+    @classmethod
+    def _timeout_over_delay(cls, v: float | None, info: ValidationInfo) -> float | None:
+        delay = info.data.get("provision_delay_s") or 0.0
+        if v is not None and v <= delay:
+            raise ValueError(f"must be longer than provisionDelay ({delay:g}s)")
+        return v
+
+    @property
+    def give_up_after_s(self) -> float:
+        """How long a node asked for may take to register before it is given up on."""
+        if self.provision_timeout_s is not None:
+            return self.provision_timeout_s
+        return max(600.0, 2 * self.provision_delay_s)
 
 
 class ClusterConfig(BaseModel):

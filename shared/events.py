@@ -473,6 +473,8 @@ class _BudgetPayload(_Payload):
     spent: Decimal  # charged so far, open allocations up to `occurred_at` included
     threshold_pct: int
     policy: Literal["warn", "hold"] = "warn"
+    # a monthly budget (`period: month`): the calendar month (UTC) spent in, `2026-05`; else absent
+    period: str | None = Field(default=None, pattern=r"^[0-9]{4}-[0-9]{2}$")
 
     @field_validator("budget")
     @classmethod
@@ -535,12 +537,13 @@ class NodeProvisionRequested(_NodePayload):
 
 
 class NodeRemovalRequested(_NodePayload):
-    """The autoscaler asked a pool's provider to remove a drained node (cordoned, nothing on it)."""
+    """The autoscaler asked a pool's provider to remove a drained node (cordoned, nothing on it),
+    or one it asked for that never registered within the pool's provisionTimeout (given up on)."""
 
     type: Literal["node.removal_requested"] = "node.removal_requested"
     pool: str
     provider: str
-    reason: Reason  # code: idle | above_max
+    reason: Reason  # code: idle | provision_timeout
 
 
 class NodeDeregistered(_NodePayload):

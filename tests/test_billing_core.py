@@ -276,3 +276,136 @@ def test_the_bill_groups_and_cuts_at_the_window() -> None:
     doc = report.bill_json(report.bill(window, "job"), "job", "EUR")
     assert {r["key"]: r["cost"] for r in doc["rows"]} == {"j1": "3.60", "j2": "1.836"}
     assert doc["total"]["cost"] == "5.436" and report.bill_csv(doc).startswith("key,intervals")
+
+
+# ---------------------------------------------------------------- memory: what an ended job leaves
+
+
+def test_an_ended_job_leaves_only_its_id_and_its_late_copies_count_nothing() -> None:
+    from gpufleet.services.billing.core import ENDED_KEPT_S
+    from gpufleet.shared.events import JobSucceeded
+
+    h = harness().given(node("n1"), submitted(make_job().queue("q1"), "j1"))
+    p1, s1, e1 = placed_share("j1", 1000), start("j1", timedelta(0)), exit_("j1", H, reason="preempted")
+    resume = event(JobResumeRequested(job_id="j1", reason=Reason(code="preempted", message="x")), at=T0 + H)
+    p2, s2, e2 = placed_share("j1", 1000, attempt=2), start("j1", 2 * H, attempt=2), exit_("j1", 3 * H, attempt=2)
+    for env in (p1, s1, e1, resume, p2, s2):
+        h.when(env)
+    h.when(s1)  # a late copy of attempt 1's start while attempt 2 runs: its interval is closed
+    assert set(h.state.open) == {"j1:0:2"} and h.state.closed == {"j1:0:1"}
+    h.when(e2)
+    done = event(JobSucceeded(job_id="j1"), at=T0 + 3 * H)
+    h.when(done)
+    assert costs(h) == {"j1:0:1": Decimal("3.6"), "j1:0:2": Decimal("3.6")}
+    pruned = {k: v for k, v in h.state.size().items() if k not in ("ended", "spent", "charges")}
+    assert set(pruned.values()) == {0}, pruned  # no queue, placement, attempt or key of j1 is left
+    assert list(h.state.ended) == ["j1"]
+    # every event of the job again, duplicated and late, in any order: nothing counted, nothing kept
+    for env in (p1, s1, e1, resume, p2, s2, e2, done, submitted(make_job().queue("q1"), "j1"), p2, s2,
+                event(JobIdleDetected(job_id="j1", gpu_util_pct=1.0, idle_s=60.0), at=T0 + 3 * H)):
+        h.when(env)
+    assert costs(h) == {"j1:0:1": Decimal("3.6"), "j1:0:2": Decimal("3.6")} and h.state.intervals == 2
+    assert h.state.spent[("queue", "q1")] == Decimal("7.2")
+    assert {k: v for k, v in h.state.size().items() if k in pruned} == pruned
+    # the id itself is forgotten ENDED_KEPT_S of log time after the end
+    later = T0 + 3 * H + timedelta(seconds=ENDED_KEPT_S)
+    h.when(event(JobPlaced(job_id="j2", allocations=(ReplicaAllocation(
+        replica=0, node_id="n1", gpu_indices=(1,), cpu_milli=0, memory_mib=0),)), at=later))
+    assert "j1" in h.state.ended
+    h.when(start("j2", later - T0 + timedelta(seconds=1)))
+    assert "j1" not in h.state.ended and h.state.size()["ended"] == 0
+
+
+def test_many_jobs_leave_nothing_once_ended_and_forgotten() -> None:
+    from gpufleet.shared.events import JobRejected, JobSucceeded
+
+    h = harness().given(node("n1"))
+    for i in range(200):
+        at = timedelta(minutes=i)
+        h.given(submitted(make_job().queue(f"q{i % 3}"), f"j{i}"), placed_share(f"j{i}", 500),
+                start(f"j{i}", at), exit_(f"j{i}", at + timedelta(seconds=30)),
+                event(JobSucceeded(job_id=f"j{i}"), at=T0 + at + timedelta(seconds=31)),
+                # a rejected submit leaves nothing either
+                submitted(make_job(), f"r{i}"),
+                event(JobRejected(job_id=f"r{i}", reasons=(Reason(code="x", message="x"),)), at=T0 + at))
+    size = h.state.size()
+    assert h.state.intervals == 200 and len(h.state.charges) == 200
+    assert (size["queues"], size["placements"], size["closed"], size["keys"], size["open"]) == (0, 0, 0, 0, 0)
+    assert size["ended"] == 2 * 61  # the last hour's ends (and their rejections), by log time
+
+
+# ---------------------------------------------------------------- monthly budgets
+
+
+def test_a_monthly_budget_starts_again_each_month_and_says_each_threshold_once_per_month() -> None:
+    from datetime import UTC, datetime
+
+    budget = {"amount": "10", "thresholds": [50], "policy": "hold", "period": "month"}
+    cfg = config(budgets={"tenants": {"acme": budget}})
+    assert config(budgets={"tenants": {"acme": {"amount": "1"}}}).budgets.tenants["acme"].period == "all"
+    jan = datetime(2026, 1, 31, 20, 0, tzinfo=UTC)  # 3.60 an hour from 20:00 on January 31
+    feb = datetime(2026, 2, 1, tzinfo=UTC)
+    h = harness(cfg).given(node("n1"), placed_share("j1", 1000), event(JobStarted(job_id="j1", node_id="n1"), at=jan))
+    said = h.tick(jan + 2 * H)  # 7.20 in January: 50 %
+    assert budget_events(said) == [("budget.threshold_reached", 50)]
+    said += h.tick(jan + 3 * H)  # 10.80: exceeded
+    assert budget_events(said) == [("budget.threshold_reached", 50), ("budget.exceeded", 100)]
+    assert budget_events(h.tick(jan + 3 * H + H / 2)) == []  # said once
+    assert budget_events(h.tick(feb + H / 2)) == []  # February: 1.80 so far, spending started again
+    feb_50 = h.tick(feb + 2 * H)  # 7.20 in February
+    assert budget_events(feb_50) == [("budget.threshold_reached", 50)]
+    feb_100 = h.when(event(JobExited(job_id="j1", node_id="n1", exit_code=0, reason="completed"), at=feb + 3 * H),
+                     now=feb + 3 * H)  # 10.80 in February
+    assert budget_events(feb_100) == [("budget.exceeded", 100)] and budget_events(h.tick(feb + 4 * H)) == []
+    assert [e.payload.period for e in said + feb_50 + feb_100] == ["2026-01"] * 2 + ["2026-02"] * 2  # type: ignore[union-attr]
+    assert feb_50[0].event_id != said[0].event_id and feb_50[0].payload.spent == Decimal("7.2")  # type: ignore[union-attr]
+    # the interval (7 h) is split at the month's edge: 4 h in January, 3 h in February
+    acme = ("tenant", "acme")
+    assert h.state.spent_month == {(acme, "2026-01"): Decimal("14.4"), (acme, "2026-02"): Decimal("10.8")}
+    assert h.state.spent[acme] == Decimal("25.2") and costs(h) == {"j1:0:1": Decimal("25.2")}
+    # the hold lasts the month it was exceeded in: a submit on January 31 is rejected, one on February 1 is not
+    [jan_exceeded] = [e for e in said if e.type == "budget.exceeded"]
+    adm = Harness(AdmissionCore(cfg)).given(jan_exceeded)
+    [rejected] = adm.when(submit(make_job(), "j2"), now=jan + 4 * H - timedelta(seconds=1))
+    assert rejected.type == "job.rejected" and "in 2026-01" in rejected.payload.reasons[0].message  # type: ignore[union-attr]
+    assert types_of(adm.when(submit(make_job(), "j3"), now=feb)) == ["job.submitted", "job.admitted"]
+    # a second instance folding the same log says the same ids (the server keeps one of each)
+    again = harness(cfg).given(node("n1"), placed_share("j1", 1000), event(JobStarted(job_id="j1", node_id="n1"), at=jan))
+    assert [e.event_id for e in again.tick(jan + 3 * H)] == [e.event_id for e in said]
+
+
+def types_of(out: list[Envelope]) -> list[str]:
+    return [e.type for e in out]
+
+
+def test_the_example_cluster_config_has_prices_and_budgets() -> None:
+    from pathlib import Path
+
+    from gpufleet.shared.clusterconfig import load_config
+
+    cfg = load_config(Path(__file__).resolve().parent.parent / "examples" / "cluster.yaml")
+    assert cfg.prices.gpu("H100") == Decimal("4.10") and cfg.prices.gpu("B200") == Decimal("1.50")
+    assert cfg.budgets.tenants["acme"].period == "month" and cfg.budgets.tenants["acme"].policy == "hold"
+    assert cfg.budgets.queues["research"].period == "all"
+
+
+def test_bench_billing_folds_the_same_log_and_the_state_does_not_grow_with_it() -> None:
+    import json
+    import subprocess
+    import sys
+
+    from gpufleet.bench_billing import run
+
+    small, big = run(3000, 1), run(12000, 1)
+    for doc in (small, big):
+        assert set(doc["folds"]) == {"billing", "billing+charges", "cluster view (baseline)"}
+        assert all(r["events_per_s_median"] > 0 and r["peak_kib"] > 0 for r in doc["folds"].values())
+    s, b = small["folds"]["billing"]["entries"], big["folds"]["billing"]["entries"]
+    assert big["jobs"] > 3 * small["jobs"] // 2 and big["folds"]["billing"]["intervals"] > 3 * small["folds"]["billing"]["intervals"] // 2
+    # the running jobs (about 300) and an hour of ended ids (about 1,800), however long the log
+    assert max(s["queues"], b["queues"], s["placements"], b["placements"]) < 400 and b["ended"] < 2000
+    assert b["closed"] < 50 and b["charges"] == 0 and big["folds"]["billing+charges"]["entries"]["charges"] > 0
+    assert big["folds"]["cluster view (baseline)"]["entries"]["jobs"] > 4 * b["queues"]
+    out = subprocess.run([sys.executable, "-m", "gpufleet.cli", "bench", "billing", "--events", "500", "--repeat", "1",
+                          "--json"], capture_output=True, text=True, timeout=120, check=True)
+    assert json.loads(out.stdout)["events"] == 500

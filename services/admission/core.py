@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from datetime import datetime
 from decimal import Decimal
 
 from gpufleet.shared.checkpoints import ephemeral_reason
+from gpufleet.shared.cluster import pool_shapes
 from gpufleet.shared.clusterconfig import MAX_PAYLOAD_BYTES, ClusterConfig, TenantPolicy
 from gpufleet.shared.errors import SpecError
 from gpufleet.shared.events import (
@@ -28,6 +30,7 @@ from gpufleet.shared.events import (
     JobRejected,
     JobRequestRefused,
     JobSubmitted,
+    NodeDeregistered,
     NodeInventory,
     NodeRegistered,
     Reason,
@@ -108,7 +111,7 @@ class AdmissionCore(BaseCore[AdmissionState]):
     name = "admission"
     subjects = (
         "fleet.cmd.*.*",
-        "fleet.evt.sys.node.*.registered",
+        "fleet.evt.sys.node.*.registered", "fleet.evt.sys.node.*.deregistered",
         "fleet.evt.*.job.*.submitted", "fleet.evt.*.job.*.admitted", "fleet.evt.*.job.*.rejected",
         "fleet.evt.*.job.*.placed",
         "fleet.evt.*.job.*.succeeded", "fleet.evt.*.job.*.failed", "fleet.evt.*.job.*.cancelled",
@@ -119,6 +122,9 @@ class AdmissionCore(BaseCore[AdmissionState]):
     def __init__(self, config: ClusterConfig | None = None) -> None:
         self.config = config or ClusterConfig()
         self._capacity: Capacity | None = None
+        # the node shapes the pools may add (max > 0): capacity the cluster can grow to, counted
+        # as if registered (keys cannot clash with node ids: a node id has no '.')
+        self._pool_nodes = {f"nodePools.{name}": inv for name, inv in pool_shapes(self.config).items()}
 
     def initial_state(self) -> AdmissionState:
         self._capacity = None
@@ -143,8 +149,13 @@ class AdmissionCore(BaseCore[AdmissionState]):
             state.nodes[p.node_id] = p.inventory
             self._capacity = None
             return state
-        if isinstance(p, BudgetExceeded):
-            state.budgets_exceeded.setdefault((p.scope, p.budget), set()).add(_amount_key(p.amount))
+        if isinstance(p, NodeDeregistered):  # removed by its pool's provider: no longer capacity
+            if state.nodes.pop(p.node_id, None) is not None:
+                self._capacity = None
+            return state
+        if isinstance(p, BudgetExceeded):  # a monthly budget's amount is keyed with its month: `800@2026-05`
+            state.budgets_exceeded.setdefault((p.scope, p.budget), set()).add(
+                _amount_key(p.amount) + (f"@{p.period}" if p.period else ""))
             return state
         job_id = env.job_id
         if job_id is None or t.startswith("cmd."):
@@ -153,7 +164,9 @@ class AdmissionCore(BaseCore[AdmissionState]):
         if t == "job.submitted":
             if known is None:
                 state.jobs[job_id] = (env.tenant, PENDING)
-                self._waiting(state, job_id, env.tenant, True)
+                # an inference service (autoscale) is never placed: its replicas are the jobs that wait
+                service = isinstance(p, JobSubmitted) and p.spec.autoscale is not None
+                self._waiting(state, job_id, env.tenant, not service)
                 state.unadmitted.add(job_id)
                 if env.causation_id:
                     state.submit_cmd[job_id] = env.causation_id
@@ -252,7 +265,7 @@ class AdmissionCore(BaseCore[AdmissionState]):
             if spec.priority != 0:
                 return spec, [_r("invalid_spec", "give priority or priorityClass, not both", "priorityClass")]
         reasons = (self._policy_reasons(spec, policy) + self._cluster_reasons(state, spec, policy)
-                   + self._budget_reasons(state, spec))
+                   + self._budget_reasons(state, spec, ctx.now))
         if reasons:
             return spec, reasons
         return spec, self._limit_reasons(state, env.tenant, policy, ctx)
@@ -293,13 +306,15 @@ class AdmissionCore(BaseCore[AdmissionState]):
         if not state.nodes:
             return []
         if self._capacity is None:
-            self._capacity = capacity(state.nodes)
+            self._capacity = capacity({**state.nodes, **self._pool_nodes})
         cap = self._capacity
         r = spec.resources
         out = []
         unknown = [m for m in r.gpu_models if m not in cap.models]
         if unknown:
-            out.append(_r("gpu_model_unknown", f"no node has GPU model {', '.join(unknown)} (the cluster has "
+            where = "node nor node pool" if self._pool_nodes else "node"
+            has = "the cluster and its node pools have" if self._pool_nodes else "the cluster has"
+            out.append(_r("gpu_model_unknown", f"no {where} has GPU model {', '.join(unknown)} ({has} "
                           f"{', '.join(sorted(cap.models)) or 'no GPUs'})", "resources.gpuModels"))
         if r.cpu_milli > cap.cpu_milli:
             out.append(_r("exceeds_node", f"cpu {r.cpu_milli / 1000:g} per replica is more than the largest node "
@@ -324,18 +339,23 @@ class AdmissionCore(BaseCore[AdmissionState]):
             out.append(_r("exceeds_node", f"gpuMemory {r.gpu_memory_mib // MIB}Gi is more than any GPU has", "resources.gpuMemory"))
         return out
 
-    def _budget_reasons(self, state: AdmissionState, spec: JobSpec) -> list[Reason]:
+    def _budget_reasons(self, state: AdmissionState, spec: JobSpec, now: datetime) -> list[Reason]:
         """Budget hold: a tenant or queue whose budget (policy `hold`, at the amount the config has
-        now) billing said was exceeded takes no new jobs; a raised budget lifts the hold."""
+        now; for a monthly budget, in the month of `now`) billing said was exceeded takes no new
+        jobs; a raised budget, or the next month, lifts the hold."""
         out = []
         for scope, name, field_ in (("tenant", spec.tenant, "tenant"), ("queue", spec.queue, "queue")):
             budget = self.config.budgets.of(scope, name)
             if budget is None or budget.policy != "hold" or not state.budgets_exceeded:
                 continue
-            if _amount_key(budget.amount) in state.budgets_exceeded.get((scope, name), ()):
+            period = budget.period_of(now)
+            if _amount_key(budget.amount) + (f"@{period}" if period else "") in state.budgets_exceeded.get(
+                    (scope, name), ()):
+                until = "the month ends or it is raised" if period else "it is raised"
                 out.append(_r("budget_exceeded", f"the budget of {scope} {name} ({_amount_key(budget.amount)} "
-                              f"{self.config.prices.currency}) is exceeded and its policy is hold: no new jobs "
-                              "until it is raised (budgets in the cluster config)", field_))
+                              f"{self.config.prices.currency}{' in ' + period if period else ''}) is exceeded and "
+                              f"its policy is hold: no new jobs until {until} (budgets in the cluster config)",
+                              field_))
         return out
 
     def _limit_reasons(self, state: AdmissionState, tenant: str, policy: TenantPolicy, ctx: Ctx) -> list[Reason]:

@@ -1,7 +1,8 @@
 """Billing: meter every allocation interval from the log's own events; watch budgets.
 
 folds:   node inventories (GPU index -> model, MIG instance -> model and slices), placements,
-         starts, exits and job ends, idle facts, the job's queue, its own budget events
+         starts, exits and job ends (and rejections), idle facts, the job's queue, its own budget
+         events
 decides: budget.threshold_reached / budget.exceeded, once per (budget, amount, threshold)
 
 An interval is one replica of one attempt of a job on its node, keyed `<job>:<replica>:<attempt>`:
@@ -18,11 +19,21 @@ Budgets are checked on every event that starts or ends an interval of the tenant
 on `tick` for what running allocations have spent so far. Each threshold is said once per
 budget amount: its event id derives from (scope, budget, amount, threshold), and the state
 folds the events said, so a redelivery, a restart or a second instance says nothing new;
-raising a budget in the config makes new thresholds to cross.
+raising a budget in the config makes new thresholds to cross. A budget with `period: month`
+counts what was spent in the calendar month (UTC) of the log's time: an interval's cost goes to
+the months it ran in (split at the boundary), spending starts again from 0 each month, and each
+threshold is said once per month (the month is part of the event's id).
+
+Memory: what a job needs is dropped when it ends (its queue, placements, the keys of its closed
+intervals). To stay exactly-once for a late duplicate (a `job.placed` and `job.started` copied
+into the log again after the end), the ended job's id is kept for `ENDED_KEPT_S` of log time
+(an hour: thirty times the stream's 120 s duplicate window), then forgotten. A replay folds the
+log in order and rebuilds the same state.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from decimal import Decimal
@@ -57,13 +68,18 @@ from .pricing import (
     lines,
     mig_share,
     money_key,
+    month_of,
+    month_start,
+    next_month,
     seconds_between,
     share,
+    total,
     usage,
 )
 
-JOB_ENDS = ("job.succeeded", "job.failed", "job.cancelled", "job.preempted")
+JOB_ENDS = ("job.succeeded", "job.failed", "job.cancelled", "job.preempted", "job.rejected")
 Scope = tuple[str, str]  # ("tenant" | "queue", name)
+ENDED_KEPT_S = 3600.0  # log seconds an ended job's id is kept to ignore its late duplicates
 
 
 @dataclass
@@ -121,16 +137,27 @@ class Charge:
 class BillingState:
     gpu_models: dict[str, dict[int, str]] = field(default_factory=dict)  # node -> GPU index -> model
     mig_devices: dict[str, tuple[str, str]] = field(default_factory=dict)  # MIG UUID -> (model, profile)
-    queues: dict[str, str] = field(default_factory=dict)  # job -> queue
+    queues: dict[str, str] = field(default_factory=dict)  # live job -> queue
     placements: dict[str, tuple[str, ReplicaAllocation]] = field(default_factory=dict)  # key -> tenant, allocation
-    attempts: dict[str, int] = field(default_factory=dict)  # job -> latest attempt resumed to
+    attempts: dict[str, int] = field(default_factory=dict)  # live job -> latest attempt resumed to
     open: dict[str, OpenInterval] = field(default_factory=dict)
-    closed: set[str] = field(default_factory=set)  # keys of closed intervals: a late duplicate start reopens nothing
+    closed: set[str] = field(default_factory=set)  # live jobs' closed keys: a late duplicate start reopens nothing
+    keys: dict[str, set[str]] = field(default_factory=dict)  # live job -> its interval keys (placed, open, closed)
+    ended: OrderedDict[str, datetime] = field(default_factory=OrderedDict)  # ended job -> log time of its end
+    log_time: datetime | None = None  # the latest event time seen: the clock of the pruning
     charges: list[Charge] = field(default_factory=list)  # closed intervals, in log order (kept when asked)
     spent: dict[Scope, Decimal] = field(default_factory=dict)  # closed intervals' cost
+    spent_month: dict[tuple[Scope, str], Decimal] = field(default_factory=dict)  # monthly budgets: (scope, YYYY-MM)
     intervals: int = 0  # closed intervals counted
-    crossed: set[tuple[str, str, str, int]] = field(default_factory=set)  # (scope, budget, amount, pct) said
+    crossed: set[tuple[str, str, str, str, int]] = field(default_factory=set)  # (scope, budget, amount, period, pct)
     touched: set[Scope] = field(default_factory=set)  # scopes the last event changed (for decide)
+
+    def size(self) -> dict[str, int]:
+        """How many entries each growing part holds (for `gpufleet bench billing`)."""
+        return {"queues": len(self.queues), "placements": len(self.placements), "attempts": len(self.attempts),
+                "open": len(self.open), "closed": len(self.closed), "keys": sum(len(k) for k in self.keys.values()),
+                "ended": len(self.ended), "spent": len(self.spent) + len(self.spent_month),
+                "crossed": len(self.crossed), "charges": len(self.charges)}
 
 
 def interval_key(job_id: str, replica: int, attempt: int) -> str:
@@ -143,7 +170,8 @@ class BillingCore(BaseCore[BillingState]):
         "fleet.evt.sys.node.*.registered", "fleet.evt.sys.node.*.lost",
         "fleet.evt.*.job.*.submitted", "fleet.evt.*.job.*.placed", "fleet.evt.*.job.*.started",
         "fleet.evt.*.job.*.exited", "fleet.evt.*.job.*.succeeded", "fleet.evt.*.job.*.failed",
-        "fleet.evt.*.job.*.cancelled", "fleet.evt.*.job.*.preempted", "fleet.evt.*.job.*.resume_requested",
+        "fleet.evt.*.job.*.cancelled", "fleet.evt.*.job.*.preempted", "fleet.evt.*.job.*.rejected",
+        "fleet.evt.*.job.*.resume_requested",
         "fleet.evt.*.job.*.idle_detected", "fleet.evt.*.job.*.idle_ended",
         "fleet.evt.sys.budget.*.*.*",
     )
@@ -153,6 +181,7 @@ class BillingCore(BaseCore[BillingState]):
         self.config = config or ClusterConfig()
         self.prices = self.config.prices
         self.keep_charges = keep_charges  # the ledger and `gpufleet bill` keep every charge; the service only totals
+        self._monthly = {scope for scope, b in self._budgets() if b.period == "month"}  # scopes counted per month
 
     def initial_state(self) -> BillingState:
         return BillingState()
@@ -162,6 +191,12 @@ class BillingCore(BaseCore[BillingState]):
     def evolve(self, state: BillingState, env: Envelope) -> BillingState:
         p = env.payload
         state.touched = set()
+        if state.log_time is None or env.occurred_at > state.log_time:
+            state.log_time = env.occurred_at
+            self._prune(state)
+        job_id = env.job_id
+        if job_id is not None and job_id in state.ended:
+            return state  # a late copy of an ended job's event: it ended, nothing more to count
         if isinstance(p, NodeRegistered):
             state.gpu_models[p.node_id] = {g.index: g.model for g in p.inventory.gpus}
             for g in p.inventory.gpus:
@@ -174,21 +209,24 @@ class BillingCore(BaseCore[BillingState]):
             state.queues.setdefault(p.job_id, p.spec.queue)
         elif isinstance(p, JobPlaced):
             for a in p.allocations:
-                state.placements.setdefault(interval_key(p.job_id, a.replica, p.attempt), (env.tenant, a))
+                key = interval_key(p.job_id, a.replica, p.attempt)
+                if key not in state.closed:
+                    state.placements.setdefault(key, (env.tenant, a))
+                    state.keys.setdefault(p.job_id, set()).add(key)
         elif isinstance(p, JobStarted):
             self._start(state, env, p)
         elif isinstance(p, JobExited):
             ending = state.open.get(interval_key(p.job_id, p.replica, p.attempt))
             if ending is not None:
                 self._close(state, ending, env.occurred_at, f"exited:{p.reason}")
-        elif env.type in JOB_ENDS and env.job_id:
-            for iv in [iv for iv in state.open.values() if iv.job_id == env.job_id]:
+        elif env.type in JOB_ENDS and job_id:
+            for iv in self._of_job(state, job_id, None):
                 self._close(state, iv, env.occurred_at, env.type.removeprefix("job."))
-            self._forget_job(state, env.job_id)
+            self._forget_job(state, job_id, env.occurred_at)
         elif isinstance(p, JobResumeRequested):
             attempt = state.attempts.get(p.job_id, 1) + 1
             state.attempts[p.job_id] = attempt
-            for iv in [iv for iv in state.open.values() if iv.job_id == p.job_id and iv.attempt < attempt]:
+            for iv in [iv for iv in self._of_job(state, p.job_id, None) if iv.attempt < attempt]:
                 self._close(state, iv, env.occurred_at, "resumed")
         elif isinstance(p, JobIdleDetected):
             since = env.occurred_at
@@ -208,7 +246,12 @@ class BillingCore(BaseCore[BillingState]):
 
     @staticmethod
     def _of_job(state: BillingState, job_id: str, node_id: str | None) -> list[OpenInterval]:
-        return [iv for iv in state.open.values() if iv.job_id == job_id and (node_id is None or iv.node_id == node_id)]
+        out = []
+        for key in state.keys.get(job_id, ()):
+            iv = state.open.get(key)
+            if iv is not None and (node_id is None or iv.node_id == node_id):
+                out.append(iv)
+        return sorted(out, key=lambda iv: (iv.attempt, iv.replica))
 
     def _start(self, state: BillingState, env: Envelope, p: JobStarted) -> None:
         key = interval_key(p.job_id, p.replica, p.attempt)
@@ -219,11 +262,12 @@ class BillingCore(BaseCore[BillingState]):
             return  # no placement in the log: nothing was allocated to charge for
         tenant, a = placed
         u = self.usage_of(state, a)
+        queue = state.queues.get(p.job_id, "default")
         state.open[key] = OpenInterval(
-            key=key, job_id=p.job_id, tenant=tenant, queue=state.queues.get(p.job_id, "default"), replica=p.replica,
+            key=key, job_id=p.job_id, tenant=tenant, queue=queue, replica=p.replica,
             attempt=p.attempt, node_id=a.node_id, started_at=env.occurred_at, usage=u, hourly=hourly(u, self.prices),
         )
-        state.touched |= {("tenant", tenant), ("queue", state.queues.get(p.job_id, "default"))}
+        state.touched |= {("tenant", tenant), ("queue", queue)}
 
     def usage_of(self, state: BillingState, a: ReplicaAllocation) -> Usage:
         """What an allocation holds, by GPU model (from its node's registered inventory)."""
@@ -255,15 +299,46 @@ class BillingCore(BaseCore[BillingState]):
         for scope in (("tenant", iv.tenant), ("queue", iv.queue)):
             state.spent[scope] = state.spent.get(scope, ZERO) + charge.cost
             state.touched.add(scope)
+            if scope in self._monthly:
+                for month, cost in self._by_month(iv, charge):
+                    state.spent_month[(scope, month)] = state.spent_month.get((scope, month), ZERO) + cost
         if self.keep_charges:
             state.charges.append(charge)
 
+    def _by_month(self, iv: OpenInterval, charge: Charge) -> list[tuple[str, Decimal]]:
+        """The charge's cost by calendar month (UTC): split at month boundaries, each part priced."""
+        start, end = charge.started_at, charge.ended_at
+        if month_of(start) == month_of(end) or end <= start:
+            return [(month_of(start), charge.cost)]
+        out = []
+        while start < end:
+            edge = min(end, next_month(start))
+            out.append((month_of(start), total(lines(iv.usage, self.prices, seconds_between(start, edge)))))
+            start = edge
+        return out
+
     @staticmethod
-    def _forget_job(state: BillingState, job_id: str) -> None:
-        """An ended job's placements that never started cost nothing; drop them."""
-        for key in [k for k in state.placements if k.rsplit(":", 2)[0] == job_id]:
-            del state.placements[key]
+    def _forget_job(state: BillingState, job_id: str, at: datetime) -> None:
+        """An ended job: drop all it held (placements that never started cost nothing) and keep
+        only its id, for ENDED_KEPT_S of log time, to ignore late copies of its events."""
+        for key in state.keys.pop(job_id, ()):
+            state.placements.pop(key, None)
+            state.closed.discard(key)
         state.attempts.pop(job_id, None)
+        state.queues.pop(job_id, None)
+        state.ended[job_id] = max(at, state.log_time or at)
+        state.ended.move_to_end(job_id)
+
+    @staticmethod
+    def _prune(state: BillingState) -> None:
+        """Forget ended jobs older than ENDED_KEPT_S of log time (oldest first: the dict is in end order)."""
+        assert state.log_time is not None
+        horizon = state.log_time - timedelta(seconds=ENDED_KEPT_S)
+        while state.ended:
+            job_id, at = next(iter(state.ended.items()))
+            if at >= horizon:
+                break
+            state.ended.popitem(last=False)
 
     # ------------------------------------------------------------ reports
 
@@ -271,14 +346,18 @@ class BillingCore(BaseCore[BillingState]):
         """Every running interval as if it ended `now` (for reports and budgets)."""
         return [self.charge_of(iv, now, "running", open_=True) for iv in state.open.values()]
 
-    def spending(self, state: BillingState, scope: Scope, now: datetime) -> Decimal:
-        """Closed charges plus what the scope's running intervals cost so far."""
+    def spending(self, state: BillingState, scope: Scope, now: datetime, *, monthly: bool = False) -> Decimal:
+        """Closed charges plus what the scope's running intervals cost so far: all time, or (`monthly`)
+        in the calendar month (UTC) of `now` only."""
         kind, name = scope
+        since = month_start(now) if monthly else None
         running = ZERO
         for iv in state.open.values():
             if (iv.tenant if kind == "tenant" else iv.queue) == name:
-                running += iv.hourly * seconds_between(iv.started_at, now) / Decimal(3600)
-        return state.spent.get(scope, ZERO) + running
+                start = max(iv.started_at, since) if since is not None else iv.started_at
+                running += iv.hourly * seconds_between(start, now) / Decimal(3600)
+        closed = state.spent_month.get((scope, month_of(now)), ZERO) if monthly else state.spent.get(scope, ZERO)
+        return closed + running
 
     # ------------------------------------------------------------ decide
 
@@ -294,25 +373,28 @@ class BillingCore(BaseCore[BillingState]):
                 continue
             spent: Decimal | None = None
             amount = money_key(budget.amount)
+            period = budget.period_of(ctx.now) or ""
             for pct in budget.percentages:
-                if (scope[0], scope[1], amount, pct) in state.crossed:
+                if (scope[0], scope[1], amount, period, pct) in state.crossed:
                     continue
                 if spent is None:
-                    spent = self.spending(state, scope, ctx.now)
+                    spent = self.spending(state, scope, ctx.now, monthly=bool(period))
                 if spent * 100 < budget.amount * pct:
                     break  # sorted: no higher one is reached either
-                out.append(self._crossing_event(ctx, scope, budget, pct, spent))
+                out.append(self._crossing_event(ctx, scope, budget, pct, spent, period or None))
         return out
 
     def _crossing_event(self, ctx: Ctx, scope: Scope, budget: BudgetConfig, pct: int,
-                        spent: Decimal) -> Envelope:
+                        spent: Decimal, period: str | None = None) -> Envelope:
         kind, name = scope
         cls = BudgetExceeded if pct >= 100 else BudgetThresholdReached
         payload = cls(scope=kind, budget=name, amount=budget.amount,  # type: ignore[arg-type]
                       currency=self.prices.currency, spent=spent.quantize(MONEY_Q), threshold_pct=pct,
-                      policy=budget.policy)
-        # the id depends only on what is crossed: two instances, or a re-decision, say it once
-        event_id = derive_id(f"budget:{kind}:{name}:{money_key(budget.amount)}", pct, time_ms=0)
+                      policy=budget.policy, period=period)
+        # the id depends only on what is crossed (and the month, for a monthly budget): two
+        # instances, or a re-decision, say it once
+        parent = f"budget:{kind}:{name}:{money_key(budget.amount)}" + (f":{period}" if period else "")
+        event_id = derive_id(parent, pct, time_ms=0)
         return Envelope(
             event_id=event_id, type=payload.type, occurred_at=ctx.now, tenant=SYS_TENANT,
             causation_id=ctx.cause.event_id if ctx.cause else None,
@@ -333,8 +415,8 @@ class BillingCore(BaseCore[BillingState]):
         return self.check_budgets(state, ctx)
 
 
-def _crossing(p: _BudgetPayload) -> tuple[str, str, str, int]:
-    return (p.scope, p.budget, money_key(p.amount), p.threshold_pct)
+def _crossing(p: _BudgetPayload) -> tuple[str, str, str, str, int]:
+    return (p.scope, p.budget, money_key(p.amount), p.period or "", p.threshold_pct)
 
 
 def _timedelta(seconds: Decimal) -> timedelta:

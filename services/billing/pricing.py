@@ -12,7 +12,7 @@ instance as its slices / 7 of its GPU (`3g.40gb` is 3/7).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from decimal import ROUND_HALF_EVEN, Context, Decimal
 
 from gpufleet.shared.clusterconfig import PriceTable
@@ -31,6 +31,24 @@ def seconds_between(start: datetime, end: datetime) -> Decimal:
     td: timedelta = end - start
     us = (td.days * 86_400 + td.seconds) * 1_000_000 + td.microseconds
     return Decimal(max(us, 0)).scaleb(-6)
+
+
+def month_of(t: datetime) -> str:
+    """The calendar month (UTC) of `t`: `2026-05` (monthly budgets' period)."""
+    t = t.astimezone(UTC)
+    return f"{t.year:04d}-{t.month:02d}"
+
+
+def month_start(t: datetime) -> datetime:
+    """The first instant of `t`'s calendar month (UTC)."""
+    t = t.astimezone(UTC)
+    return datetime(t.year, t.month, 1, tzinfo=UTC)
+
+
+def next_month(t: datetime) -> datetime:
+    """The first instant of the calendar month (UTC) after `t`'s."""
+    t = t.astimezone(UTC)
+    return datetime(t.year + (t.month == 12), t.month % 12 + 1, 1, tzinfo=UTC)
 
 
 def mig_slices(profile: str) -> int:

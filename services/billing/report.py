@@ -6,9 +6,8 @@ allocations are charged up to `now`. A `--since` / `--until` window cuts interva
 (an interval's idle time is then counted in proportion to the part inside).
 
 The estimate prices a spec's resources for its max runtime (or a given duration), and asks the
-placer's own fold when it could start: now if it fits the free capacity, else when enough
-running jobs have reached their max runtime (the placer's backfill estimate); quota, and the
-jobs queued ahead of it, are not counted.
+quota's and the placer's folds when it could start (`wait.py`: the jobs ahead of it take quota
+and nodes first, running jobs end at their max runtime).
 """
 
 from __future__ import annotations
@@ -31,6 +30,7 @@ from gpufleet.shared.subjects import SubjectFilter, consumer_filter
 
 from .core import BillingCore, BillingState, Charge
 from .pricing import ZERO, ChargeLine, cost, estimate_cost, money, seconds_between, total
+from .wait import Wait, expected_wait
 
 BY = ("tenant", "queue", "job", "gpu-model")
 HOUR = Decimal(3600)
@@ -192,8 +192,11 @@ def gpu_models_for(spec: JobSpec, config: ClusterConfig, cluster_models: Iterabl
 
 def estimate(spec: JobSpec, config: ClusterConfig, *, duration_s: float | None = None,
              cluster_models: Iterable[str] = (), wait_s: float | None = None,
-             wait_note: str = "") -> dict[str, Any]:
-    """The expected cost of `spec` (every replica for its max runtime, or `duration_s`), and its wait."""
+             wait_note: str = "", wait: Wait | None = None) -> dict[str, Any]:
+    """The expected cost of `spec` (every replica for its max runtime, or `duration_s`), and its
+    wait (`wait`: the model's answer and its parts, else `wait_s` and `wait_note`)."""
+    if wait is not None:
+        wait_s, wait_note = wait.wait_s, wait.note
     seconds = Decimal(str(duration_s if duration_s is not None else spec.max_runtime_s))
     models = gpu_models_for(spec, config, cluster_models)
     per_model = estimate_cost(spec, config.prices, seconds, models)
@@ -209,26 +212,8 @@ def estimate(spec: JobSpec, config: ClusterConfig, *, duration_s: float | None =
         "by_model": {m or "-": money(c) for m, c in sorted(costs.items())},
         "lines": [{"resource": line.resource, "quantity": str(line.quantity), "unit_price": str(line.unit_price),
                    "hours": _hours(line.seconds), "cost": money(line.cost)} for line in lines_],
-        "wait_s": wait_s, "wait_note": wait_note,
+        "wait_s": wait_s, "wait_note": wait_note, "wait": wait.as_json() if wait is not None else None,
     }
-
-
-def expected_wait(placer: Any, pstate: Any, spec: JobSpec, now_s: float) -> tuple[float | None, str]:
-    """(seconds, why): 0 if the job fits the free capacity now, else when enough running jobs reach
-    their max runtime (`PlacerCore.estimate`); None when that is not known."""
-    from gpufleet.services.placer.core import Plan
-
-    if not pstate.nodes:
-        return None, "no nodes registered"
-    if not placer.ever_fits(pstate, spec):
-        return None, "no set of healthy nodes could ever hold it"
-    if placer.plan(pstate, spec, Plan(), full_scan=True) is not None:
-        return 0.0, "fits the free capacity now"
-    est = placer.estimate(pstate, spec, now_s)
-    if est is None:
-        return None, "does not fit now, nor once the running jobs end"
-    start, nodes = est
-    return max(0.0, start - now_s), f"once running jobs reach their max runtime, on {', '.join(nodes)}"
 
 
 def estimate_text(doc: dict[str, Any]) -> str:
@@ -240,9 +225,19 @@ def estimate_text(doc: dict[str, Any]) -> str:
     span = "" if doc["cost"] == doc["cost_min"] else f" (from {doc['cost_min']}, by GPU model: {doc['by_model']})"
     out.append(f"  cost: {doc['cost']} {doc['currency']}{span}")
     wait = doc["wait_s"]
+    start = (doc.get("wait") or {}).get("start")
     out.append("  expected wait: " + ("unknown" if wait is None else "none, it fits now" if wait == 0
-                                      else f"{wait:.0f} s") + (f" ({doc['wait_note']})" if doc["wait_note"] else ""))
+                                      else f"{_span(wait)}, starting about {start}" if start else _span(wait))
+               + (f" ({doc['wait_note']})" if doc["wait_note"] else ""))
     return "\n".join(out)
+
+
+def _span(seconds: float) -> str:
+    """3725 -> '1 h 2 min'; 95 -> '95 s'."""
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    minutes = round(seconds / 60)
+    return f"{minutes // 60} h {minutes % 60} min" if minutes >= 60 else f"{minutes} min"
 
 
 __all__ = ["BY", "BillRow", "bill", "bill_csv", "bill_json", "bill_text", "charges", "estimate", "estimate_text",
