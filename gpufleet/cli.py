@@ -180,7 +180,7 @@ def submit(
         typer.echo(f"error: invalid job spec {file}: {exc}", err=True)
         raise typer.Exit(2) from None
     spec = yaml.safe_load(text)
-    est = None if yes else _submit_estimate(parsed, data_dir, config, as_json)
+    est = None if yes else _submit_estimate(parsed, data_dir, config, as_json, spec)
 
     async def go(fleet: Any) -> str:
         from gpufleet.sdk import job_filter
@@ -743,12 +743,15 @@ def _cluster_config(data_dir: str | None, path: Path | None) -> Any:
 
 
 async def _estimate_doc(spec: Any, cfg: Any, data_dir: str | None, duration_s: float | None,
-                        with_wait: bool) -> dict[str, Any]:
+                        with_wait: bool, spec_doc: dict[str, Any] | None = None) -> dict[str, Any]:
     """The estimate; the wait (and the cluster's GPU models) from the quota's and the placer's folds
     of the log (services/billing/wait.py)."""
+    from gpufleet.services.admission.core import AdmissionCore
     from gpufleet.services.billing.report import estimate, expected_wait, fold
     from gpufleet.services.placer.core import PlacerCore
     from gpufleet.services.quota.core import QuotaCore
+    from gpufleet.shared.events import utc
+    from gpufleet.shared.runtime import Ctx
 
     if not with_wait:
         return estimate(spec, cfg, duration_s=duration_s, wait_note="not asked: `gpufleet estimate` asks the cluster")
@@ -759,25 +762,31 @@ async def _estimate_doc(spec: Any, cfg: Any, data_dir: str | None, duration_s: f
     except Exception as exc:  # noqa: BLE001 - no mesh: the cost alone
         return estimate(spec, cfg, duration_s=duration_s, wait_note=f"no mesh to ask ({exc})")
     try:
-        placer, quota = PlacerCore(cfg), QuotaCore(cfg)
-        pstate, qstate = await fold(fleet.bus, [placer, quota])
+        placer, quota, admission = PlacerCore(cfg), QuotaCore(cfg), AdmissionCore(cfg)
+        pstate, qstate, astate = await fold(fleet.bus, [placer, quota, admission])
+        # would admission take it now? (tenant policy, capacity, budgets, limits: the same checks)
+        refused = (admission.refusals(astate, spec.tenant, spec_doc, Ctx(now=utc(time.time()), actor="estimate"))
+                   if spec_doc is not None else [])
         models = {g.model for inv in pstate.inventories.values() for g in inv.gpus}
         if spec.priority_class in cfg.priority_classes:  # as admission records it
             spec = spec.model_copy(update={"priority": cfg.priority_classes[spec.priority_class]})
         wait = expected_wait(placer, pstate, quota, qstate, spec, time.time())
-        return estimate(spec, cfg, duration_s=duration_s, cluster_models=models, wait=wait)
+        doc = estimate(spec, cfg, duration_s=duration_s, cluster_models=models, wait=wait)
+        doc["admission"] = [{"code": r.code, "field": r.field, "message": r.message} for r in refused]
+        return doc
     finally:
         await fleet.close()
 
 
-def _submit_estimate(spec: Any, data_dir: str | None, config: Path | None, as_json: bool) -> dict[str, Any] | None:
+def _submit_estimate(spec: Any, data_dir: str | None, config: Path | None, as_json: bool,
+                     spec_doc: dict[str, Any] | None = None) -> dict[str, Any] | None:
     """Before a submit: on a terminal, show the estimate (with the wait) and ask; in a script, the
     cost goes to stderr (or into --json) without folding the log; the submit goes on."""
     from gpufleet.services.billing.report import estimate_text
 
     interactive = sys.stdin.isatty() and sys.stdout.isatty() and not as_json
     try:
-        doc = _run(_estimate_doc(spec, _cluster_config(data_dir, config), data_dir, None, interactive))
+        doc = _run(_estimate_doc(spec, _cluster_config(data_dir, config), data_dir, None, interactive, spec_doc))
     except typer.Exit:
         raise
     except Exception as exc:  # noqa: BLE001 - an estimate must never stop a submit
@@ -818,7 +827,8 @@ def estimate(
         if duration_s <= 0:
             typer.echo("error: --duration: must be more than 0", err=True)
             raise typer.Exit(2)
-    doc = _run(_estimate_doc(spec, _cluster_config(data_dir, config), data_dir, duration_s, True))
+    doc = _run(_estimate_doc(spec, _cluster_config(data_dir, config), data_dir, duration_s, True,
+                             yaml.safe_load(file.read_text())))
     if as_json:
         _print_json(doc)
     else:

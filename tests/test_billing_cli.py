@@ -107,6 +107,11 @@ def test_estimate_submit_and_bill_through_the_cli(mesh: Path, tmp_path: Path) ->
     assert json.loads(cli(mesh, "estimate", str(one), "--json", "--duration", "3s").stdout)["cost"] == "0.01572"
     text = cli(mesh, "estimate", str(one)).stdout
     assert "cost: 18.864 USD" in text and "expected wait: none, it fits now" in text
+    assert est["admission"] == [] and "admission would reject" not in text
+    # a job admission would refuse is priced, and the estimate says it would be refused, and why
+    huge = spec_file(tmp_path, "huge", ONE.replace("gpu: 1,", "gpu: 64,") + "sim: {duration: 3s}\n")
+    refused = json.loads(cli(mesh, "estimate", str(huge), "--json").stdout)["admission"]
+    assert [(r["code"], r["field"]) for r in refused] == [("exceeds_node", "resources.gpu")], refused
 
     # submit in a script: the estimate (cost only, no log folded) on stderr, the job id on stdout
     out = submit(mesh, one)

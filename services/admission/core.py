@@ -241,6 +241,12 @@ class AdmissionCore(BaseCore[AdmissionState]):
         return (_r("checkpoint_ephemeral_corrected", f"checkpoint.path {why}; checkpoints go to the cluster's "
                    "persistent checkpoint root instead (GPUFLEET_CHECKPOINT_DIR)", "checkpoint.path"),)
 
+    def refusals(self, state: AdmissionState, tenant: str, spec: dict[str, object], ctx: Ctx) -> list[Reason]:
+        """Why a submit of `spec` by `tenant` would be rejected now (none: it would be admitted) —
+        the same checks as a real submit, for `gpufleet estimate` to say before it is sent."""
+        env = ctx.emit(SubmitRequested(job_id="estimate", spec=spec), tenant=tenant, key="estimate")
+        return self._check(state, env, SubmitRequested(job_id="estimate", spec=spec), ctx)[1]
+
     def _check(self, state: AdmissionState, env: Envelope, p: SubmitRequested, ctx: Ctx,
                ) -> tuple[JobSpec | None, list[Reason]]:
         """The parsed spec and every reason the job cannot be admitted (none: it can)."""

@@ -229,6 +229,8 @@ def estimate_text(doc: dict[str, Any]) -> str:
     out.append("  expected wait: " + ("unknown" if wait is None else "none, it fits now" if wait == 0
                                       else f"{_span(wait)}, starting about {start}" if start else _span(wait))
                + (f" ({doc['wait_note']})" if doc["wait_note"] else ""))
+    for r in doc.get("admission") or ():
+        out.append(f"  admission would reject it now: {r['message']} [{r['code']}, {r['field']}]")
     return "\n".join(out)
 
 
