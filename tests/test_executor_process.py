@@ -96,7 +96,7 @@ async def test_command_required(tmp_path: Path) -> None:
 async def test_a_new_driver_finds_what_the_old_one_started(tmp_path: Path) -> None:
     old = ProcessDriver(NODE, tmp_path)
     w = await old.start(launch("long", "sleep", "30"))
-    await wait_until(lambda: len(group_pids(w.pid or 0)) == 2, timeout_s=5, every_s=0.02)
+    await wait_until(lambda: len(group_pids(w.pid or 0)) == 2, timeout_s=15, every_s=0.02)
     new = ProcessDriver(NODE, tmp_path)  # an executor restart
     seen = await new.list()
     assert [(x.key, x.pid, x.running) for x in seen] == [("long.0.1", w.pid, True)]
