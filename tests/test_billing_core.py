@@ -21,6 +21,7 @@ from gpufleet.shared.events import (
     JobPlaced,
     JobResumeRequested,
     JobStarted,
+    JobSucceeded,
     NodeLost,
     Reason,
     ReplicaAllocation,
@@ -120,7 +121,7 @@ def test_preemption_then_resume_is_two_intervals() -> None:
     assert [c.end for c in h.state.charges] == ["exited:preempted", "exited:completed"]
 
 
-def test_an_interval_without_an_exit_ends_with_the_job_the_resume_or_the_node() -> None:
+def test_an_interval_without_an_exit_ends_with_the_job_the_next_placement_or_the_node() -> None:
     h = harness().given(node("n1"), node("n2"), placed_share("a", 1000), placed_share("b", 1000),
                         event(JobPlaced(job_id="c", allocations=(ReplicaAllocation(
                             replica=0, node_id="n2", gpu_indices=(1,), cpu_milli=0, memory_mib=0),))),
@@ -128,13 +129,61 @@ def test_an_interval_without_an_exit_ends_with_the_job_the_resume_or_the_node() 
     for job in ("a", "b"):
         h.when(start(job, timedelta(0)))
     h.when(start("c", timedelta(0), node_id="n2"))
-    h.when(event(JobResumeRequested(job_id="a", reason=Reason(code="node_lost", message="x")), at=T0 + H))
+    h.when(event(JobResumeRequested(job_id="a", reason=Reason(code="crashed", message="x")), at=T0 + H))
+    assert "a:0:1" in h.state.open  # a resume ends nothing: the placer holds its GPUs until its exit
+    # a later attempt is placed only once the placer freed the earlier one: an exit the log lacks ends there
+    h.when(event(JobPlaced(job_id="a", attempt=2, allocations=(ReplicaAllocation(
+        replica=0, node_id="n1", gpu_indices=(0,), cpu_milli=0, memory_mib=0),)), at=T0 + H + H / 2))
     h.when(cancelled("b"))  # at T0 + a few ms
     h.when(event(NodeLost(node_id="n2"), at=T0 + 2 * H))
     h.when(cancelled("never"))  # placed, never started: nothing allocated was used
+    h.when(cancelled("a"))
     ends = {c.key: c.end for c in h.state.charges}
-    assert ends == {"a:0:1": "resumed", "b:0:1": "cancelled", "c:0:1": "node_lost"}
+    assert ends == {"a:0:1": "replaced", "b:0:1": "cancelled", "c:0:1": "node_lost"}
+    assert costs(h)["a:0:1"] == Decimal("5.4")  # 1.5 h
     assert costs(h)["c:0:1"] == Decimal("7.2") and not h.state.open and not h.state.placements
+
+
+def test_a_duplicated_resume_ends_nothing_and_the_running_attempt_is_billed_in_full() -> None:
+    # review8 b1: a copy of job.resume_requested (replayed, or re-published after the 120 s
+    # duplicate window) closed the running attempt 2 as `resumed` at 0 cost
+    h = harness().given(node("n1"), submitted(make_job().queue("q1"), "j1"), placed_share("j1", 1000))
+    resume = event(JobResumeRequested(job_id="j1", reason=Reason(code="preempted", message="x")), at=T0 + H)
+    for env in (start("j1", timedelta(0)), exit_("j1", H, reason="preempted"), resume,
+                placed_share("j1", 1000, attempt=2), start("j1", 2 * H, attempt=2)):
+        h.when(env)
+    before = (set(h.state.open), dict(h.state.attempts), set(h.state.closed), dict(h.state.placements))
+    h.when(resume)  # the same event again while attempt 2 runs
+    h.when(event(JobResumeRequested(job_id="j1", reason=Reason(code="preempted", message="x")), at=T0 + 3 * H))
+    assert (set(h.state.open), dict(h.state.attempts), set(h.state.closed), dict(h.state.placements)) == before
+    h.when(exit_("j1", 5 * H, attempt=2))
+    assert costs(h) == {"j1:0:1": Decimal("3.6"), "j1:0:2": Decimal("10.8")}  # 3 h x 3.60
+    assert [c.end for c in h.state.charges] == ["exited:preempted", "exited:completed"]
+    assert h.state.spent[("queue", "q1")] == Decimal("14.4")
+
+
+def test_an_old_attempt_is_billed_to_its_own_exit_not_to_the_resume() -> None:
+    # review8 b4: a gang loses one node; its other replica holds its GPU (the placer's books)
+    # until it is stopped, after the resume: billed to that exit, as the placer holds it
+    h = harness(config(prices={"gpuHour": {"*": "1"}, "cpuCoreHour": "0", "memoryGiBHour": "0"}))
+    h.given(node("n1"), node("n2"), node("n3"), submitted(make_job().gpus(1).replicas(2), "g"),
+            placed("g", ("n1", [0]), ("n2", [0]), cpu_milli=0, memory_mib=0))
+    for env in (
+        start("g", timedelta(0), 0, node_id="n1"), start("g", H / 10, 1, node_id="n2"),
+        event(NodeLost(node_id="n2"), at=T0 + H),
+        event(JobResumeRequested(job_id="g", reason=Reason(code="node_lost", message="x")), at=T0 + H),
+        event(JobExited(job_id="g", node_id="n1", replica=0, attempt=1, exit_code=137, reason="killed"),
+              at=T0 + H + H / 10),
+        placed("g", ("n1", [0]), ("n3", [0]), cpu_milli=0, memory_mib=0, attempt=2),
+        start("g", 2 * H, 0, attempt=2, node_id="n1"), start("g", 2 * H, 1, attempt=2, node_id="n3"),
+        start("g", 2 * H + H / 2, 0, attempt=1, node_id="n1"),  # a late copy of attempt 1's start
+        event(JobSucceeded(job_id="g"), at=T0 + 3 * H),
+    ):
+        h.when(env)
+    assert {c.key: (c.cost, c.end) for c in h.state.charges} == {
+        "g:1:1": (Decimal("0.9"), "node_lost"), "g:0:1": (Decimal("1.1"), "exited:killed"),
+        "g:0:2": (Decimal("1"), "succeeded"), "g:1:2": (Decimal("1"), "succeeded")}
+    assert not h.state.open
 
 
 def test_idle_cost_counts_from_when_the_gpus_went_idle_to_when_they_were_busy_or_released() -> None:
@@ -148,6 +197,16 @@ def test_idle_cost_counts_from_when_the_gpus_went_idle_to_when_they_were_busy_or
     [c] = h.state.charges
     assert c.idle_gpu_seconds == Decimal(5400 + 3600)
     assert c.idle_cost == Decimal("9.0") and c.cost == Decimal("14.4")
+
+
+def test_a_copy_of_an_idle_detected_after_the_idle_ended_counts_nothing() -> None:
+    h = harness().given(node("n1"), placed_share("j1", 1000))
+    idle = event(JobIdleDetected(job_id="j1", gpu_util_pct=1.0, idle_s=1800.0), at=T0 + H)  # idle since 0:30
+    for env in (start("j1", timedelta(0)), idle, event(JobIdleEnded(job_id="j1", gpu_util_pct=80.0), at=T0 + 2 * H),
+                idle, exit_("j1", 4 * H)):  # the copy: without its id known, idle again from 0:30 to 4:00
+        h.when(env)
+    [c] = h.state.charges
+    assert c.idle_gpu_seconds == Decimal(5400) and c.idle_cost == Decimal("5.4") and c.cost == Decimal("14.4")
 
 
 # ---------------------------------------------------------------- budgets
@@ -276,6 +335,21 @@ def test_the_bill_groups_and_cuts_at_the_window() -> None:
     doc = report.bill_json(report.bill(window, "job"), "job", "EUR")
     assert {r["key"]: r["cost"] for r in doc["rows"]} == {"j1": "3.60", "j2": "1.836"}
     assert doc["total"]["cost"] == "5.436" and report.bill_csv(doc).startswith("key,intervals")
+
+
+def test_the_bill_by_gpu_model_counts_each_interval_once_in_the_total() -> None:
+    # review8 b3: an interval has lines in its GPU model's row and in `-` (CPU, memory)
+    core = BillingCore(config(), keep_charges=True)
+    h = Harness(core).given(node("n1"), node("n2", model="A100"), placed("j1", ("n1", [0])),
+                            placed("j2", ("n2", [0])), start("j1", timedelta(0)))
+    h.when(exit_("j1", H))
+    h.when(start("j2", timedelta(0), node_id="n2"))  # still running
+    items = report.charges(core, h.state, T0 + 2 * H)
+    for by in report.BY:
+        doc = report.bill_json(report.bill(items, by), by, "EUR")
+        assert (doc["total"]["intervals"], doc["total"]["running"]) == (2, 1), by
+    rows = {r.key: (r.intervals, r.running) for r in report.bill(items, "gpu-model")}
+    assert rows == {"-": (2, 1), "H100": (1, 0), "A100": (1, 1)}
 
 
 # ---------------------------------------------------------------- memory: what an ended job leaves

@@ -8,9 +8,14 @@ decides: budget.threshold_reached / budget.exceeded, once per (budget, amount, t
 An interval is one replica of one attempt of a job on its node, keyed `<job>:<replica>:<attempt>`:
 from `job.started` (the executor's timestamp: placement-to-start latency is the control plane's,
 not the job's) to the first of `job.exited` of that attempt, the job's end (succeeded, failed,
-cancelled, preempted), a resume of a later attempt, or `node.lost` of its node. A preempted job
-that is resumed has two intervals. A duplicated or replayed event finds its interval open
-already (a start) or closed (an end) and changes nothing: no sampling, no double counting.
+cancelled, preempted), or `node.lost` of its node: as long as the placer holds its GPUs. A
+resume (`job.resume_requested`) ends nothing: the old attempt holds its GPUs until its own exit
+(the grace period of a preemption, the stop of a gang's other replicas), and the placer places
+the next attempt only after it (a `job.placed` of a later attempt closes, as `replaced`, an
+earlier interval whose exit the log lacks). A preempted job that is resumed has two intervals. A
+duplicated or replayed event finds its interval open already (a start) or closed (an end) and
+changes nothing: no sampling, no double counting; a copy of a `job.idle_detected` is known by
+its event id.
 
 Idle cost: the GPU part of an interval while the job was idle, from `job.idle_detected` (minus
 its `idle_s`: the GPUs were idle that long when it was said) to `job.idle_ended` or the end.
@@ -48,7 +53,6 @@ from gpufleet.shared.events import (
     JobIdleDetected,
     JobIdleEnded,
     JobPlaced,
-    JobResumeRequested,
     JobStarted,
     JobSubmitted,
     NodeLost,
@@ -111,7 +115,7 @@ class Charge:
     node_id: str
     started_at: datetime
     ended_at: datetime
-    end: str  # what closed it: exited:<reason>, succeeded, failed, cancelled, preempted, resumed, node_lost
+    end: str  # what closed it: exited:<reason>, succeeded, failed, cancelled, preempted, node_lost, replaced
     currency: str
     lines: tuple[ChargeLine, ...]
     open: bool = False  # a running interval charged up to a given time (reports only)
@@ -139,7 +143,8 @@ class BillingState:
     mig_devices: dict[str, tuple[str, str]] = field(default_factory=dict)  # MIG UUID -> (model, profile)
     queues: dict[str, str] = field(default_factory=dict)  # live job -> queue
     placements: dict[str, tuple[str, ReplicaAllocation]] = field(default_factory=dict)  # key -> tenant, allocation
-    attempts: dict[str, int] = field(default_factory=dict)  # live job -> latest attempt resumed to
+    attempts: dict[str, int] = field(default_factory=dict)  # live job -> latest attempt placed (from job.placed)
+    idle_seen: dict[str, set[str]] = field(default_factory=dict)  # live job -> its job.idle_detected ids folded
     open: dict[str, OpenInterval] = field(default_factory=dict)
     closed: set[str] = field(default_factory=set)  # live jobs' closed keys: a late duplicate start reopens nothing
     keys: dict[str, set[str]] = field(default_factory=dict)  # live job -> its interval keys (placed, open, closed)
@@ -155,6 +160,7 @@ class BillingState:
     def size(self) -> dict[str, int]:
         """How many entries each growing part holds (for `gpufleet bench billing`)."""
         return {"queues": len(self.queues), "placements": len(self.placements), "attempts": len(self.attempts),
+                "idle_seen": sum(len(s) for s in self.idle_seen.values()),
                 "open": len(self.open), "closed": len(self.closed), "keys": sum(len(k) for k in self.keys.values()),
                 "ended": len(self.ended), "spent": len(self.spent) + len(self.spent_month),
                 "crossed": len(self.crossed), "charges": len(self.charges)}
@@ -171,7 +177,6 @@ class BillingCore(BaseCore[BillingState]):
         "fleet.evt.*.job.*.submitted", "fleet.evt.*.job.*.placed", "fleet.evt.*.job.*.started",
         "fleet.evt.*.job.*.exited", "fleet.evt.*.job.*.succeeded", "fleet.evt.*.job.*.failed",
         "fleet.evt.*.job.*.cancelled", "fleet.evt.*.job.*.preempted", "fleet.evt.*.job.*.rejected",
-        "fleet.evt.*.job.*.resume_requested",
         "fleet.evt.*.job.*.idle_detected", "fleet.evt.*.job.*.idle_ended",
         "fleet.evt.sys.budget.*.*.*",
     )
@@ -208,6 +213,12 @@ class BillingCore(BaseCore[BillingState]):
         elif isinstance(p, JobSubmitted):
             state.queues.setdefault(p.job_id, p.spec.queue)
         elif isinstance(p, JobPlaced):
+            if p.attempt > state.attempts.get(p.job_id, 1):
+                # a later attempt is placed only once the placer freed every GPU of the earlier ones
+                # (their exits): one whose exit the log lacks ends here, not later
+                state.attempts[p.job_id] = p.attempt
+                for iv in [iv for iv in self._of_job(state, p.job_id, None) if iv.attempt < p.attempt]:
+                    self._close(state, iv, env.occurred_at, "replaced")
             for a in p.allocations:
                 key = interval_key(p.job_id, a.replica, p.attempt)
                 if key not in state.closed:
@@ -223,12 +234,13 @@ class BillingCore(BaseCore[BillingState]):
             for iv in self._of_job(state, job_id, None):
                 self._close(state, iv, env.occurred_at, env.type.removeprefix("job."))
             self._forget_job(state, job_id, env.occurred_at)
-        elif isinstance(p, JobResumeRequested):
-            attempt = state.attempts.get(p.job_id, 1) + 1
-            state.attempts[p.job_id] = attempt
-            for iv in [iv for iv in self._of_job(state, p.job_id, None) if iv.attempt < attempt]:
-                self._close(state, iv, env.occurred_at, "resumed")
         elif isinstance(p, JobIdleDetected):
+            if p.job_id not in state.keys:
+                return state  # nothing of it placed: nothing to be idle
+            seen = state.idle_seen.setdefault(p.job_id, set())
+            if env.event_id in seen:
+                return state  # a copy of an idle period already counted (it may have ended since)
+            seen.add(env.event_id)
             since = env.occurred_at
             for iv in self._of_job(state, p.job_id, p.node_id):
                 if iv.idle_since is None:
@@ -325,6 +337,7 @@ class BillingCore(BaseCore[BillingState]):
             state.placements.pop(key, None)
             state.closed.discard(key)
         state.attempts.pop(job_id, None)
+        state.idle_seen.pop(job_id, None)
         state.queues.pop(job_id, None)
         state.ended[job_id] = max(at, state.log_time or at)
         state.ended.move_to_end(job_id)

@@ -12,7 +12,13 @@
   and stores only what closed after the stored offset. While PostgreSQL is down it keeps folding
   and holds the charges in memory (up to `max_pending`, then it stops reading), retries with
   backoff, and writes them when it is back: nothing is lost, nothing is written twice.
-- Its totals equal a fold of the log by construction; `tests/test_billing_ledger.py` checks it.
+- PostgreSQL back *behind* what this ledger wrote (its tables dropped or truncated, an older
+  backup restored, a new data dir): seen on the reconnect, on a write (the offset row is below
+  the one it wrote) or by a check every `check_s` while idle. The ledger then folds the log again
+  from its beginning and writes every charge closed after the stored offset (0: all of them).
+- An event the core fails on is logged, counted (`stats.skipped`) and skipped alone; the batch
+  goes on.
+- Its totals equal a fold of the log by construction; `tests/test_billing_mesh.py` checks it.
 
 PostgreSQL is never the source of truth: drop the tables and the ledger is written again.
 """
@@ -87,6 +93,8 @@ async def ensure_schema(conn: asyncpg.Connection | asyncpg.Pool) -> None:
 @dataclass
 class LedgerStats:
     folded: int = 0  # events folded
+    skipped: int = 0  # events the core failed on (logged, skipped alone)
+    refolds: int = 0  # times PostgreSQL came back behind what this ledger wrote: folded again from 0
     charges: int = 0  # intervals closed (in the fold)
     written: int = 0  # rows inserted (not counting conflicts)
     commits: int = 0
@@ -100,7 +108,7 @@ class Ledger:
 
     def __init__(self, bus: Bus, dsn: str, config: ClusterConfig | None = None, name: str = DEFAULT_NAME, *,
                  batch: int = 1024, fetch_timeout_s: float = 0.5, min_backoff_s: float = 0.1,
-                 max_backoff_s: float = 2.0, max_pending: int = 200_000) -> None:
+                 max_backoff_s: float = 2.0, max_pending: int = 200_000, check_s: float = 5.0) -> None:
         self.bus = bus
         self.dsn = dsn
         self.name = name
@@ -109,6 +117,8 @@ class Ledger:
         self.batch, self.fetch_timeout_s = batch, fetch_timeout_s
         self.min_backoff_s, self.max_backoff_s = min_backoff_s, max_backoff_s
         self.max_pending = max_pending
+        self.check_s = check_s  # how often an idle ledger checks PostgreSQL still holds what it wrote
+        self._next_check = 0.0
         self.stats = LedgerStats()
         self.read_seq = 0  # the fold covers the log up to here
         self.stored: int | None = None  # the offset in PostgreSQL (None: not known yet)
@@ -171,6 +181,8 @@ class Ledger:
         self._psub = await self.bus.js.pull_subscribe_bind(self._consumer, stream=STREAM)
 
     async def _fetch(self) -> list[Any]:
+        if self._psub is None:  # a refold whose new consumer could not be made: try again
+            await self._open_tail()
         try:
             return list(await self._psub.fetch(self.batch, timeout=self.fetch_timeout_s))
         except (TimeoutError, nats.errors.TimeoutError):
@@ -180,7 +192,8 @@ class Ledger:
             return []
 
     def fold(self, seq: int, data: bytes, subject: str) -> None:
-        """Fold one message of the log; the intervals it closes become pending charges."""
+        """Fold one message of the log; the intervals it closes become pending charges. A message
+        the core fails on is logged, counted (`stats.skipped`) and skipped alone."""
         if seq <= self.read_seq:
             return  # redelivered: folded already
         self.read_seq = seq
@@ -192,12 +205,18 @@ class Ledger:
             return
         if env.subject() != subject:
             return
-        self.state = self.core.evolve(self.state, env)
-        self.stats.folded += 1
-        if self.state.charges:
-            self.pending.extend((seq, c) for c in self.state.charges)
-            self.stats.charges += len(self.state.charges)
-            self.state.charges.clear()
+        try:
+            self.state = self.core.evolve(self.state, env)
+            self.stats.folded += 1
+        except Exception:  # noqa: BLE001 - one event the core fails on must not stop the ledger
+            self.stats.skipped += 1
+            log.exception("ledger %s: the billing fold failed on seq %d (%s %s): skipped (%d so far)",
+                          self.name, seq, env.type, env.event_id, self.stats.skipped)
+        finally:
+            if self.state.charges:  # closed before it failed: charged all the same
+                self.pending.extend((seq, c) for c in self.state.charges)
+                self.stats.charges += len(self.state.charges)
+                self.state.charges.clear()
 
     async def step(self) -> int:
         """Read a batch (unless too much waits for PostgreSQL), then store what is pending."""
@@ -211,7 +230,28 @@ class Ledger:
             await self._sleep(self.fetch_timeout_s)
         if self.stored is None or self.read_seq > self.stored or self.pending:
             await self.flush()
+        elif time.monotonic() >= self._next_check:
+            await self.check()
         return n
+
+    async def check(self) -> None:
+        """While nothing is to write: is PostgreSQL still where this ledger left it? (A restored
+        backup, dropped tables, a new data dir: then fold again and write what is missing.)"""
+        self._next_check = time.monotonic() + self.check_s
+        if self._pool is None:
+            if time.monotonic() >= self._next_try:
+                await self._connect()  # behind what it wrote: folded again there
+            return
+        if self.stored is None:
+            return
+        try:
+            stored = await self._pool.fetchval("SELECT seq FROM billing_offsets WHERE name = $1", self.name)
+        except Exception as exc:  # noqa: BLE001 - tables gone, server away: reconnect (and see there)
+            self._failed(exc)
+            await self._disconnect()
+            return
+        if int(stored or 0) < self.stored:
+            await self._refold(int(stored or 0))
 
     # ---------------------------------------------------------------- PostgreSQL
 
@@ -223,12 +263,17 @@ class Ledger:
             return False
         assert self._pool is not None and self.stored is not None
         base = self.stored
+        behind: int | None = None
         rows = [r for seq, c in self.pending if seq > base for r in rows_of(seq, c)]
         offset = max(base, self.read_seq)
         try:
             async with self._pool.acquire() as conn, conn.transaction():
                 stored = await conn.fetchval("SELECT seq FROM billing_offsets WHERE name = $1 FOR UPDATE", self.name)
-                if int(stored or 0) != base:
+                if int(stored or 0) < base:
+                    behind = int(stored or 0)  # rows this ledger wrote may be gone: write nothing now
+                    rows = []
+                    offset = base = behind
+                elif int(stored or 0) != base:
                     log.warning("ledger %s: offset moved under us (%s, expected %d)", self.name, stored, base)
                     base = int(stored or 0)
                     rows = [r for seq, c in self.pending if seq > base for r in rows_of(seq, c)]
@@ -242,6 +287,9 @@ class Ledger:
         except Exception as exc:  # noqa: BLE001 - down or failing: keep everything, retry later
             self._failed(exc)
             await self._disconnect()
+            return False
+        if behind is not None:
+            await self._refold(behind)
             return False
         self.stored = max(base, offset)
         self.stats.offset = self.stored
@@ -264,13 +312,37 @@ class Ledger:
             self._failed(exc)
             pool.terminate()
             return False
-        if self.stored is not None and self.stored != int(stored or 0):
-            log.warning("ledger %s: stored offset is %s, was %d", self.name, stored, self.stored)
-        self._pool, self.stored = pool, int(stored or 0)
+        was, self._pool, self.stored = self.stored, pool, int(stored or 0)
         self.stats.connects += 1
         self.stats.offset = self.stored
+        self._next_check = time.monotonic() + self.check_s
         log.info("ledger %s: connected, stored to seq %d, folded to %d", self.name, self.stored, self.read_seq)
+        if was is not None and self.stored < was:
+            await self._refold(self.stored)
+        elif was is not None and self.stored != was:
+            log.warning("ledger %s: stored offset is %d, was %d", self.name, self.stored, was)
         return True
+
+    async def _refold(self, stored: int) -> None:
+        """PostgreSQL is behind what this ledger wrote (tables dropped, an older backup restored, a
+        new data dir): the rows after `stored` may be gone. Fold the log again from its beginning
+        (open intervals live only in the fold) and write every charge closed after `stored`, as
+        on a start; a row still there hits its key."""
+        log.warning("ledger %s: PostgreSQL is back at seq %d, behind the %s this ledger wrote: folding the log "
+                    "again from its beginning to write what is missing", self.name, stored, self.stored)
+        self.stats.refolds += 1
+        self.stored = stored
+        self.stats.offset = stored
+        self.state = self.core.initial_state()
+        self.pending.clear()
+        self.read_seq = 0
+        psub, self._psub = self._psub, None
+        if psub is not None:
+            with contextlib.suppress(Exception):
+                await psub.unsubscribe()
+            with contextlib.suppress(Exception):
+                await self.bus.js.delete_consumer(STREAM, self._consumer)
+        await self._open_tail()
 
     async def _disconnect(self) -> None:
         pool, self._pool = self._pool, None

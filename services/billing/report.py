@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import csv
 import io
+import logging
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from decimal import Decimal
 from typing import Any
@@ -32,13 +33,32 @@ from .core import BillingCore, BillingState, Charge
 from .pricing import ZERO, ChargeLine, cost, estimate_cost, money, seconds_between, total
 from .wait import Wait, expected_wait
 
+log = logging.getLogger(__name__)
+
 BY = ("tenant", "queue", "job", "gpu-model")
 HOUR = Decimal(3600)
 
 
-async def fold(bus: Bus, cores: Sequence[Core[Any]], until_seq: int | None = None) -> list[Any]:
-    """Each core's state folded over the log (read once), in the order of `cores`."""
+@dataclass
+class Skipped:
+    """An event a core's fold failed on (`fold` goes on without it)."""
+
+    seq: int
+    core: str
+    event_type: str
+    event_id: str
+    error: str
+
+
+async def fold(bus: Bus, cores: Sequence[Core[Any]], until_seq: int | None = None, *,
+               skipped: list[Skipped] | None = None) -> list[Any]:
+    """Each core's state folded over the log (read once), in the order of `cores`.
+
+    An event a core fails on is skipped for that core alone (the rest of the log is folded): each
+    is added to `skipped` when given, and their number is said in one warning at the end."""
     states: list[Any] = [c.initial_state() for c in cores]
+    failed: list[Skipped] = [] if skipped is None else skipped
+    before = len(failed)
     interests = [SubjectFilter(c.subjects) for c in cores]
     server = consumer_filter([p for c in cores for p in c.subjects])
     async for msgs in read_stream(bus, (server,), until_seq=until_seq):
@@ -53,7 +73,16 @@ async def fold(bus: Bus, cores: Sequence[Core[Any]], until_seq: int | None = Non
             if env.subject() != m.subject:
                 continue
             for i in wanted:
-                states[i] = cores[i].evolve(states[i], env)
+                try:
+                    states[i] = cores[i].evolve(states[i], env)
+                except Exception as exc:  # noqa: BLE001 - one bad event must not hide the whole bill
+                    seq = int(m.metadata.sequence.stream)
+                    failed.append(Skipped(seq, cores[i].name, env.type, env.event_id, f"{type(exc).__name__}: {exc}"))
+                    log.debug("fold: %s failed on seq %d (%s)", cores[i].name, seq, env.type, exc_info=True)
+    if len(failed) > before:
+        first = failed[before]
+        log.warning("skipped %d event(s) a fold failed on (first: seq %d %s %s, in %s: %s)", len(failed) - before,
+                    first.seq, first.event_type, first.event_id, first.core, first.error)
     return states
 
 
@@ -103,6 +132,9 @@ class BillRow:
     idle_gpu_seconds: Decimal = ZERO
     idle_cost: Decimal = ZERO
     running: int = 0
+    # the intervals counted (a total counts each once: by GPU model, one has lines in two groups)
+    keys: set[str] = field(default_factory=set, repr=False, compare=False)
+    running_keys: set[str] = field(default_factory=set, repr=False, compare=False)
 
     def as_json(self, currency: str) -> dict[str, Any]:
         return {"key": self.key, "intervals": self.intervals, "running": self.running,
@@ -132,6 +164,9 @@ def bill(items: Iterable[Charge], by: str = "tenant") -> list[BillRow]:
             row = rows.setdefault(key, BillRow(key))
             row.intervals += 1
             row.running += int(c.open)
+            row.keys.add(c.key)
+            if c.open:
+                row.running_keys.add(c.key)
             row.cost += total(ls)
             row.idle_cost += sum((line.idle_cost for line in ls), ZERO)
             gpu = [line for line in ls if line.resource.startswith("gpu/")]
@@ -143,12 +178,13 @@ def bill(items: Iterable[Charge], by: str = "tenant") -> list[BillRow]:
 def bill_json(rows: list[BillRow], by: str, currency: str, **window: Any) -> dict[str, Any]:
     tot = BillRow("total")
     for r in rows:
-        tot.intervals += r.intervals
-        tot.running += r.running
+        tot.keys |= r.keys
+        tot.running_keys |= r.running_keys
         tot.gpu_seconds += r.gpu_seconds
         tot.cost += r.cost
         tot.idle_gpu_seconds += r.idle_gpu_seconds
         tot.idle_cost += r.idle_cost
+    tot.intervals, tot.running = len(tot.keys), len(tot.running_keys)
     return {"by": by, "currency": currency, **{k: (v.isoformat() if isinstance(v, datetime) else v)
                                                for k, v in window.items()},
             "rows": [r.as_json(currency) for r in rows], "total": tot.as_json(currency)}
@@ -242,5 +278,5 @@ def _span(seconds: float) -> str:
     return f"{minutes // 60} h {minutes % 60} min" if minutes >= 60 else f"{minutes} min"
 
 
-__all__ = ["BY", "BillRow", "bill", "bill_csv", "bill_json", "bill_text", "charges", "estimate", "estimate_text",
+__all__ = ["BY", "BillRow", "Skipped", "bill", "bill_csv", "bill_json", "bill_text", "charges", "estimate", "estimate_text",
            "expected_wait", "fold", "gpu_models_for"]
