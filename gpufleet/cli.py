@@ -979,12 +979,13 @@ async def _pools_state(fleet: Any, config: Any) -> list[dict[str, Any]]:
 
 
 @app.command()
-def pools(data_dir: DataDir = None, as_json: JsonOut = False) -> None:
+def pools(data_dir: DataDir = None, as_json: JsonOut = False, config: ConfigOpt = None) -> None:
     """Each node pool: its nodes ready / provisioning / draining, min, max and the autoscaler's
     latest decision about it (folded from the log)."""
     from gpufleet.shared.events import utc
 
-    rows = _run(_with_fleet(data_dir, lambda f: _pools_state(f, _mesh_config(data_dir))))
+    cfg = _cluster_config(data_dir, config)
+    rows = _run(_with_fleet(data_dir, lambda f: _pools_state(f, cfg)))
     for r in rows:
         if r["last_decision"] is not None:
             r["last_decision"]["at"] = utc(r["last_decision"]["at"]).isoformat()

@@ -3,6 +3,7 @@ and the sim provider's side in the executor and telemetry cores. No NATS: given 
 
 from __future__ import annotations
 
+from collections import Counter
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -27,17 +28,25 @@ from gpufleet.shared.events import (
     CancelRequestedCmd,
     Envelope,
     JobCancelled,
+    JobExited,
     JobFailed,
     JobIdleDetected,
+    JobPlaced,
+    JobQueued,
+    JobQuotaReserved,
     JobRejected,
+    JobRequestRefused,
+    JobResumeRequested,
     JobScaled,
     JobStarted,
     JobUnschedulable,
     NodeDeregistered,
+    NodeLost,
     NodeProvisionRequested,
     NodeRegistered,
     NodeRemovalRequested,
     Reason,
+    ReplicaAllocation,
     ReportLoadCmd,
     SubmitRequested,
 )
@@ -644,3 +653,270 @@ def test_pool_summary_counts_nodes_by_state_with_the_last_decision() -> None:
     h100 = {r["pool"]: r for r in pool_summary(h.core, h.state)}["h100"]
     assert {n["node_id"]: n["state"] for n in h100["nodes"]} == {"h100-0000": "draining", "h100-0001": "given_up"}
     assert h100["last_decision"]["type"] == "node.cordoned"
+
+
+# ---------------------------------------------------------------- review: refusals, attempts, idle facts, stale demand
+
+
+def _admission_answer(given: list[Envelope], cmd: Envelope) -> Envelope:
+    """What admission answers `cmd` with (a `job.request_refused`), after `given`."""
+    adm = Harness(AdmissionCore(parse_config({"tenants": {"acme": {}, "evil": {}}})))
+    adm.given(*given)
+    out = [e for e in adm.when(cmd) if isinstance(e.payload, JobRequestRefused)]
+    assert len(out) == 1, types(out)
+    return out[0]
+
+
+def _running_service() -> tuple[Play, Envelope]:
+    """A service at 1 replica, r0 running; and our own `cmd.submit` of r0."""
+    h = Play(AutoscalerCore())
+    ours = next(e for e in service(h, minReplicas=1) if e.type == "cmd.submit")
+    r0 = replica_job_id(SVC, 0)
+    h.given(submitted(make_job("web-r0").type("inference").gpus(1), r0), admitted(r0),
+            placed(r0, ("n1", [0])), started(r0, "n1", at=at(2)))
+    return h, ours
+
+
+@pytest.mark.parametrize("who", ["another tenant cancels it", "a user submits under its id"])
+def test_a_refusal_of_someone_elses_command_about_a_replica_changes_nothing(who: str) -> None:
+    """Admission answers a refused command on the requester's subject; only a refusal of our own
+    submit means the replica will not be: anything else leaves the running replica counted (it was
+    forgotten, a replacement submitted, and the replica never cancelled)."""
+    h, _ = _running_service()
+    r0 = replica_job_id(SVC, 0)
+    known = [submitted(make_job("web-r0").type("inference").gpus(1), r0), admitted(r0)]
+    cmd = (event(CancelRequestedCmd(job_id=r0, reason="x"), tenant="evil") if who.startswith("another")
+           else submit(make_job("mine").gpus(1), r0))
+    refusal = _admission_answer(known, cmd)
+    assert h.when(refusal, at(3)) == [] and h.tick(at(10)) == []
+    assert list(h.state.services[SVC].replicas) == [r0]
+    out = h.when(event(JobCancelled(job_id=SVC, reason="user"), at=at(20)), at(20))
+    assert [(e.type, e.job_id) for e in out] == [("cmd.cancel", r0)]
+
+
+def test_a_refusal_of_our_own_replica_submit_replaces_it_under_another_index() -> None:
+    h = Play(AutoscalerCore())
+    ours = next(e for e in service(h, minReplicas=1) if e.type == "cmd.submit")
+    r0 = replica_job_id(SVC, 0)
+    # a user's job took the id first: our submit is refused as a duplicate
+    refusal = _admission_answer([submitted(make_job("theirs").gpus(1), r0), admitted(r0)], ours)
+    assert refusal.payload.command_id == ours.event_id  # type: ignore[union-attr]
+    h.when(refusal, at(1))
+    assert replicas(h) == 0
+    assert h.tick(at(1.5)) == []  # the backoff after a refusal (2 s from it)
+    assert [(e.type, e.job_id) for e in h.tick(at(2.5))] == [("cmd.submit", replica_job_id(SVC, 1))]
+
+
+def _placed(job_id: str, attempt: int, *nodes: str, s: float) -> Envelope:
+    return event(JobPlaced(job_id=job_id, attempt=attempt, allocations=tuple(
+        ReplicaAllocation(replica=i, node_id=n, gpu_indices=tuple(range(8))) for i, n in enumerate(nodes))), at=at(s))
+
+
+def _started(job_id: str, node_id: str, attempt: int, s: float, replica: int = 0) -> Envelope:
+    return event(JobStarted(job_id=job_id, node_id=node_id, replica=replica, attempt=attempt), at=at(s))
+
+
+def test_a_late_exit_of_an_earlier_attempt_frees_nothing() -> None:
+    """Attempt 1 ran on n1; the job resumed on pool node h100-0000 (attempt 2). The exit of
+    attempt 1 reported late must not make h100-0000 look empty: it is neither cordoned nor removed."""
+    h = Play(pools())
+    registered_pool_node(h, "h100", "h100-0000", 0)
+    h.given(node("n1"), submitted(make_job("j").gpus(8), "j1"), _placed("j1", 1, "n1", s=6))
+    h.given(event(JobResumeRequested(job_id="j1", reason=Reason(code="node_lost", message="x")), at=at(100)))
+    h.given(_placed("j1", 2, "h100-0000", s=101), _started("j1", "h100-0000", 2, s=102))
+    h.given(event(JobExited(job_id="j1", node_id="n1", attempt=1, exit_code=137, reason="node_lost"), at=at(103)))
+    assert h.state.on_node["h100-0000"] == {("j1", 0)}
+    assert h.tick(at(170)) == [] and h.tick(at(175)) == [] and h.tick(at(10_000)) == []
+    h.given(event(JobExited(job_id="j1", node_id="h100-0000", attempt=2, exit_code=0), at=at(10_001)))
+    assert "h100-0000" not in h.state.on_node  # its own attempt's exit frees it
+
+
+def _idle(job_id: str, node_id: str | None, s: float, cause: Envelope | None = None) -> Envelope:
+    return event(JobIdleDetected(job_id=job_id, node_id=node_id, gpu_util_pct=1, idle_s=30), at=at(s), cause=cause)
+
+
+def _story_resumed(h: Play) -> None:
+    """j1's attempt 1 on n1, found idle there, reclaimed; attempt 2 placed on h100-0000 (busy)."""
+    h.given(node("n1"), submitted(make_job("j").gpus(8), "j1"), _placed("j1", 1, "n1", s=6))
+    run1 = _started("j1", "n1", 1, s=7)
+    h.given(run1, _idle("j1", "n1", s=50, cause=run1))
+    h.given(event(JobExited(job_id="j1", node_id="n1", attempt=1, exit_code=137, reason="preempted"), at=at(90)),
+            event(JobResumeRequested(job_id="j1", reason=Reason(code="preempted", message="x")), at=at(90)),
+            _placed("j1", 2, "h100-0000", s=100), _started("j1", "h100-0000", 2, s=101))
+
+
+def _story_late_idle_of_attempt_1(h: Play) -> None:
+    """An idle fact of attempt 1 (caused by its job.started) arrives after attempt 2 was placed."""
+    h.given(node("n1"), submitted(make_job("j").gpus(8), "j1"), _placed("j1", 1, "n1", s=6))
+    run1 = _started("j1", "n1", 1, s=7)
+    h.given(run1, _placed("j1", 2, "h100-0000", s=100), _started("j1", "h100-0000", 2, s=101))
+    h.given(_idle("j1", "n1", s=102, cause=run1))
+
+
+def _story_gang_one_idle(h: Play) -> None:
+    """A gang on both pool nodes; telemetry found its replica on h100-0001 idle, not the one on h100-0000."""
+    registered_pool_node(h, "h100", "h100-0001", 0)
+    h.given(submitted(make_job("g").gpus(8).replicas(2), "j1"), _placed("j1", 1, "h100-0000", "h100-0001", s=6))
+    run = _started("j1", "h100-0001", 1, s=7, replica=1)
+    h.given(_started("j1", "h100-0000", 1, s=7), run, _idle("j1", "h100-0001", s=50, cause=run))
+
+
+@pytest.mark.parametrize("story", [_story_resumed, _story_late_idle_of_attempt_1, _story_gang_one_idle])
+def test_an_idle_fact_marks_only_its_own_run_on_its_own_node(story: Any) -> None:
+    h = Play(pools())
+    registered_pool_node(h, "h100", "h100-0000", 0)
+    story(h)
+    core: AutoscalerCore = h.core
+    assert core.idle_since(h.state, "h100-0000", core.pools["h100"]) is None  # what runs there is busy
+    assert [e for e in h.tick(at(1000)) if e.node_id == "h100-0000"] == []
+
+
+def test_an_idle_fact_of_the_current_run_on_its_node_still_drains_it() -> None:
+    h = Play(pools())
+    registered_pool_node(h, "h100", "h100-0000", 0)
+    h.given(submitted(make_job("j").gpus(8), "j1"), _placed("j1", 1, "h100-0000", s=6))
+    run = _started("j1", "h100-0000", 1, s=7)
+    h.given(run, _idle("j1", "h100-0000", s=50, cause=run))
+    assert [(e.type, e.node_id) for e in h.tick(at(111))] == [("node.cordoned", "h100-0000")]
+
+
+def _queued(job_id: str, s: float) -> Envelope:
+    return event(JobQueued(job_id=job_id, queue="default", reason=Reason(code="queue_limit", message="full")),
+                 at=at(s))
+
+
+def _requota(job_id: str, s: float) -> Envelope:
+    return event(JobResumeRequested(job_id=job_id, reason=Reason(code="preempted", message="waits for quota")),
+                 at=at(s))
+
+
+@pytest.mark.parametrize("back_to_quota", [[_queued], [_requota], [_requota, _queued]])
+def test_a_job_that_waits_for_quota_again_is_no_demand_until_quota_reserves_it(back_to_quota: list[Any]) -> None:
+    h = Play(pools())
+    waiting(h, "big", 8, s=0, model="H100")
+    h.given(*(f("big", 3) for f in back_to_quota))
+    assert "big" not in h.state.unschedulable
+    assert h.tick(at(10)) == [] and h.tick(at(500)) == []
+    # reserved again at 600: the placer tries it, and says nothing new if the reason is unchanged
+    h.given(event(JobQuotaReserved(job_id="big", queue="default", cpu_milli=0, memory_mib=0, gpus=8), at=at(600)))
+    assert h.tick(at(609)) == []  # waits for nodes again from 600: scaleUpAfter from then
+    assert [p.node_id for p in provisions(h.tick(at(610)))] == ["h100-0000"]
+
+
+def _hour_of_pool_events(h: Play, place: bool = False, s0: int = 0) -> Counter[str]:
+    """Ticks for an hour with the sim provider's behaviour (a node registers 5 s after it is asked
+    for, goes 1 s after its removal is); with `place`, the waiting job lands on the first new node."""
+    pending: list[tuple[int, Envelope]] = []
+    counts: Counter[str] = Counter()
+    for s in range(s0, s0 + 3600):
+        for due, env in [x for x in pending if x[0] <= s]:
+            pending.remove((due, env))
+            h.given(env)
+        for e in h.tick(at(s)):
+            counts[e.type] += 1
+            p = e.payload
+            if isinstance(p, NodeProvisionRequested):
+                pending.append((s + 5, event(NodeRegistered(node_id=p.node_id, inventory=p.inventory), at=at(s + 5))))
+                if place and p.for_jobs:
+                    pending.append((s + 6, _placed(p.for_jobs[0], 1, p.node_id, s=s + 6)))
+            if isinstance(p, NodeRemovalRequested):
+                pending.append((s + 1, event(NodeDeregistered(node_id=p.node_id), at=at(s + 1))))
+    return counts
+
+
+def test_an_hour_of_a_job_waiting_for_quota_gives_no_pool_events() -> None:
+    """The reviewer's story: quota took the job's reservation back at 3 s; it no longer waits for
+    nodes (before: 2 nodes bought, then 116 cordons and 116 uncordons in the hour)."""
+    h = Play(pools())
+    waiting(h, "big", 8, s=0, model="H100")
+    h.given(_requota("big", 3), _queued("big", 3))
+    assert _hour_of_pool_events(h) == Counter()
+
+
+def test_an_hour_of_a_job_the_pools_nodes_do_not_help_gives_a_bounded_number_of_pool_events() -> None:
+    """A job that waits for nodes and is never placed on those bought for it (the placer sees a
+    reason the pool's shape does not show): bought for (up to max), drained, removed, and neither
+    taken back nor bought for again."""
+    h = Play(pools())
+    waiting(h, "big", 8, s=0, model="H100")
+    counts = _hour_of_pool_events(h)
+    assert counts == Counter({"node.provision_requested": 2, "node.cordoned": 2, "node.removal_requested": 2})
+    assert h.state.unschedulable["big"].passed_over == {"h100"}
+
+
+def test_a_draining_node_is_not_taken_back_for_a_job_that_waited_through_it() -> None:
+    h = Play(pools(h100={"max": 1}))
+    waiting(h, "old", 8, s=0, model="H100")
+    registered_pool_node(h, "h100", "h100-0000", 0)  # free from 5 s: the placer did not put "old" there
+    out = h.tick(at(70))
+    assert [(e.type, e.node_id) for e in out] == [("node.cordoned", "h100-0000")]
+    assert h.state.unschedulable["old"].passed_over == {"h100"}
+    assert h.tick(at(71)) == []  # not taken back for "old" (before: uncordoned, cordoned again, ...)
+    assert [(e.type, e.node_id) for e in h.tick(at(80))] == [("node.removal_requested", "h100-0000")]
+    h.given(event(NodeDeregistered(node_id="h100-0000"), at=at(91)))
+    assert h.tick(at(200)) == []  # nor a node bought for it again
+    waiting(h, "new", 8, s=200, model="H100")  # a job that came after: the pool grows for it
+    assert [p.for_jobs for p in provisions(h.tick(at(210)))] == [("new",)]
+
+
+def test_a_job_held_back_only_by_a_backfill_reservation_grows_the_pool_once() -> None:
+    """The placer says `backfill_reservation`: the job fits, but only on nodes held for the head
+    job. A pool node lets it run now; it lands there, and nothing more is asked."""
+    h = Play(pools())
+    h.given(submitted(make_job("small").gpus(8).model("H100"), "small"), event(JobUnschedulable(
+        job_id="small", reasons=(Reason(code="backfill_reservation", message="held for head"),),
+        filtered={"backfill_reservation": 1}), at=at(0)))
+    counts = _hour_of_pool_events(h, place=True)
+    assert counts == Counter({"node.provision_requested": 1})  # (the node stays busy: 1h sim duration)
+    assert "small" not in h.state.unschedulable and h.state.on_node["h100-0000"] == {("small", 0)}
+
+
+def test_the_sim_provider_does_not_register_again_a_lost_pool_node_being_removed() -> None:
+    inv = pool_inventory("h100", pools().pools["h100"], "h100-0000")
+    story = [event(NodeProvisionRequested(node_id="h100-0000", pool="h100", provider="sim", inventory=inv,
+                                          ready_after_s=5, reason=Reason(code="x", message="x")), at=at(0)),
+             event(NodeRegistered(node_id="h100-0000", inventory=inv), at=at(5)),
+             event(NodeLost(node_id="h100-0000"), at=at(100))]
+    lost: Harness[Any] = Harness(ExecutorCore({}, sim_pools=True)).given(*story)
+    assert types(lost.tick(at(101))) == ["node.registered"]  # lost, but here it is: back (as before)
+    removed: Harness[Any] = Harness(ExecutorCore({}, sim_pools=True)).given(*story, event(NodeRemovalRequested(
+        node_id="h100-0000", pool="h100", provider="sim", reason=Reason(code="idle", message="x")), at=at(101)))
+    assert types(removed.tick(at(102))) == ["node.deregistered"]  # (before: registered and deregistered)
+
+
+@pytest.mark.parametrize("index", ["²", "٣", "1²", "", "-1", "x"])
+def test_a_replica_index_that_is_not_plain_digits_is_ignored(index: str) -> None:
+    h = Play(AutoscalerCore())
+    service(h)
+    h.given(event(SubmitRequested(job_id="x-r9", spec={"env": {SERVICE_ENV: SVC, REPLICA_ENV: index}}), actor=ACTOR))
+    assert replicas(h) == 1 and h.state.services[SVC].next_index == 1
+
+
+def test_a_pool_node_lost_for_the_provision_timeout_is_given_up() -> None:
+    from gpufleet.services.autoscaler.core import pool_summary
+
+    h = Play(pools(h100={"provisionTimeout": "60s"}))
+    registered_pool_node(h, "h100", "h100-0000", 0)
+    registered_pool_node(h, "h100", "h100-0001", 0)
+    h.given(submitted(make_job("j").gpus(8), "j1"), _placed("j1", 1, "h100-0000", "h100-0001", s=6))
+    h.given(event(NodeLost(node_id="h100-0000"), at=at(100)), event(NodeLost(node_id="h100-0001"), at=at(100)))
+    h.given(event(NodeLost(node_id="h100-0000"), at=at(130)))  # (said again: the clock runs from the first)
+    assert h.tick(at(159)) == []
+    h.given(event(NodeRegistered(node_id="h100-0001", inventory=pool_inventory(
+        "h100", h.core.pools["h100"], "h100-0001")), at=at(150)))  # back in time: never given up
+    out = h.tick(at(160))
+    assert [(e.type, e.node_id) for e in out] == [("node.removal_requested", "h100-0000")]
+    reason = out[0].payload.reason  # type: ignore[union-attr]
+    assert reason.code == "lost" and "lost 60s ago" in reason.message and "2 -> 1" in reason.message
+    row = {r["pool"]: r for r in pool_summary(h.core, h.state)}["h100"]
+    assert {n["node_id"]: n["state"] for n in row["nodes"]} == {"h100-0000": "removing", "h100-0001": "ready"}
+    assert h.tick(at(1000)) == []  # asked once
+
+
+def test_gpufleet_pools_takes_a_config_option(tmp_path: Any) -> None:
+    from typer.testing import CliRunner
+
+    from gpufleet.cli import app
+
+    res = CliRunner().invoke(app, ["pools", "--data-dir", str(tmp_path), "--config", str(tmp_path / "nope.yaml")])
+    assert res.exit_code == 2 and "nope.yaml" in res.output  # read before anything is asked of the mesh

@@ -14,7 +14,8 @@ decides:
     the pool's node shape can hold (first fit over the nodes coming, gangs all or nothing, up to
     max); `node.cordoned` for a pool node idle past scaleDownAfter (down to min), then
     `node.removal_requested` once nothing is on it; `node.removal_requested` (provision_timeout)
-    for a node asked for that has not registered within provisionTimeout. The provider (sim: the
+    for a node asked for that has not registered within provisionTimeout, (lost) for a node lost
+    that long. The provider (sim: the
     sim executor) makes the node, which registers like any other, and removes it (`node.deregistered`).
 
 The service job itself holds nothing: quota never reserves it (services/quota), so it is never
@@ -38,7 +39,12 @@ from gpufleet.shared.events import (
     Envelope,
     JobExited,
     JobIdleDetected,
+    JobIdleEnded,
     JobPlaced,
+    JobQueued,
+    JobQuotaReserved,
+    JobRequestRefused,
+    JobResumeRequested,
     JobScaled,
     JobStarted,
     JobSubmitted,
@@ -76,6 +82,7 @@ class ReplicaJob:
     job_id: str
     index: int
     running: bool = False
+    submit_id: str | None = None  # the event id of our `cmd.submit` (admission's refusal names it)
 
 
 @dataclass
@@ -117,12 +124,25 @@ class PoolNode:
     removal_requested: bool = False
     gone: bool = False
     lost: bool = False
+    lost_s: float | None = None  # since when it has been lost (given up after provisionTimeout)
 
 
 @dataclass
 class Waiting:
     since_s: float
     event_id: str
+    # pools whose node it waited through without being placed on it (one it fits alone): they do
+    # not help it, and are not grown nor taken back for it while it waits (no buy / drain loop)
+    passed_over: set[str] = field(default_factory=set)
+
+
+@dataclass
+class Alloc:
+    node_id: str
+    gpus: tuple[tuple[int, int], ...]  # (GPU index, milli of it)
+    cpu_milli: int
+    memory_mib: int
+    attempt: int
 
 
 @dataclass
@@ -131,18 +151,29 @@ class AutoscalerState:
     replica_of: dict[str, str] = field(default_factory=dict)  # replica job -> service
     specs: dict[str, JobSpec] = field(default_factory=dict)  # jobs not ended (pool demand)
     unschedulable: dict[str, Waiting] = field(default_factory=dict)  # waiting for room, since
+    # jobs that waited for room and then for quota again (their reservation was taken back): when
+    # quota reserves again they wait for room again (the placer does not repeat an unchanged reason)
+    requota: set[str] = field(default_factory=set)
     pool_nodes: dict[str, PoolNode] = field(default_factory=dict)
     pool_seq: dict[str, int] = field(default_factory=dict)  # pool -> node ids handed out
-    # what is placed where: (job, replica) -> (node, ((GPU index, milli of it), ...), cpu, memory)
-    allocs: dict[tuple[str, int], tuple[str, tuple[tuple[int, int], ...], int, int]] = field(default_factory=dict)
+    # what is placed where, and by which attempt: (job, replica) -> Alloc
+    allocs: dict[tuple[str, int], Alloc] = field(default_factory=dict)
     on_node: dict[str, set[tuple[str, int]]] = field(default_factory=dict)
     changed_s: dict[str, float] = field(default_factory=dict)  # node -> when what is on it last changed
-    idle_jobs: dict[str, float] = field(default_factory=dict)  # job -> when telemetry found it idle
+    attempt: dict[str, int] = field(default_factory=dict)  # job -> the attempt of its latest placement
+    runs: dict[str, dict[str, int]] = field(default_factory=dict)  # job -> {its job.started ids: attempt}
+    # (job, attempt, node) -> when telemetry found that run idle there (`job.idle_detected`)
+    idle: dict[tuple[str, int, str], float] = field(default_factory=dict)
     nodes: set[str] = field(default_factory=set)
     # pool node -> what was asked of its provider (for the provider agent; dropped once it is gone)
     requests: dict[str, tuple[NodeProvisionRequested, NodeRemovalRequested | None]] = field(default_factory=dict)
     # pool -> its latest decision: (when, event type, node, why) (for `gpufleet pools`)
     pool_last: dict[str, tuple[float, str, str, str]] = field(default_factory=dict)
+
+
+def _decimal(s: str) -> bool:
+    """Digits 0-9 only (`str.isdigit` is true for "²", which `int` refuses)."""
+    return s.isascii() and s.isdecimal()
 
 
 def replica_job_id(service_id: str, index: int) -> str:
@@ -187,7 +218,8 @@ class AutoscalerCore(BaseCore[AutoscalerState]):
         "fleet.evt.*.job.*.started", "fleet.evt.*.job.*.exited", "fleet.evt.*.job.*.scaled",
         "fleet.evt.*.job.*.idle_detected", "fleet.evt.*.job.*.idle_ended",
         "fleet.evt.*.job.*.succeeded", "fleet.evt.*.job.*.failed", "fleet.evt.*.job.*.cancelled",
-        "fleet.evt.*.job.*.preempted",
+        "fleet.evt.*.job.*.preempted", "fleet.evt.*.job.*.queued", "fleet.evt.*.job.*.quota_reserved",
+        "fleet.evt.*.job.*.resume_requested",
         "fleet.evt.sys.node.*.registered", "fleet.evt.sys.node.*.lost", "fleet.evt.sys.node.*.cordoned",
         "fleet.evt.sys.node.*.uncordoned", "fleet.evt.sys.node.*.provision_requested",
         "fleet.evt.sys.node.*.removal_requested", "fleet.evt.sys.node.*.deregistered",
@@ -251,33 +283,59 @@ class AutoscalerCore(BaseCore[AutoscalerState]):
                 svc.last_change_s = at
                 svc.scale_events += 1
         elif isinstance(p, JobUnschedulable):
+            state.requota.discard(job_id)
             if job_id in state.specs and job_id not in state.unschedulable:
                 state.unschedulable[job_id] = Waiting(at, env.event_id)
+        elif isinstance(p, JobQueued) or (isinstance(p, JobResumeRequested) and p.reason.code == "preempted"):
+            # its quota was taken back before it was placed: it waits for quota, not for nodes
+            # (a resume for another reason keeps its quota and waits for room again, if it did)
+            if state.unschedulable.pop(job_id, None) is not None:
+                state.requota.add(job_id)
+        elif isinstance(p, JobQuotaReserved):
+            if job_id in state.requota and job_id in state.specs:
+                # reserved again: the placer tries it now and, if its reason is unchanged, says nothing
+                state.requota.discard(job_id)
+                state.unschedulable.setdefault(job_id, Waiting(at, env.event_id))
         elif isinstance(p, JobPlaced):
+            if p.attempt < state.attempt.get(job_id, 0):
+                return state  # a placement of an earlier attempt, redelivered late
             state.unschedulable.pop(job_id, None)
+            state.requota.discard(job_id)
+            state.attempt[job_id] = p.attempt
+            self._forget_idle(state, job_id)  # a new run: telemetry judges it afresh
+            runs = state.runs.get(job_id)
+            if runs:
+                state.runs[job_id] = {k: a for k, a in runs.items() if a >= p.attempt}
             for a in p.allocations:
                 self._drop_alloc(state, (job_id, a.replica), at)
                 gpus = tuple((i, a.gpu_milli) for i in a.gpu_indices)
-                state.allocs[(job_id, a.replica)] = (a.node_id, gpus, a.cpu_milli, a.memory_mib)
+                state.allocs[(job_id, a.replica)] = Alloc(a.node_id, gpus, a.cpu_milli, a.memory_mib, p.attempt)
                 state.on_node.setdefault(a.node_id, set()).add((job_id, a.replica))
                 state.changed_s[a.node_id] = at
         elif isinstance(p, JobStarted):
+            if p.attempt >= state.attempt.get(job_id, 0):
+                state.runs.setdefault(job_id, {})[env.event_id] = p.attempt
             owner = state.services.get(state.replica_of.get(job_id, ""))
             if owner is not None and job_id in owner.replicas:
                 owner.replicas[job_id].running = True
                 owner.failures = 0
         elif isinstance(p, JobExited):
-            self._drop_alloc(state, (job_id, p.replica), at)
+            held = state.allocs.get((job_id, p.replica))
+            if held is not None and held.attempt == p.attempt:
+                # (the exit of an earlier attempt frees nothing: the current one holds the node now)
+                self._drop_alloc(state, (job_id, p.replica), at)
         elif isinstance(p, JobIdleDetected):
-            state.idle_jobs[job_id] = at
-        elif t == "job.idle_ended":
-            state.idle_jobs.pop(job_id, None)
-            for key in [k for k in state.allocs if k[0] == job_id]:
-                state.changed_s[state.allocs[key][0]] = at  # busy again: its node's idle clock restarts
-        elif t in ENDED or t == "job.request_refused":
-            if t != "job.request_refused":
-                self._job_ended(state, job_id, at)
-            if svc is not None and t != "job.request_refused":
+            self._evolve_idle(state, env, p, at)
+        elif isinstance(p, JobIdleEnded):
+            self._forget_idle(state, job_id)
+            for key, held in state.allocs.items():
+                if key[0] == job_id:
+                    state.changed_s[held.node_id] = at  # busy again: its node's idle clock restarts
+        elif isinstance(p, JobRequestRefused):
+            self._evolve_refused(state, env, p, at)
+        elif t in ENDED:
+            self._job_ended(state, job_id, at)
+            if svc is not None:
                 svc.active, svc.ended = False, True
             service_id = state.replica_of.get(job_id)
             owner = state.services.get(service_id or "")
@@ -285,10 +343,51 @@ class AutoscalerCore(BaseCore[AutoscalerState]):
                 was_ours = job_id in owner.removing
                 owner.replicas.pop(job_id, None)
                 owner.removing.discard(job_id)
-                if not was_ours and t in ("job.failed", "job.rejected", "job.request_refused"):
-                    owner.failures += 1
-                    owner.retry_s = at + REPLACE_BACKOFF_S[min(owner.failures, len(REPLACE_BACKOFF_S)) - 1]
+                if not was_ours and t in ("job.failed", "job.rejected"):
+                    self._replica_failed(owner, at)
         return state
+
+    @staticmethod
+    def _replica_failed(owner: Service, at: float) -> None:
+        owner.failures += 1
+        owner.retry_s = at + REPLACE_BACKOFF_S[min(owner.failures, len(REPLACE_BACKOFF_S)) - 1]
+
+    def _refusal_of_our_submit(self, state: AutoscalerState, env: Envelope, p: JobRequestRefused) -> bool:
+        """Whether admission refused our own `cmd.submit` of a replica we count. Admission answers a
+        refusal on the requester's tenant subject: another tenant's cancel of a replica id, or a user's
+        submit under an id a replica has, are refused there, and say nothing about our replica."""
+        owner = state.services.get(state.replica_of.get(p.job_id, ""))
+        if owner is None or p.command != "submit" or env.tenant != owner.tenant:
+            return False
+        rep = owner.replicas.get(p.job_id)
+        return rep is not None and rep.submit_id is not None and p.command_id == rep.submit_id
+
+    def _evolve_refused(self, state: AutoscalerState, env: Envelope, p: JobRequestRefused, at: float) -> None:
+        if not self._refusal_of_our_submit(state, env, p):
+            return
+        owner = state.services[state.replica_of[p.job_id]]
+        del owner.replicas[p.job_id]  # its id is taken (duplicate_job_id): another index replaces it
+        self._replica_failed(owner, at)
+
+    @staticmethod
+    def _forget_idle(state: AutoscalerState, job_id: str) -> None:
+        for key in [k for k in state.idle if k[0] == job_id]:
+            del state.idle[key]
+
+    @staticmethod
+    def _evolve_idle(state: AutoscalerState, env: Envelope, p: JobIdleDetected, at: float) -> None:
+        """Telemetry's idle fact is about one run (job, attempt: the `job.started` it is caused by)
+        on one node (its replica's there); a fact of an earlier run, or of no node we know the
+        current run on, marks nothing."""
+        current = state.attempt.get(p.job_id)
+        if current is None:
+            return
+        attempt = state.runs.get(p.job_id, {}).get(env.causation_id or "", current)
+        if attempt != current:
+            return
+        nodes = {a.node_id for k, a in state.allocs.items() if k[0] == p.job_id and a.attempt == current}
+        for node_id in sorted(nodes if p.node_id is None else nodes & {p.node_id}):
+            state.idle.setdefault((p.job_id, current, node_id), at)
 
     def _evolve_replica_submit(self, state: AutoscalerState, env: Envelope, p: SubmitRequested) -> None:
         """Our own submit of a replica (the spec names its service and index)."""
@@ -299,16 +398,19 @@ class AutoscalerCore(BaseCore[AutoscalerState]):
             return
         svc = state.services.get(str(env_vars.get(SERVICE_ENV, "")))
         index = str(env_vars.get(REPLICA_ENV, ""))
-        if svc is None or svc.tenant != env.tenant or not index.isdigit() or p.job_id in state.replica_of:
+        if svc is None or svc.tenant != env.tenant or not _decimal(index) or p.job_id in state.replica_of:
             return
         state.replica_of[p.job_id] = svc.job_id
-        svc.replicas[p.job_id] = ReplicaJob(p.job_id, int(index))
+        svc.replicas[p.job_id] = ReplicaJob(p.job_id, int(index), submit_id=env.event_id)
         svc.next_index = max(svc.next_index, int(index) + 1)
 
     def _job_ended(self, state: AutoscalerState, job_id: str, at: float) -> None:
         state.specs.pop(job_id, None)
         state.unschedulable.pop(job_id, None)
-        state.idle_jobs.pop(job_id, None)
+        state.requota.discard(job_id)
+        state.attempt.pop(job_id, None)
+        state.runs.pop(job_id, None)
+        self._forget_idle(state, job_id)
         for key in [k for k in state.allocs if k[0] == job_id]:
             self._drop_alloc(state, key, at)
 
@@ -317,12 +419,12 @@ class AutoscalerCore(BaseCore[AutoscalerState]):
         held = state.allocs.pop(key, None)
         if held is None:
             return
-        on = state.on_node.get(held[0])
+        on = state.on_node.get(held.node_id)
         if on is not None:
             on.discard(key)
             if not on:
-                del state.on_node[held[0]]
-        state.changed_s[held[0]] = at
+                del state.on_node[held.node_id]
+        state.changed_s[held.node_id] = at
 
     def _evolve_node(self, state: AutoscalerState, env: Envelope, at: float) -> None:
         p = env.payload
@@ -332,7 +434,7 @@ class AutoscalerCore(BaseCore[AutoscalerState]):
                 state.requests[p.node_id] = (p, None)
                 state.pool_last[p.pool] = (at, p.type, p.node_id, p.reason.message)
                 prefix = f"{p.pool}-"
-                if p.node_id.startswith(prefix) and p.node_id[len(prefix):].isdigit():
+                if p.node_id.startswith(prefix) and _decimal(p.node_id[len(prefix):]):
                     n = int(p.node_id[len(prefix):]) + 1
                     state.pool_seq[p.pool] = max(state.pool_seq.get(p.pool, 0), n)
             return
@@ -341,7 +443,7 @@ class AutoscalerCore(BaseCore[AutoscalerState]):
             state.nodes.add(p.node_id)
             state.changed_s.setdefault(p.node_id, at)
             if node is not None:
-                node.lost = False
+                node.lost, node.lost_s = False, None
                 if node.registered_s is None:
                     node.registered_s = node.offered_s = at
                     state.changed_s[p.node_id] = at
@@ -350,12 +452,14 @@ class AutoscalerCore(BaseCore[AutoscalerState]):
                 state.nodes.discard(p.node_id)
             return
         elif isinstance(p, NodeLost):
-            node.lost = True
+            if not node.lost:
+                node.lost, node.lost_s = True, at
         elif isinstance(p, NodeCordoned):
             node.cordoned = True
             if self._ours(env):
                 node.drained_by_us_s = at
                 state.pool_last[node.pool] = (at, p.type, p.node_id, p.reason)
+                self._pass_over(state, node)
         elif isinstance(p, NodeUncordoned):
             if self._ours(env) and node.drained_by_us_s is not None:
                 state.pool_last[node.pool] = (at, p.type, p.node_id, "taken back for waiting demand")
@@ -376,6 +480,36 @@ class AutoscalerCore(BaseCore[AutoscalerState]):
             state.requests.pop(p.node_id, None)
             del state.pool_nodes[p.node_id]  # (its id is never handed out again: pool_seq only grows)
 
+    def _pass_over(self, state: AutoscalerState, node: PoolNode) -> None:
+        """We drain `node` (idle for scaleDownAfter): a job that has waited since before the node
+        was offered, and that fits what is free on it alone, was not placed there (the placer
+        retries waiting jobs when a node comes or frees): the pool's nodes do not help it (a
+        reservation, a constraint the pool's shape does not show). The pool is neither grown nor
+        taken back for it while it waits: buying, draining and buying again would never end."""
+        pool = self.pools.get(node.pool)
+        if pool is None or node.offered_s is None:
+            return
+        room = self._free_room(state, pool, node.node_id)
+        for job_id, w in state.unschedulable.items():
+            spec = state.specs.get(job_id)
+            if (spec is not None and w.since_s < node.offered_s and replica_fits_shape(node.pool, pool, spec)
+                    and pack([room], spec, pool, 0) is not None):
+                w.passed_over.add(node.pool)
+
+    @staticmethod
+    def _free_room(state: AutoscalerState, pool: NodePoolConfig, node_id: str) -> Room:
+        room = empty_room(pool)
+        room.node_id = node_id
+        for key in state.on_node.get(node_id, ()):
+            held = state.allocs[key]
+            room.cpu_milli -= held.cpu_milli
+            room.memory_mib -= held.memory_mib
+            for i, m in held.gpus:
+                if 0 <= i < len(room.gpu_milli):
+                    room.gpu_milli[i] -= m
+        room.gpu_milli.sort(reverse=True)
+        return room
+
     # ------------------------------------------------------------ decide
 
     def decide(self, state: AutoscalerState, env: Envelope, ctx: Ctx) -> list[Envelope]:
@@ -395,7 +529,8 @@ class AutoscalerCore(BaseCore[AutoscalerState]):
                 return self._cancel_all(svc, ctx, "service ended")
             return []
         owner = state.services.get(state.replica_of.get(job_id, ""))
-        if owner is not None and (t in ENDED or t == "job.request_refused"):
+        if owner is not None and (t in ENDED or isinstance(p, JobRequestRefused)
+                                  and p.command == "submit" and env.tenant == owner.tenant):
             return self._reconcile(state, owner, now, ctx)
         return []
 
@@ -543,17 +678,7 @@ class AutoscalerCore(BaseCore[AutoscalerState]):
             fresh = n.offered_s is None or now - n.offered_s < pool.scale_up_after_s
             if not fresh and n.drained_by_us_s is None:
                 continue
-            room = empty_room(pool)
-            room.node_id = n.node_id
-            for key in state.on_node.get(n.node_id, ()):
-                _, gpus, cpu, mem = state.allocs[key]
-                room.cpu_milli -= cpu
-                room.memory_mib -= mem
-                for i, m in gpus:
-                    if 0 <= i < len(room.gpu_milli):
-                        room.gpu_milli[i] -= m
-            room.gpu_milli.sort(reverse=True)
-            rooms.append(room)
+            rooms.append(self._free_room(state, pool, n.node_id))
         return rooms
 
     def _pool_count(self, state: AutoscalerState, pool_name: str) -> int:
@@ -575,7 +700,8 @@ class AutoscalerCore(BaseCore[AutoscalerState]):
                 continue
             for name in order:
                 pool = self.pools[name]
-                if now - w.since_s < pool.scale_up_after_s or not replica_fits_shape(name, pool, spec):
+                if (now - w.since_s < pool.scale_up_after_s or name in w.passed_over
+                        or not replica_fits_shape(name, pool, spec)):
                     continue
                 new_before = sum(1 for r in rooms[name] if r.node_id is None)
                 packed = pack(rooms[name], spec, pool, pool.max - count[name] - new_before)
@@ -621,24 +747,30 @@ class AutoscalerCore(BaseCore[AutoscalerState]):
         return out
 
     def _give_up(self, state: AutoscalerState, now: float, ctx: Ctx) -> list[Envelope]:
-        """Nodes asked for that have not registered within their pool's provisionTimeout: their
-        removal is requested (the provider deletes whatever it made), so they stop counting as room
-        coming and towards the pool's size, and the next tick may ask for another."""
+        """Nodes asked for that have not registered within their pool's provisionTimeout, and
+        nodes lost (no heartbeat) for as long: their removal is requested (the provider deletes
+        whatever it made), so they stop counting as room coming and towards the pool's size, and
+        the next tick may ask for another."""
         out: list[Envelope] = []
         count: dict[str, int] = {}
         for n in sorted(state.pool_nodes.values(), key=lambda n: n.node_id):
             pool = self.pools.get(n.pool)
-            if pool is None or n.registered_s is not None or n.removal_requested or n.gone:
+            if pool is None or n.removal_requested or n.gone:
                 continue
-            waited = now - n.requested_s
+            if n.registered_s is None:
+                waited, code, what = now - n.requested_s, "provision_timeout", "asked for {:.0f}s ago and never registered"
+            elif n.lost and n.lost_s is not None:
+                waited, code, what = now - n.lost_s, "lost", "lost {:.0f}s ago (no heartbeat) and not back"
+            else:
+                continue
             if waited < pool.give_up_after_s:
                 continue
             have = count[n.pool] = count.get(n.pool, self._pool_count(state, n.pool)) - 1
             out.append(ctx.emit(NodeRemovalRequested(
                 node_id=n.node_id, pool=n.pool, provider=n.provider, reason=Reason(
-                    code="provision_timeout", message=(
-                        f"asked for {waited:.0f}s ago and never registered (provisionTimeout "
-                        f"{pool.give_up_after_s:.0f}s): given up; pool {n.pool} {have + 1} -> {have} node(s)"))),
+                    code=code, message=(
+                        f"{what.format(waited)} (provisionTimeout {pool.give_up_after_s:.0f}s): given up; "
+                        f"pool {n.pool} {have + 1} -> {have} node(s)"))),
                 tenant=SYS_TENANT, key=f"remove:{n.node_id}"))
         return out
 
@@ -648,12 +780,17 @@ class AutoscalerCore(BaseCore[AutoscalerState]):
         """Since when the node has been idle: nothing on it, or (idleWhen: gpus_idle) only jobs
         telemetry found idle. None: busy."""
         changed = state.changed_s.get(node_id, 0.0)
-        jobs = {j for j, _ in state.on_node.get(node_id, ())}
-        if not jobs:
+        on = state.on_node.get(node_id)
+        if not on:
             return changed
-        if pool.idle_when == "gpus_idle" and all(j in state.idle_jobs for j in jobs):
-            return max(changed, *(state.idle_jobs[j] for j in jobs))
-        return None
+        if pool.idle_when != "gpus_idle":
+            return None
+        # each run on it found idle on this node: an idle fact of an earlier attempt, or of another
+        # node of a gang, says nothing about what runs here
+        idle = [state.idle.get((j, state.allocs[(j, r)].attempt, node_id)) for j, r in on]
+        if any(s is None for s in idle):
+            return None
+        return max(changed, *(s for s in idle if s is not None))
 
     def _scale_pools_down(self, state: AutoscalerState, now: float, ctx: Ctx,
                           taken_back: set[str | None]) -> list[Envelope]:

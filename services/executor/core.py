@@ -38,6 +38,7 @@ from gpufleet.shared.events import (
     NodeRegistered,
     NodeRemovalRequested,
     ReplicaAllocation,
+    resumed_attempt,
     utc,
 )
 from gpufleet.shared.runtime import BaseCore, Ctx
@@ -191,7 +192,10 @@ class ExecutorCore(BaseCore[ExecutorState]):
                     if a.node_id in self.driver_nodes:
                         state.desired[(job_id, a.replica)] = Desired(a, p.attempt, env.tenant, env.event_id)
         elif isinstance(p, JobResumeRequested):
-            state.attempt[job_id] = state.attempt.get(job_id, 1) + 1
+            nxt = resumed_attempt(state.attempt.get(job_id, 1), p)
+            if nxt is None:  # a copy of an old resume: the run it started may be running now
+                return state
+            state.attempt[job_id] = nxt
             if p.checkpoint_uri:
                 state.resume_from[job_id] = p.checkpoint_uri
             if p.reason.code == "preempted" and state.stop_reason.get(job_id) == "preempted":
@@ -317,6 +321,9 @@ class ExecutorCore(BaseCore[ExecutorState]):
         now = ctx.now.timestamp()
         out = []
         for node_id, n_lost in state.lost.items():
+            pool_node = state.pool_nodes.get(node_id)
+            if pool_node is not None and pool_node.removal_event_id is not None:
+                continue  # a pool node being removed: not registered again, only deregistered (_pool_tick)
             if node_id not in state.registered and self.hosts(state, node_id):  # lost, but here it is
                 inv = self.inventory(state, node_id)
                 out.append(ctx.emit(NodeRegistered(node_id=node_id, inventory=inv), tenant=SYS_TENANT,
