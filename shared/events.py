@@ -307,6 +307,16 @@ class JobResumeRequested(_JobPayload):
     checkpoint_uri: str | None = None
     reason: Reason
     lost_work_s: float = 0.0
+    # the run this resume starts (the one before + 1): a copy of the event, folded again, is
+    # recognised as old (None in logs written before it was added: then each resume counts)
+    attempt: int | None = Field(default=None, ge=2)
+
+
+def resumed_attempt(current: int, p: JobResumeRequested) -> int | None:
+    """The attempt a resume starts, given the current one; None when it is a copy of an old one."""
+    if p.attempt is None:
+        return current + 1
+    return p.attempt if p.attempt > current else None
 
 
 class JobIdleDetected(_JobPayload):
@@ -543,7 +553,7 @@ class NodeRemovalRequested(_NodePayload):
     type: Literal["node.removal_requested"] = "node.removal_requested"
     pool: str
     provider: str
-    reason: Reason  # code: idle | provision_timeout
+    reason: Reason  # code: idle | provision_timeout | lost
 
 
 class NodeDeregistered(_NodePayload):

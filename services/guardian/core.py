@@ -40,6 +40,7 @@ from gpufleet.shared.events import (
     JobSucceeded,
     NodeGpuUnhealthy,
     Reason,
+    resumed_attempt,
     utc,
 )
 from gpufleet.shared.runtime import BaseCore, Ctx
@@ -165,8 +166,9 @@ class GuardianCore(BaseCore[GuardianState]):
                     backoff = min(600.0, state.on_failure[job_id] * 2 ** failures)
                     state.retry_at[job_id] = (env.occurred_at.timestamp() + backoff, attempt, p, env.event_id)
         elif isinstance(p, JobResumeRequested):
-            if job_id not in state.ended:
-                state.attempt[job_id] = state.attempt.get(job_id, 1) + 1
+            nxt = resumed_attempt(state.attempt.get(job_id, 1), p)
+            if job_id not in state.ended and nxt is not None:  # (a copy of an old resume changes nothing)
+                state.attempt[job_id] = nxt
                 state.exits.pop(job_id, None)
                 state.retry_at.pop(job_id, None)
                 state.idle_since.pop(job_id, None)  # warnings and stops were about the run before
@@ -293,6 +295,7 @@ class GuardianCore(BaseCore[GuardianState]):
         retry = "" if code == "preempted" else f"retry {failures + 1} of {budget}, "
         return [ctx.emit(JobResumeRequested(
             job_id=job_id, checkpoint_uri=ckpt[0] if ckpt else None, lost_work_s=round(max(0.0, now - since), 3),
+            attempt=state.attempt.get(job_id, 1) + 1,
             reason=Reason(code=code, message=(
                 f"{what}; {retry}" + (f"from checkpoint {ckpt[0]}" if ckpt else "from the start")))),
             tenant=tenant, cause_id=cause_id, key=key)]

@@ -50,6 +50,7 @@ from gpufleet.shared.events import (
     NodeUncordoned,
     Reason,
     ReplicaAllocation,
+    resumed_attempt,
     utc,
 )
 from gpufleet.shared.runtime import BaseCore, Ctx
@@ -369,9 +370,10 @@ class PlacerCore(BaseCore[PlacerState]):
                 _take(state, a)
                 state.jobs_on.setdefault(a.node_id, set()).add(job_id)
         elif isinstance(p, JobResumeRequested):
-            if job_id in state.ended:
+            nxt = resumed_attempt(state.attempts.get(job_id, 1), p)
+            if job_id in state.ended or nxt is None:  # (a copy of an old resume changes nothing)
                 return state
-            state.attempts[job_id] = state.attempts.get(job_id, 1) + 1
+            state.attempts[job_id] = nxt
             if p.reason.code == "preempted":
                 state.requota.add(job_id)
                 state.pending.pop(job_id, None)  # its quota is taken back: it waits for quota again
@@ -457,7 +459,8 @@ class PlacerCore(BaseCore[PlacerState]):
             spec = state.specs.get(job_id)
             if spec is not None and job_id not in state.allocations and job_id not in state.ended:
                 if spec.type in CHECKPOINTED_TYPES:  # not started: it simply waits for quota again
-                    return [ctx.emit(JobResumeRequested(job_id=job_id, reason=Reason(
+                    return [ctx.emit(JobResumeRequested(job_id=job_id, attempt=state.attempts.get(job_id, 1) + 1,
+                                                        reason=Reason(
                         code="preempted", message=f"{p.reason.message}; not placed yet, it waits for quota again")),
                         key="preempted")]
                 return [ctx.emit(JobPreempted(job_id=job_id, reason=p.reason), key="preempted")]

@@ -40,6 +40,7 @@ from gpufleet.shared.events import (
     JobResumeRequested,
     JobSubmitted,
     Reason,
+    resumed_attempt,
 )
 from gpufleet.shared.runtime import BaseCore, Ctx
 from gpufleet.shared.spec import JobSpec
@@ -76,6 +77,7 @@ class QuotaState:
     reserved_order: dict[str, int] = field(default_factory=dict)  # later = more recently admitted to run
     preempting: dict[str, str] = field(default_factory=dict)  # victim -> the job it makes room for
     protected: set[str] = field(default_factory=set)  # reserved after starving: safe from reclaim
+    resumed: dict[str, int] = field(default_factory=dict)  # job -> the attempt its last resume started
     requeued: dict[str, int] = field(default_factory=dict)  # job -> times it gave its quota back to run again
 
 
@@ -145,7 +147,13 @@ class QuotaCore(BaseCore[QuotaState]):
         elif isinstance(p, JobPreemptionRequested):
             if job_id in state.reserved:
                 state.preempting.setdefault(job_id, p.by_job_id or "")
-        elif isinstance(p, JobResumeRequested) and p.reason.code == "preempted":
+        elif isinstance(p, JobResumeRequested):
+            nxt = resumed_attempt(state.resumed.get(job_id, 1), p)
+            if nxt is None or job_id in state.ended:
+                return state  # a copy of an old resume: the quota it gave back was taken again since
+            state.resumed[job_id] = nxt
+            if p.reason.code != "preempted":
+                return state
             # a preempted job that will run again from its checkpoint: its quota goes back now, and
             # it waits for quota again (at the back of its queue) like a newly admitted job
             held = state.reserved.pop(job_id, None)
@@ -171,6 +179,7 @@ class QuotaCore(BaseCore[QuotaState]):
             state.specs.pop(job_id, None)
             state.said.pop(job_id, None)
             state.requeued.pop(job_id, None)
+            state.resumed.pop(job_id, None)
             held = state.reserved.pop(job_id, None)
             if held is not None:
                 use = state.usage.setdefault(held[0], {})
