@@ -147,6 +147,17 @@ def test_fragaware_keeps_shared_gpus_apart_from_whole_ones() -> None:
     assert pick is not None and pick.node is shared and pick.positions == (0,)  # the 600 GPU, not a whole one
 
 
+def test_fragaware_drops_the_sharing_bonus_where_shares_are_the_majority() -> None:
+    ctx = Context(typical=(Typical(SHARE, 0.6), Typical(TaskShape(4000, 1, 1000), 0.4)))
+    shared = node("shared", gpus=4, left=[600, 1000, 1000, 1000])  # first in order
+    clean = node("clean", gpus=4)
+    whole = Ask(cpu=1000, gpus=1)
+    ours = Profile("ours", ((FragAware(), 1.0),), chooser="fragaware")
+    assert schedule([shared, clean], whole, ours, ctx).node is shared  # type: ignore[union-attr]  # as FGD: a tie
+    always = Profile("always", ((FragAware(adapt="none"), 1.0),), chooser="fragaware")
+    assert schedule([shared, clean], whole, always, ctx).node is clean  # type: ignore[union-attr]
+
+
 def test_packing_prefers_partly_used_gpus_then_partly_used_nodes_then_idle_ones() -> None:
     idle = node("idle", gpus=4)
     some = node("some", gpus=4, left=[0, 0, 1000, 1000])

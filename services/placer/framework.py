@@ -569,6 +569,9 @@ class FragAware(Plugin):
     The score is FGD's, int(sigmoid(dF / 1000) * 100), and `affinity` points (2) more where the
     job keeps GPU sharing together: a share on a node that already has a partly used GPU, a
     whole-GPU job on a node that has none (GpuClustering's idea, weighed against the gradient).
+    The bonus is for workloads where shares are a minority of the GPU pods: once the typical
+    workload (the set FGD weighs fragmentation over) has more shares than whole-GPU pods, it is
+    off (`adapt="minority"`; `"none"`: always on) and the gradient alone decides.
     A job without GPUs goes, among equals, where it strands the least free GPU per free core.
     Ties go to the first node in the cluster's order, as in FGD. Measured against FGD on every
     workload of the Alibaba trace: docs/benchmarks.md (with the variants that did worse).
@@ -581,8 +584,10 @@ class FragAware(Plugin):
     name = "fragaware"
 
     def __init__(self, by: str = "count", truncate: bool = True, tiebreak: str = "affinity", affinity: float = 2.0,
-                 cpu_jobs: bool = True, coverage: float = 0.95) -> None:
+                 cpu_jobs: bool = True, coverage: float = 0.95, adapt: str = "minority") -> None:
         self.by = by
+        self.adapt = adapt
+        self._bonus = affinity
         self.truncate = truncate
         self.tiebreak = tiebreak
         self.affinity = affinity
@@ -602,7 +607,16 @@ class FragAware(Plugin):
                 self._typical = typical_tasks(ctx.shapes, coverage=self.coverage, weight=self.by)
             else:
                 self._typical = ctx.typical
+            self._bonus = self.affinity * self.bonus_scale(self._typical)
         return self._typical
+
+    def bonus_scale(self, typical: Sequence[Typical]) -> float:
+        """1 while shares are at most half of the typical GPU pods (by weight), else 0 ("minority")."""
+        if self.adapt != "minority":
+            return 1.0
+        gpu = sum(t.weight for t in typical if t.shape.gpus)
+        share = sum(t.weight for t in typical if t.shape.gpus and t.shape.milli < MILLI)
+        return 1.0 if not gpu or share <= 0.5 * gpu else 0.0
 
     def frag(self, ctx: Context, model: str, cpu_left: int, left: Sequence[int]) -> float:
         return memo_frag(self._cache, self.typical(ctx), model, cpu_left, left)
@@ -618,7 +632,7 @@ class FragAware(Plugin):
         if self.tiebreak == "affinity" and a.gpus:
             shared = any(0 < x < MILLI for x in n.left)
             if shared == (a.milli < MILLI):
-                score += self.affinity
+                score += self._bonus
         elif self.tiebreak == "tight":
             score -= 1e-6 * (gpu_left / 8000 + cpu_after / 128_000)
         if not a.gpus and self.cpu_jobs and self.tiebreak != "none":
