@@ -73,6 +73,22 @@ def test_a_queue_reclaims_its_nominal_from_a_borrower_in_its_cohort() -> None:
     assert [(e.type, e.job_id) for e in out] == [("job.quota_reserved", "a1")]
 
 
+def test_what_a_victim_gives_back_waits_for_the_job_that_preempted_it() -> None:
+    # a reclaims 8 from b, which borrows with two 4-GPU jobs; the first victim's 4 must not go to
+    # b's next job (it would borrow them, to be reclaimed in turn: a loop), but wait for a1
+    h = quota({"a": {"cohort": "lab", "nominal": {"gpu": 8}}, "b": {"cohort": "lab", "nominal": {"gpu": 8}}})
+    for j in ("b1", "b2", "b3", "b4"):
+        run(h, j, 4, queue="b")
+    run(h, "b5", 4, queue="b")  # waits: the cohort is full
+    out = run(h, "a1", 8, queue="a")
+    assert sorted(e.job_id for e in out if e.type == "job.preemption_requested") == ["b3", "b4"]  # type: ignore[type-var]
+    out = h.when(preempted("b4"))
+    assert "job.quota_reserved" not in types(out)  # b5 is held back, a1 still lacks 4
+    assert [e.payload.reason.code for e in out if e.job_id == "b5"] == ["behind_preemptor"]  # type: ignore[union-attr]
+    out = h.when(preempted("b3"))
+    assert [(e.type, e.job_id) for e in out if e.type == "job.quota_reserved"] == [("job.quota_reserved", "a1")]
+
+
 def test_no_reclaim_beyond_the_nominal_and_no_preemption_loop() -> None:
     h = quota({"a": {"cohort": "lab", "nominal": {"gpu": 8}}, "b": {"cohort": "lab", "nominal": {"gpu": 8}}})
     run(h, "b1", 8, queue="b")

@@ -222,7 +222,9 @@ class QuotaCore(BaseCore[QuotaState]):
         out: list[Envelope] = []
         # what this cycle reserved so far, so later jobs in it see it (outputs evolve after)
         extra: dict[str, dict[str, int]] = {}
-        blocked: dict[str, tuple[int, set[str], str, str]] = {}  # cohort -> (priority, resources, job, queue)
+        # cohort -> (priority, resources, job, queue, why): a starving job, or one waiting for the
+        # jobs it preempts, that later jobs must not take what it lacks from
+        blocked: dict[str, tuple[int, set[str], str, str, str]] = {}
         taken: set[str] = set()  # victims chosen in this cycle
         for job in order:
             spec = state.specs.get(job.job_id)
@@ -240,7 +242,10 @@ class QuotaCore(BaseCore[QuotaState]):
                     job.queue == hold[3] or self._would_borrow(state, extra, job.queue, demand(spec, flavor or None))):
                 reason = Reason(code="behind_starving_job", message=(
                     f"waiting behind job {hold[2]}, which has waited over "
-                    f"{self.config.starvation_after_s:.0f}s for the same resources"))
+                    f"{self.config.starvation_after_s:.0f}s for the same resources")) if hold[4] == "starving" else \
+                    Reason(code="behind_preemptor", message=(
+                        f"waiting behind job {hold[2]}, which preempts jobs to get the same resources: what they "
+                        "give back is its"))
                 flavor = None
             if flavor is not None:
                 d = demand(spec, flavor or None)
@@ -254,13 +259,16 @@ class QuotaCore(BaseCore[QuotaState]):
                     key="reserved" + (f":{state.requeued[job.job_id]}" if job.job_id in state.requeued else "")))
                 continue
             if reason is not None and reason.code in ("queue_limit", "cohort_limit"):
+                preempting = False
                 if job.job_id in state.preempting.values():
+                    preempting = True
                     n = sum(1 for by in state.preempting.values() if by == job.job_id)
                     reason = Reason(code="preempting", message=(
                         f"waiting for {n} preempted job(s) to give back quota in queue {job.queue}"))
                 else:
                     victims = self.victims(state, extra, job, spec, taken)
                     if victims:
+                        preempting = True
                         taken.update(v for v, _ in victims)
                         for victim, why in victims:
                             out.append(ctx.emit(JobPreemptionRequested(
@@ -268,9 +276,13 @@ class QuotaCore(BaseCore[QuotaState]):
                             ), tenant=self._tenant(state, victim), cause_id=job.job_id, key=f"preempt:{victim}:{state.reserved_order.get(victim, 0)}"))
                         reason = Reason(code="preempting", message=(
                             f"waiting for {len(victims)} preempted job(s) to give back quota in queue {job.queue}"))
+                if preempting and cohort not in blocked:
+                    # what its victims give back is for it: a job after it that would borrow the same
+                    # resources (or a lower one of its queue) must not take it, to be preempted in turn
+                    blocked[cohort] = (job.priority, lacking, job.job_id, job.queue, "preempting")
             if now - job.since_s >= starve_s and cohort not in blocked and (
                     self.fit(QuotaState(), {}, job.queue, spec)[0] is not None):
-                blocked[cohort] = (job.priority, lacking, job.job_id, job.queue)
+                blocked[cohort] = (job.priority, lacking, job.job_id, job.queue, "starving")
             if reason is not None and state.said.get(job.job_id) != reason.message:
                 # the count keeps ids apart when a reason comes back (A, B, A): the server's
                 # duplicate window would otherwise drop the second A
