@@ -88,6 +88,7 @@ from gpufleet.shared.subjects import SubjectFilter
 
 EPOCH = datetime(2026, 1, 1, tzinfo=UTC).timestamp()
 MAX_STEPS = 2_000_000
+MAX_EVENTS_PER_INSTANT = 50_000  # more new events than this at one simulated instant: a decision loop
 QUIET_S = 86_400.0  # nothing in the log for a simulated day, and nothing scheduled: the run is over
 
 
@@ -306,12 +307,15 @@ class Simulation:
         """Every member catches up with the log, in order, until nothing new is decided."""
         n = 0
         progress = True
+        start = len(self.log)
         while progress:
             progress = False
             for m in self.members:
                 if self.now < m.paused_until:
                     continue
                 while m.delivered < len(self.log) and self.now >= m.paused_until:
+                    if len(self.log) - start > MAX_EVENTS_PER_INSTANT:
+                        self._loop_found()
                     env = self.log[m.delivered]
                     if not m.interest(env.subject()):
                         m.delivered += 1
@@ -337,6 +341,15 @@ class Simulation:
                     progress = True
         return n
 
+    def _loop_found(self) -> None:
+        kinds: dict[str, int] = {}
+        for e in self.log[-1000:]:
+            kinds[e.type] = kinds.get(e.type, 0) + 1
+        top = ", ".join(f"{k} x{v}" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])[:4])
+        raise ScenarioError(
+            f"seed {self.sc.seed}: more than {MAX_EVENTS_PER_INSTANT} events at t={self.now - EPOCH:.0f}s "
+            f"without time passing: the services decide in a loop (the last 1,000: {top})")
+
     def _chaos(self, m: _Member) -> bool:
         """Draw this delivery's faults; True when the member stalls before it."""
         c = self.sc.chaos
@@ -351,11 +364,15 @@ class Simulation:
         return False
 
     def _restart(self, m: _Member) -> None:
-        m.state = m.core.initial_state()  # fold the log again, then decide as after a crash
+        """As the runtime starts: fold the log to its head, then take the deliveries from where it
+        had got to (its ack floor); those the fold covered are decided on, not folded again."""
+        m.state = m.core.initial_state()
         m.own.clear()
-        for env in self.log[:m.delivered]:
+        for i, env in enumerate(self.log):
             if m.interest(env.subject()):
                 m.state = m.core.evolve(m.state, env)
+                if i >= m.delivered:
+                    m.own.add(env.event_id)
         self.append(m.core.on_start(m.state, self.ctx(m.core.name)), m)
 
     def tick(self) -> None:
