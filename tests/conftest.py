@@ -29,6 +29,9 @@ def nats_url(tmp_path: Path) -> Iterator[str]:
 async def bus(nats_url: str, request: pytest.FixtureRequest) -> AsyncIterator[Bus]:
     """A connection to the test's nats-server. After the test, `gpufleet audit`'s invariants are
     checked over the test's whole log (mark a test `no_audit` when it breaks them on purpose)."""
+    from .helpers import AUDIT
+
+    AUDIT.clear()
     b = await Bus.connect(nats_url, name="test")
     await b.ensure_streams()
     try:
@@ -56,7 +59,10 @@ async def audit_test_log(b: Bus, request: pytest.FixtureRequest) -> None:
             except Exception:  # noqa: BLE001 - bad messages are part of some tests
                 continue
     # a job still moving when the test ends is not "waiting untold": only a job quiet for 60 s is
-    report = audit(history, getattr(request.node, "audit_config", None), pending_grace_s=60.0)
+    from .helpers import AUDIT
+
+    # the quota service's config (queues, cohorts) when the test ran one with a config of its own
+    report = audit(history, AUDIT.get("config"), pending_grace_s=60.0)
     assert report.ok, "the test's log breaks an invariant: " + "; ".join(
         f"{v.__dict__}" for v in report.violations[:5])
 

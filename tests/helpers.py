@@ -46,9 +46,18 @@ def default_cores(sim_nodes: int = 4) -> list[Core[Any]]:
     return [AdmissionCore(), QuotaCore(), PlacerCore(), ExecutorCore(sim_fleet(sim_nodes)), GuardianCore()]
 
 
+# The cluster config the test's services ran with, for the audit of its log (tests/conftest.py):
+# quota limits can only be checked against the queues the services were given.
+AUDIT: dict[str, Any] = {}
+
+
 @asynccontextmanager
 async def running(url: str, cores: list[Core[Any]]) -> AsyncIterator[list[ServiceRuntime[Any]]]:
     """Start each core's runtime (own connection) and run them until the block ends."""
+    for core in cores:
+        config = getattr(core, "config", None)
+        if core.name == "quota" and config is not None:
+            AUDIT["config"] = config
     rts: list[ServiceRuntime[Any]] = []
     tasks = []
     for core in cores:

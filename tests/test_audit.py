@@ -153,3 +153,17 @@ async def test_every_test_log_is_audited_by_the_bus_fixture(bus: Bus, request: p
     await _publish_double_booking(bus)
     with pytest.raises(AssertionError, match="gpu_capacity"):
         await audit_test_log(bus, request)
+
+
+@pytest.mark.no_audit
+async def test_the_test_log_audit_checks_quota_with_the_services_config(bus: Bus, request: pytest.FixtureRequest) -> None:
+    """The config a test's quota service ran with (recorded by `running`) is the audit's."""
+    from .conftest import audit_test_log
+    from .helpers import AUDIT
+
+    AUDIT["config"] = parse_config({"queues": {"a": {"nominal": {"gpu": 8}}}})
+    for job in ("j1", "j2"):
+        e = reserved(job, gpus=8)
+        await bus.publish(e.model_copy(update={"event_id": e.event_id[:-2] + job[-1] + "Z"}))
+    with pytest.raises(AssertionError, match="quota_limit"):
+        await audit_test_log(bus, request)
