@@ -17,8 +17,10 @@ import asyncio
 import contextlib
 import json
 import logging
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import unquote
 
 from gpufleet.shared.events import (
     Envelope,
@@ -39,6 +41,7 @@ log = logging.getLogger(__name__)
 ENDED = ("job.succeeded", "job.failed", "job.cancelled", "job.preempted", "job.rejected")
 FEED = 500
 RECENT = 40  # jobs in the page's job table, the most recently active first
+CLIENT_EVENTS = 1000  # events kept for a page that reads slowly
 STATE_EVERY_S = 0.25  # a page gets the whole state at most this often (it is big at 5,000 nodes)
 
 
@@ -174,11 +177,28 @@ def event_doc(seq: int, env: Envelope) -> dict[str, Any]:
             "job_id": env.job_id, "node_id": env.node_id, "actor": env.actor, "payload": payload}
 
 
+@dataclass(eq=False)  # each page is itself (kept in a set)
+class Client:
+    """A connected page: the events it has not been sent yet (the newest CLIENT_EVENTS) and only
+    the latest state, so a stalled page holds one state (3 MB at 5,000 nodes), not a backlog."""
+
+    events: deque[bytes] = field(default_factory=lambda: deque(maxlen=CLIENT_EVENTS))
+    state: bytes | None = None
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def take(self) -> bytes:
+        out = b"".join(self.events) + (self.state or b"")
+        self.events.clear()
+        self.state = None
+        self.wake.clear()
+        return out
+
+
 class Dashboard:
     def __init__(self, bus: Any) -> None:
         self.bus = bus
         self.board = Board()
-        self.clients: set[asyncio.Queue[bytes]] = set()
+        self.clients: set[Client] = set()
         self._sub: Any = None
         self._dirty = asyncio.Event()
 
@@ -188,13 +208,16 @@ class Dashboard:
             await self._dirty.wait()
             self._dirty.clear()
             if self.clients:
-                self._send(sse("state", self.board.state()))
+                data = sse("state", self.board.state())
+                for c in list(self.clients):
+                    c.state = data  # replaces one not sent yet
+                    c.wake.set()
             await asyncio.sleep(STATE_EVERY_S)
 
     def _send(self, data: bytes) -> None:
-        for q in list(self.clients):
-            if q.qsize() < 1000:
-                q.put_nowait(data)
+        for c in list(self.clients):
+            c.events.append(data)  # (the oldest unsent goes when a page falls CLIENT_EVENTS behind)
+            c.wake.set()
 
     async def follow(self) -> None:
         """Fold the stream from its start, then live; tell every connected page."""
@@ -227,7 +250,7 @@ class Dashboard:
             elif path == "/state":
                 await respond(writer, 200, "application/json", json.dumps(self.board.state()).encode())
             elif path.startswith("/job/"):
-                doc = self.board.job(path.removeprefix("/job/"))
+                doc = self.board.job(unquote(path.removeprefix("/job/")))
                 await respond(writer, 200 if doc else 404, "application/json",
                               json.dumps(doc or {"error": "no such job"}).encode())
             else:
@@ -245,14 +268,15 @@ class Dashboard:
         for doc in self.board.feed[-50:]:
             writer.write(sse("event", doc))
         await writer.drain()
-        q: asyncio.Queue[bytes] = asyncio.Queue()
-        self.clients.add(q)
+        client = Client()
+        self.clients.add(client)
         try:
             while True:
-                writer.write(await q.get())
+                await client.wake.wait()
+                writer.write(client.take())
                 await writer.drain()
         finally:
-            self.clients.discard(q)
+            self.clients.discard(client)
 
 
 def sse(kind: str, doc: Any) -> bytes:
@@ -298,7 +322,7 @@ a{color:#1155cc;cursor:pointer}
 <h2>Events <input id="filter" placeholder="filter: type, job, node, tenant"></h2><div id="feed"></div>
 <h2 id="jobtitle"></h2><div id="job"></div>
 <script>
-const $ = id => document.getElementById(id), esc = s => String(s ?? "").replace(/[&<>"]/g, c => "&#" + c.charCodeAt(0) + ";");
+const $ = id => document.getElementById(id), esc = s => String(s ?? "").replace(/[&<>"']/g, c => "&#" + c.charCodeAt(0) + ";");
 function drawState(s){
   $("seq").textContent = "seq " + s.seq;
   $("jobs").textContent = Object.entries(s.jobs).map(([k, v]) => k + " " + v).join(" · ");

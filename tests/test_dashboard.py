@@ -94,3 +94,15 @@ def test_board_keeps_gpu_shares_and_quota_straight() -> None:
     cell = b.state()["nodes"][0]["gpus"][0]
     assert (cell["state"], cell["job"], cell["milli"]) == ("shared", "b", 500)  # a left; b still holds half
     assert b.state()["queues"][0]["gpus_used"] == 0  # the preempted job gave its quota back
+
+
+def test_a_slow_page_holds_only_the_latest_state_and_its_newest_events() -> None:
+    from gpufleet.dashboard import CLIENT_EVENTS, Client
+
+    c = Client()
+    for i in range(CLIENT_EVENTS + 50):
+        c.events.append(f"event {i}\n".encode())
+    c.state, c.state = b"state 1\n", b"state 2\n"  # a newer state replaces one not sent yet
+    out = c.take().decode().splitlines()
+    assert len(out) == CLIENT_EVENTS + 1 and out[0] == "event 50" and out[-1] == "state 2"
+    assert c.take() == b"" and not c.wake.is_set()
