@@ -567,7 +567,7 @@ def scenario_from_log(history: list[tuple[int, Envelope]], config: ClusterConfig
         raise ScenarioError("the log is empty: nothing to replay")
     t0 = min(e.occurred_at.timestamp() for _, e in history)
     nodes: dict[str, NodeInventory] = {}
-    ran: dict[str, tuple[float, int]] = {}
+    ran: dict[str, dict[int, tuple[float, int]]] = {}  # job -> attempt -> (runtime, exit code)
     started_at: dict[str, float] = {}
     head = max(e.occurred_at.timestamp() for _, e in history)
     accepted: set[str] = set()
@@ -589,7 +589,7 @@ def scenario_from_log(history: list[tuple[int, Envelope]], config: ClusterConfig
             faults.append(Fault(e.occurred_at.timestamp() - t0, "load", {
                 "job": p.job_id, "tenant": e.tenant, "rps": p.rps, "p99_ms": p.p99_ms, "window_s": p.window_s}))
         elif isinstance(p, JobExited) and p.reason in ("completed", "error", "timeout"):
-            ran.setdefault(p.job_id, (p.runtime_s, p.exit_code))  # how it ended, as it ended
+            ran.setdefault(p.job_id, {}).setdefault(p.attempt, (p.runtime_s, p.exit_code))  # each run as it ended
         elif e.type == "job.started" and e.job_id:
             started_at.setdefault(e.job_id, e.occurred_at.timestamp())
         elif e.type == "job.submitted" and e.job_id:
@@ -616,9 +616,15 @@ def scenario_from_log(history: list[tuple[int, Envelope]], config: ClusterConfig
         if isinstance(p, SubmitRequested) and p.job_id in accepted and not by_autoscaler(e):
             spec = json.loads(json.dumps(p.spec))
             if p.job_id in ran:
-                runtime, code = ran[p.job_id]
+                runs = ran[p.job_id]
+                runtime, code = runs[max(runs)]  # the last run: later attempts play it
                 sim = spec.setdefault("sim", {})
                 sim["duration"], sim["exitCode"] = max(0.001, runtime), code
+                if len(runs) > 1 or min(runs) > 1:
+                    # the runs before it, each as it ended (one interrupted, by a lost node or a
+                    # preemption, plays the last run: whether it is interrupted again is the what-if's)
+                    sim["runs"] = [{"duration": max(0.001, runs.get(a, (runtime, code))[0]),
+                                    "exitCode": runs.get(a, (runtime, code))[1]} for a in range(1, max(runs))]
                 if code == 124:  # it ran past its max runtime: so it does again
                     spec["maxRuntime"] = max(0.001, runtime)
                     sim["exitCode"] = 0

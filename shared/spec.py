@@ -232,8 +232,21 @@ class CheckpointSpec(_Spec):
     keep: int = Field(default=3, ge=1, le=1000)
 
 
+class SimRun(_Spec):
+    """One run of a job on the sim driver (a what-if replays each run as it went)."""
+
+    duration_s: DurationS = Field(alias="duration")
+    exit_code: int = Field(default=0, alias="exitCode", ge=0, le=255)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _wire(cls, data: Any) -> Any:
+        return _canonical_to_quantities(data) if isinstance(data, dict) else data
+
+
 class SimSpec(_Spec):
-    """How the sim driver plays the job: how long it runs and how it ends."""
+    """How the sim driver plays the job: how long it runs and how it ends. `runs` plays the first
+    runs (attempts) one by one; later ones play `duration` and `exitCode`."""
 
     duration_s: DurationS = Field(default=10.0, alias="duration")
     exit_code: int = Field(default=0, alias="exitCode", ge=0, le=255)
@@ -243,6 +256,7 @@ class SimSpec(_Spec):
     iowait_pct: float = Field(default=0.0, alias="ioWait", ge=0, le=100)
     gpu_mem_used_mib: MemoryMiB = Field(default=2048, alias="gpuMemoryUsed", ge=0)
     leave_zombie: bool = Field(default=False, alias="leaveZombie")  # its GPU process outlives it
+    runs: tuple[SimRun, ...] = Field(default=(), max_length=100)
 
     @model_validator(mode="before")
     @classmethod

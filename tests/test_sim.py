@@ -258,3 +258,23 @@ def test_a_decision_loop_is_stopped_and_named() -> None:
                                                                Chatty().initial_state()) for m in sim.members]
     with pytest.raises(ScenarioError, match="decide in a loop .*job.unschedulable"):
         sim.run()
+
+
+def test_what_if_replays_each_run_as_it_ended() -> None:
+    """A job that failed once and then succeeded on its retry does so again in the what-if (it
+    was replayed failing every run); sim.runs plays the first runs one by one."""
+    from gpufleet.sim import scenario_from_log, what_if
+
+    doc = {"seed": 1, "nodes": [{"shape": "h100x8", "count": 1}],
+           "jobs": [{"at": 0, "name": "flaky", "spec": {
+               "resources": {"gpu": 1}, "restartPolicy": "OnFailure", "retryBackoff": "5s", "maxRetries": 3,
+               "sim": {"duration": "2m", "runs": [{"duration": "30s", "exitCode": 3}]}}}]}
+    sim = Simulation(load_scenario(doc))
+    sim.run()
+    exits = [(e.payload.attempt, e.payload.exit_code) for e in sim.log if e.type == "job.exited"]  # type: ignore[union-attr]
+    assert exits == [(1, 3), (2, 0)] and sim.report()["jobs"] == {"succeeded": 1}
+    history = list(enumerate(sim.log, start=1))
+    (sub,) = scenario_from_log(history, sim.sc.config).submits
+    assert sub.spec["sim"]["runs"] == [{"duration": 30.0, "exitCode": 3}] and sub.spec["sim"]["exitCode"] == 0
+    doc2 = what_if(history, sim.sc.config, sim.sc.config)
+    assert doc2["what_if"]["jobs"] == {"succeeded": 1} and doc2["would_have_failed"] == []

@@ -59,6 +59,14 @@ class RunPlan:
     duration_s: float
     exit_code: int
     max_runtime_s: float
+    runs: tuple[tuple[float, int], ...] = ()  # the first attempts, one by one (spec.sim.runs)
+
+    def of(self, attempt: int) -> RunPlan:
+        """The plan of that attempt."""
+        if 1 <= attempt <= len(self.runs):
+            duration, code = self.runs[attempt - 1]
+            return RunPlan(duration, code, self.max_runtime_s)
+        return self
 
 
 @dataclass
@@ -183,7 +191,8 @@ class ExecutorCore(BaseCore[ExecutorState]):
             return state
         if isinstance(p, JobSubmitted):
             spec = p.spec
-            state.plans[job_id] = RunPlan(spec.sim.duration_s, spec.sim.exit_code, spec.max_runtime_s)
+            state.plans[job_id] = RunPlan(spec.sim.duration_s, spec.sim.exit_code, spec.max_runtime_s,
+                                          tuple((r.duration_s, r.exit_code) for r in spec.sim.runs))
             if self.driver_nodes:
                 state.specs[job_id] = spec
         elif isinstance(p, JobPlaced):
@@ -210,7 +219,7 @@ class ExecutorCore(BaseCore[ExecutorState]):
                     state.abandoned[key] = old
         elif isinstance(p, JobStarted):
             if self.hosts(state, p.node_id) and job_id not in state.ended:
-                plan = state.plans.get(job_id, RunPlan(0.0, 0, 86400.0))
+                plan = state.plans.get(job_id, RunPlan(0.0, 0, 86400.0)).of(p.attempt)
                 state.started.setdefault(job_id, set()).add((p.replica, p.attempt))
                 run = Running(
                     job_id, env.tenant, p.replica, p.node_id,
