@@ -14,10 +14,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -258,3 +259,21 @@ class Bus:
 
 async def wait_for(coro: Any, timeout_s: float) -> Any:
     return await asyncio.wait_for(coro, timeout_s)
+
+
+async def run_until_signal(nats_url: str, name: str, make: Callable[[Bus], Any]) -> None:
+    """Connect as `name`, build the worker (anything with `run()` and `stop()`: the read-model
+    projector, billing's ledger) and run it until SIGINT / SIGTERM."""
+    import signal
+
+    bus = await Bus.connect(nats_url, name=name)
+    worker = make(bus)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            loop.add_signal_handler(sig, worker.stop)
+    try:
+        await worker.run()
+    finally:
+        await bus.close()
+

@@ -24,7 +24,6 @@ import contextlib
 import dataclasses
 import logging
 import os
-import signal
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -33,7 +32,7 @@ from typing import Any
 import asyncpg
 from nats.aio.msg import Msg
 
-from .bus import Bus
+from .bus import Bus, run_until_signal
 from .events import STREAM, Envelope, parse_envelope
 from .runtime import fetch_batch, open_durable
 from .view import ClusterView, JobRow, NodeRow, apply
@@ -477,16 +476,7 @@ async def query_rows(dsn: str, kind: str) -> list[dict[str, Any]]:
 
 async def main(nats_url: str, dsn: str, name: str = DEFAULT_NAME) -> None:
     """Run the projector until SIGINT/SIGTERM."""
-    bus = await Bus.connect(nats_url, name=f"gpufleet-{name}")
-    projector = Projector(bus, dsn, name)
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
-            loop.add_signal_handler(sig, projector.stop)
-    try:
-        await projector.run()
-    finally:
-        await bus.close()
+    await run_until_signal(nats_url, f"gpufleet-{name}", lambda bus: Projector(bus, dsn, name))
 
 
 def _cli() -> None:

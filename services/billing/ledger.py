@@ -30,7 +30,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import signal
 import time
 from dataclasses import dataclass
 from datetime import datetime
@@ -41,7 +40,7 @@ import asyncpg
 import nats
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from gpufleet.shared.bus import Bus
+from gpufleet.shared.bus import Bus, run_until_signal
 from gpufleet.shared.clusterconfig import ClusterConfig, load_config
 from gpufleet.shared.events import STREAM, parse_envelope
 from gpufleet.shared.subjects import SubjectFilter, consumer_filter
@@ -398,16 +397,7 @@ async def ledger_totals(db: asyncpg.Pool | asyncpg.Connection) -> dict[str, Deci
 
 
 async def main(nats_url: str, dsn: str, config: ClusterConfig, name: str = DEFAULT_NAME) -> None:
-    bus = await Bus.connect(nats_url, name=f"gpufleet-{name}")
-    ledger = Ledger(bus, dsn, config, name)
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
-            loop.add_signal_handler(sig, ledger.stop)
-    try:
-        await ledger.run()
-    finally:
-        await bus.close()
+    await run_until_signal(nats_url, f"gpufleet-{name}", lambda bus: Ledger(bus, dsn, config, name))
 
 
 def _cli() -> None:
