@@ -539,16 +539,17 @@ class PlacerCore(BaseCore[PlacerState]):
     def _backfill_wait(self, state: PlacerState, job_id: str, spec: JobSpec, res: Reservation,
                        ctx: Ctx) -> list[Envelope]:
         """`job.unschedulable` for a job that fits only where the head job's reservation is."""
+        # (the reservation's estimated start is not in the message: it moves as running jobs are
+        # re-estimated, and each move would tell every held job again; `explain` shows it)
         reason = Reason(code="backfill_reservation", message=(
-            f"it fits now only on nodes held for {res.job_id} from {utc(res.start_s).isoformat(timespec='seconds')} "
-            f"({', '.join(res.nodes)}); with a max runtime of {spec.max_runtime_s:.0f} s it would delay that "
-            f"job's start (EASY backfill)"))
+            f"it fits now only on nodes held for {res.job_id} ({', '.join(res.nodes)}); with a max runtime "
+            f"of {spec.max_runtime_s:.0f} s it would delay that job's start (EASY backfill)"))
         if state.unschedulable_said.get(job_id) == reason.message:
             return []
         return [ctx.emit(JobUnschedulable(job_id=job_id, reasons=(reason,),
                                           filtered={"backfill_reservation": len(res.nodes)},
                                           nodes_total=len(state.nodes)),
-                         tenant=spec.tenant, key=f"unsched:{job_id}:backfill:{res.job_id}:{int(res.start_s)}")]
+                         tenant=spec.tenant, key=f"unsched:{job_id}:backfill:{res.job_id}:{','.join(res.nodes)}")]
 
     def _reserve(self, state: PlacerState, job_id: str, spec: JobSpec, ctx: Ctx, now: float) -> list[Envelope]:
         """Reserve for the head job (the oldest waiting one): nodes and an estimated start."""
