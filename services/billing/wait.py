@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from gpufleet.services.placer.core import PlacerCore, PlacerState, Plan, ask_of
+from gpufleet.services.placer.core import PlacerCore, PlacerState, Plan, ask_of, with_flavor
 from gpufleet.services.quota.core import QuotaCore, QuotaState, demand
 from gpufleet.shared.events import ReplicaAllocation
 from gpufleet.shared.spec import JobSpec
@@ -87,28 +87,6 @@ def _utc(s: float) -> datetime:
 
 def _plural(n: int, word: str) -> str:
     return f"{n} {word}{'' if n == 1 else 's'}"
-
-
-def _with_flavor(spec: JobSpec, flavor: str | None) -> JobSpec:
-    """Quota taken from one GPU model: the placer places it on that model (as it does)."""
-    if flavor and spec.resources.gpu_models != (flavor,):
-        return spec.model_copy(update={"resources": spec.resources.model_copy(update={"gpu_models": (flavor,)})})
-    return spec
-
-
-def _give(pstate: PlacerState, plan: Plan, allocs: tuple[ReplicaAllocation, ...]) -> None:
-    """Give `allocs` back on the plan's copies of their nodes."""
-    for a in allocs:
-        node = plan.nodes.get(a.node_id)
-        if node is None:
-            real = pstate.nodes.get(a.node_id)
-            if real is None:
-                continue
-            node = plan.nodes[a.node_id] = real.copy()
-        node.give([node.gpu_ids.index(g) for g in a.gpu_indices if g in node.gpu_ids], a.gpu_milli, a.cpu_milli,
-                  a.memory_mib)
-        if a.mig_devices:
-            plan.mig_taken.get(a.node_id, set()).difference_update(a.mig_devices)
 
 
 def _add(extra: dict[str, dict[str, int]], queue: str, d: dict[str, int], sign: int) -> None:
@@ -179,7 +157,7 @@ def expected_wait(placer: PlacerCore, pstate: PlacerState, quota: QuotaCore, qst
                     continue
                 if job.job_id == THIS and w.quota_until is None:
                     w.quota_until = _utc(t)
-            s = _with_flavor(job.spec, flavor)
+            s = with_flavor(job.spec, flavor)
             shape = (ask_of(s), s.replicas, tuple(sorted(s.resources.mig.items())))
             if shape in failed:
                 continue
@@ -214,7 +192,7 @@ def expected_wait(placer: PlacerCore, pstate: PlacerState, quota: QuotaCore, qst
         t = ends[0][0]
         while ends and ends[0][0] == t:
             _, _, _, allocs, held, was_running = heapq.heappop(ends)
-            _give(pstate, plan, allocs)
+            plan.give_back(pstate, allocs)
             if held is not None:
                 _add(extra, held[0], held[1], -1)
             if was_running:

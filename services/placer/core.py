@@ -136,6 +136,13 @@ def _positions(node: Node, gpu_indices: tuple[int, ...]) -> list[int]:
     return [node.gpu_ids.index(g) for g in gpu_indices if g in node.gpu_ids]
 
 
+def with_flavor(spec: JobSpec, flavor: str | None) -> JobSpec:
+    """The spec as placed once quota was taken from GPU model `flavor`: on that model only."""
+    if flavor and spec.resources.gpu_models != (flavor,):
+        return spec.model_copy(update={"resources": spec.resources.model_copy(update={"gpu_models": (flavor,)})})
+    return spec
+
+
 def _take(state: PlacerState, alloc: ReplicaAllocation) -> None:
     node = state.nodes.get(alloc.node_id)
     if node is None:
@@ -253,6 +260,20 @@ class Plan:
     def fork(self) -> Plan:
         return Plan({k: v.copy() for k, v in self.nodes.items()}, {k: set(v) for k, v in self.mig_taken.items()})
 
+    def give_back(self, state: PlacerState, allocs: tuple[ReplicaAllocation, ...]) -> None:
+        """`allocs` end: give them back on this plan's copies of their nodes (and the MIG
+        instances this plan took for them)."""
+        for a in allocs:
+            node = self.nodes.get(a.node_id)
+            if node is None:
+                real = state.nodes.get(a.node_id)
+                if real is None:
+                    continue
+                node = self.nodes[a.node_id] = real.copy()
+            node.give(_positions(node, a.gpu_indices), a.gpu_milli, a.cpu_milli, a.memory_mib)
+            if a.mig_devices:
+                self.mig_taken.get(a.node_id, set()).difference_update(a.mig_devices)
+
 
 class PlacerCore(BaseCore[PlacerState]):
     name = "placer"
@@ -344,10 +365,9 @@ class PlacerCore(BaseCore[PlacerState]):
                 state.pending[job_id] = None
                 flavor = p.flavor
                 spec = state.specs.get(job_id)
-                if flavor and spec is not None and spec.resources.gpu_models != (flavor,):
+                if spec is not None:
                     # quota was taken from this GPU model: place on it, or quota and placement disagree
-                    state.specs[job_id] = spec.model_copy(
-                        update={"resources": spec.resources.model_copy(update={"gpu_models": (flavor,)})})
+                    state.specs[job_id] = with_flavor(spec, flavor)
         elif isinstance(p, JobUnschedulable):
             if job_id in state.pending:
                 state.unschedulable_said[job_id] = "; ".join(r.message for r in p.reasons)
@@ -578,14 +598,7 @@ class PlacerCore(BaseCore[PlacerState]):
         def after(k: int) -> tuple[ReplicaAllocation, ...] | None:
             plan = Plan()
             for job_id in ending[:k]:
-                for a in state.allocations.get(job_id, ()):
-                    node = plan.nodes.get(a.node_id)
-                    if node is None:
-                        real = state.nodes.get(a.node_id)
-                        if real is None:
-                            continue
-                        node = plan.nodes[a.node_id] = real.copy()
-                    node.give(_positions(node, a.gpu_indices), a.gpu_milli, a.cpu_milli, a.memory_mib)
+                plan.give_back(state, state.allocations.get(job_id, ()))
             return self.plan(state, spec, plan, full_scan=True)
 
         if not ending:
