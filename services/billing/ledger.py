@@ -158,6 +158,10 @@ class Ledger:
 
     async def close(self) -> None:
         await self._disconnect()
+        await self._drop_tail()
+
+    async def _drop_tail(self) -> None:
+        """Stop reading the log: the pull subscription and its consumer go."""
         psub, self._psub = self._psub, None
         if psub is not None:
             with contextlib.suppress(Exception):
@@ -335,12 +339,7 @@ class Ledger:
         self.state = self.core.initial_state()
         self.pending.clear()
         self.read_seq = 0
-        psub, self._psub = self._psub, None
-        if psub is not None:
-            with contextlib.suppress(Exception):
-                await psub.unsubscribe()
-            with contextlib.suppress(Exception):
-                await self.bus.js.delete_consumer(STREAM, self._consumer)
+        await self._drop_tail()
         await self._open_tail()
 
     async def _disconnect(self) -> None:
