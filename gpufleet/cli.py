@@ -311,8 +311,7 @@ def replay(data_dir: DataDir = None, as_json: JsonOut = False,
         _what_if(data_dir, what_if, as_json)
         return
     at = _parse_time(until) if until else None
-    view = _run(_with_fleet(data_dir, lambda f: f.fold(until_seq=seq, until_time=at)))
-    doc = view.as_json()
+    doc = _run(_with_fleet(data_dir, lambda f: f.state_at(until_seq=seq, until_time=at)))
     if as_json:
         _print_json(doc)
         return
@@ -323,6 +322,13 @@ def replay(data_dir: DataDir = None, as_json: JsonOut = False,
     used = sum(n["gpus_allocated"] for n in doc["nodes"])
     typer.echo(f"state at seq {doc['seq']}: {len(doc['jobs'])} jobs {by_status}, {len(doc['nodes'])} nodes, "
                f"GPUs {used}/{gpus} allocated")
+    for node_id, cells in doc["gpus"].items():
+        held = [f"{c['gpu']}:{c['state']}" + (f"({c['job']})" if c["job"] else "") for c in cells if c["state"] != "free"]
+        if held:
+            typer.echo(f"  {node_id:<12} " + " ".join(held))
+    for q in doc["queues"]:
+        typer.echo(f"  queue {q['queue']:<12} GPUs used {q['gpus_used']}, placed {q['running_or_placed']}, "
+                   f"pending {q['pending']}")
 
 
 def _what_if(data_dir: str | None, path: Path, as_json: bool) -> None:

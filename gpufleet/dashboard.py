@@ -61,6 +61,10 @@ class Board:
 
     def fold(self, seq: int, env: Envelope) -> None:
         apply(self.view, env, seq)
+        self.fold_extra(seq, env)
+
+    def fold_extra(self, seq: int, env: Envelope) -> None:
+        """What the board keeps beyond the cluster view (GPU cells, queue usage, histories)."""
         p = env.payload
         if isinstance(p, NodeRegistered):
             self.gpus[p.node_id] = [g.index for g in p.inventory.gpus if not g.mig_enabled]

@@ -37,3 +37,24 @@ async def test_fold_until_a_time_and_watch_since_a_time(bus: Bus, nats_url: str)
                     return
         await asyncio.wait_for(tail(), timeout=10)
     assert seen == ["m0", "m1"]
+
+
+async def test_replay_gives_each_gpu_and_each_queue_at_a_sequence(bus: Bus, nats_url: str) -> None:
+    """`replay --json` (Fleet.state_at): beside jobs and nodes, which job holds which GPU, and each
+    queue's usage, at the head or at any earlier sequence."""
+    from gpufleet.shared.events import JobQuotaReserved
+
+    from .test_node_cores import NODE, placed, submitted
+
+    reserved = ev(JobQuotaReserved(job_id="j1", queue="default", cpu_milli=1000, memory_mib=1024, gpus=2))
+    for e in (ev(NodeRegistered(node_id=NODE, inventory=INV)), submitted("j1"), reserved, placed("j1", gpus=(1,))):
+        await bus.publish(e)
+    async with await Fleet.connect(nats_url=nats_url) as fleet:
+        head = await fleet.state_at()
+        before = await fleet.state_at(until_seq=3)
+    held = {c["gpu"]: (c["state"], c["job"]) for c in head["gpus"][NODE]}
+    assert held == {0: ("free", None), 1: ("allocated", "j1")}
+    assert [(q["queue"], q["gpus_used"], q["running_or_placed"]) for q in head["queues"]] == [("default", 2, 1)]
+    assert head["seq"] == 4 and [j["status"] for j in head["jobs"]] == ["placed"]
+    assert all(c["state"] == "free" for c in before["gpus"][NODE]) and before["seq"] == 3
+    assert [(q["queue"], q["gpus_used"]) for q in before["queues"]] == [("default", 2)]  # reserved, not placed

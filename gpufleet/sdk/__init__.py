@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -118,9 +118,11 @@ class Fleet:
         await self.bus.publish(env)
         return env
 
-    async def fold(self, until_seq: int | None = None, until_time: float | None = None) -> ClusterView:
+    async def fold(self, until_seq: int | None = None, until_time: float | None = None,
+                   also: Callable[[int, Envelope], None] | None = None) -> ClusterView:
         """The cluster state after `until_seq` (default: the head), or as it was at `until_time`
-        (the last event that occurred by then), folded from the log."""
+        (the last event that occurred by then), folded from the log; `also` is given each event
+        folded (another fold of the same events)."""
         view = ClusterView()
         last = 0
         async for batch in read_stream(self.bus, ("fleet.evt.>",), until_seq=until_seq):
@@ -135,8 +137,21 @@ class Fleet:
                     return view
                 last = msg.metadata.sequence.stream
                 apply(view, env, last)
+                if also is not None:
+                    also(last, env)
         view.seq = max(view.seq, until_seq or (last if until_time is not None else await self.bus.last_seq()))
         return view
+
+    async def state_at(self, until_seq: int | None = None, until_time: float | None = None) -> dict[str, Any]:
+        """What `gpufleet replay --json` prints: the fold (`seq`, `jobs`, `nodes`: what the read
+        model holds), each node's GPUs (free, allocated or shared to which jobs, unhealthy,
+        quarantined) and each queue's usage and waiting jobs, as the dashboard shows them."""
+        from gpufleet.dashboard import Board
+
+        board = Board()
+        board.view = await self.fold(until_seq, until_time, also=board.fold_extra)
+        extra = board.state()
+        return {**board.view.as_json(), "gpus": {n["node_id"]: n["gpus"] for n in extra["nodes"]}, "queues": extra["queues"]}
 
     async def history(self, subject: str = "fleet.>") -> list[tuple[int, Envelope]]:
         out: list[tuple[int, Envelope]] = []
