@@ -12,7 +12,15 @@ a service shows up here instead of being agreed with:
 - lost_node: no job is placed or started on a node after it was lost (until it registers again)
   or removed (`node.deregistered`: a removed node's GPUs leave the capacity books);
 - preemption_request: every preemption (`job.preempted`, an exit `preempted`) follows a
-  `job.preemption_requested` for that job.
+  `job.preemption_requested` for that job;
+- author: every fact is by an owner of its type (shared/authz.py `OWNERS`), and sits on the
+  subject its envelope names (the subject is what the server's permissions checked);
+- gap: every sequence between the stream's first and last is there (none deleted);
+- head: the stream starts at sequence 1, or an archive holds what came before (a purge, or limits
+  that dropped the oldest events, leave a log whose fold is not the cluster's history).
+
+The last three need the stream's own facts (`LogFacts`); without them only `author` is checked
+(on the envelopes).
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from gpufleet.services.quota.tree import QuotaTree
+from gpufleet.shared.authz import foreign_author
 from gpufleet.shared.clusterconfig import ClusterConfig
 from gpufleet.shared.events import (
     Envelope,
@@ -38,7 +47,8 @@ from gpufleet.shared.events import (
 )
 
 MILLI = 1000
-INVARIANTS = ("gpu_capacity", "quota_limit", "pending_reason", "lost_node", "preemption_request")
+INVARIANTS = ("gpu_capacity", "quota_limit", "pending_reason", "lost_node", "preemption_request",
+              "author", "gap", "head")
 ENDED = frozenset({"job.succeeded", "job.failed", "job.cancelled", "job.preempted", "job.rejected"})
 TOLD = frozenset({"job.queued", "job.unschedulable", "job.backfill_reserved", "job.rejected"})
 
@@ -52,6 +62,18 @@ class Violation:
     message: str
     job_id: str | None = None
     node_id: str | None = None
+
+
+@dataclass
+class LogFacts:
+    """What the stream itself says, beside the parsed events: its first and last sequence, every
+    sequence read (parsed or not) with its subject, and how far an archive reaches (1..archived)."""
+
+    first_seq: int
+    last_seq: int
+    subjects: dict[int, str] = field(default_factory=dict)
+    archived_to: int = 0
+    exists: bool = True
 
 
 @dataclass
@@ -92,8 +114,38 @@ class Report:
                                for name in INVARIANTS}}
 
 
+def _log_integrity(rep: Report, log: LogFacts) -> None:
+    """gap and head: what is missing from the stream itself."""
+    if not log.exists:
+        rep.violations.append(Violation("head", 0, "", "", "the FLEET stream does not exist: the log is gone"))
+        return
+    if log.first_seq > 1 and log.archived_to < log.first_seq - 1:
+        lost = f"{log.archived_to + 1}..{log.first_seq - 1}"
+        rep.violations.append(Violation(
+            "head", log.first_seq, "", "",
+            f"the log starts at seq {log.first_seq}: seqs {lost} are gone (purged or dropped by a limit) "
+            f"and no archive holds them" if log.last_seq >= log.first_seq else
+            f"the log is empty after seq {log.last_seq}: seqs {lost} were purged and no archive holds them"))
+    start = max(log.first_seq, 1)
+    run_from = None
+    for seq in range(start, log.last_seq + 1):
+        if seq not in log.subjects:
+            run_from = seq if run_from is None else run_from
+            continue
+        if run_from is not None:
+            _gap(rep, run_from, seq - 1)
+            run_from = None
+    if run_from is not None:
+        _gap(rep, run_from, log.last_seq)
+
+
+def _gap(rep: Report, a: int, b: int) -> None:
+    rep.violations.append(Violation("gap", a, "", "", f"seqs {a}..{b} are missing from the stream (deleted)"
+                                    if b > a else f"seq {a} is missing from the stream (deleted)"))
+
+
 def audit(history: Iterable[tuple[int, Envelope]], config: ClusterConfig | None = None,
-          pending_grace_s: float = 10.0) -> Report:
+          pending_grace_s: float = 10.0, log: LogFacts | None = None) -> Report:
     """Fold the log once and report every broken invariant (the first of each is what to read)."""
     tree = QuotaTree(config or ClusterConfig())
     b = _Books()
@@ -103,10 +155,21 @@ def audit(history: Iterable[tuple[int, Envelope]], config: ClusterConfig | None 
     def bad(name: str, seq: int, env: Envelope, message: str, node: str | None = None) -> None:
         rep.violations.append(Violation(name, seq, env.event_id, env.type, message, env.job_id, node))
 
+    if log is not None:
+        _log_integrity(rep, log)
+        rep.head_seq = log.last_seq
     for seq, env in history:
         rep.events += 1
         rep.head_seq = max(rep.head_seq, seq)
         head_at = max(head_at, env.occurred_at.timestamp())
+        forged = foreign_author(env)
+        if forged is not None:
+            bad("author", seq, env, forged)
+            continue  # not folded: the services dead-letter it too
+        subject = log.subjects.get(seq) if log is not None else None
+        if subject is not None and subject != env.subject():
+            bad("author", seq, env, f"published on {subject}, but the envelope belongs on {env.subject()}")
+            continue
         p = env.payload
         job = env.job_id
         if isinstance(p, NodeRegistered):

@@ -45,8 +45,8 @@ async def _wait_nodes(bus: Bus, n: int, timeout_s: float) -> None:
 
 
 async def _drive(nats_url: str, sim_nodes: int, jobs: int, progress: Callable[[str], None] | None,
-                 on_ready: Callable[[], None] | None = None) -> dict[str, Any]:
-    bus = await Bus.connect(nats_url, name="bench")
+                 on_ready: Callable[[], None] | None = None, creds: Path | None = None) -> dict[str, Any]:
+    bus = await Bus.connect(nats_url, name="bench", creds=creds)
     await _wait_nodes(bus, sim_nodes, timeout_s=180)
     if on_ready:
         on_ready()
@@ -149,7 +149,7 @@ def run_layout(sim_nodes: int, jobs: int, postgres: bool, layout: str,
         try:
             sup.start_infra()
             sup.start_services()
-            wait_services_ready(sup.nats_url, timeout_s=120, layout=layout)
+            wait_services_ready(sup.nats_url, timeout_s=120, layout=layout, data_dir=Path(tmp))
             if progress:
                 progress(f"[{layout}] mesh up with {sim_nodes} sim nodes; registering")
             pids = {name: c.proc.pid for name, c in sup.children.items() if c.proc}
@@ -160,7 +160,8 @@ def run_layout(sim_nodes: int, jobs: int, postgres: bool, layout: str,
             def ready() -> None:  # CPU used by start-up and node registration is not the run's
                 before.update({name: _cpu_s(pid) for name, pid in pids.items()})
 
-            result = asyncio.run(_drive(sup.nats_url, sim_nodes, jobs, progress, ready))
+            result = asyncio.run(_drive(sup.nats_url, sim_nodes, jobs, progress, ready,
+                                        creds=sup.realm.creds_path("admin") if sup.realm else None))
             result["postgres"] = postgres
             result["service_restarts"] = sum(c.restarts for c in sup.children.values())
             # CPU seconds each process spent from the first submit to the end of the run

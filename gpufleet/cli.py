@@ -24,8 +24,26 @@ from gpufleet.shared.spec import load_spec_yaml
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="gpufleet: a control plane for GPU clusters, on one event log.")
 schema_app = typer.Typer(no_args_is_help=True, help="The message contract (JSON Schema, AsyncAPI).")
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks; figures go to docs/benchmarks.md.")
+tenant_app = typer.Typer(no_args_is_help=True, help="Tenants' identities: credentials to submit and watch as a tenant.")
 app.add_typer(schema_app, name="schema")
 app.add_typer(bench_app, name="bench")
+app.add_typer(tenant_app, name="tenant")
+
+
+@app.callback()
+def _identity(creds: Annotated[str | None, typer.Option(
+        "--creds", envvar="GPUFLEET_CREDS",
+        help="credentials file: who you are to NATS (default: the data dir's admin credentials)")] = None) -> None:
+    """Every client command connects as --creds (or $GPUFLEET_CREDS), else as the data dir's admin."""
+    if creds:
+        from gpufleet.shared.authz import CredsError, load_creds
+
+        try:
+            load_creds(creds)
+        except CredsError as exc:
+            typer.echo(f"error: --creds: {exc}", err=True)
+            raise typer.Exit(2) from None
+        os.environ["GPUFLEET_CREDS"] = str(Path(creds).resolve())
 
 T = TypeVar("T")
 DataDir = Annotated[str | None, typer.Option("--data-dir", envvar="GPUFLEET_DATA_DIR", help="the mesh's data dir")]
@@ -204,18 +222,14 @@ def submit(
 
 @app.command()
 def cancel(job_id: str, data_dir: DataDir = None,
-           tenant: Annotated[str | None, typer.Option(help="the job's tenant (default: looked up)")] = None) -> None:
-    """Cancel a job (a tenant can cancel only its own jobs)."""
+           tenant: Annotated[str | None, typer.Option(
+               help="only on a server without auth: the job's tenant (with credentials you act as yourself)")] = None,
+           ) -> None:
+    """Cancel a job, as your own identity: a tenant's credentials cancel only its own jobs; the
+    admin's cancel any job, and the log records it as the admin's."""
 
     async def go(fleet: Any) -> None:
-        t = tenant
-        if t is None:
-            view = await fleet.fold()
-            row = view.jobs.get(job_id)
-            if row is None:
-                raise GpufleetError(f"no job {job_id}")
-            t = row.tenant
-        await fleet.cancel(job_id, t)
+        await fleet.cancel(job_id, tenant)
 
     _run(_with_fleet(data_dir, go))
     typer.echo(f"cancel requested for {job_id}")
@@ -415,13 +429,50 @@ def sim(scenario: Annotated[Path, typer.Argument(exists=True, dir_okay=False, he
 @app.command()
 def dashboard(data_dir: DataDir = None,
               port: Annotated[int, typer.Option(help="HTTP port")] = 8080,
-              host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1") -> None:
-    """A live web dashboard from the event stream: cluster map, queues, event feed, job pages."""
-    from gpufleet.dashboard import serve
+              host: Annotated[str, typer.Option("--host", "--bind", help=(
+                  "address to listen on (default: this machine only; any other is reachable from other "
+                  "machines, the token still needed)"))] = "127.0.0.1",
+              token: Annotated[str | None, typer.Option("--token", envvar="GPUFLEET_DASHBOARD_TOKEN", help=(
+                  "the admin token, instead of the one in <data-dir>/dashboard-tokens.json "
+                  "(made there on first use)"))] = None,
+              tenant: Annotated[str | None, typer.Option("--tenant", help=(
+                  "print the URL with this tenant's token (made when it has none) and exit: that page "
+                  "shows only the tenant's own jobs, read-only; a running dashboard takes it at once"))] = None,
+              ) -> None:
+    """A live web dashboard from the event stream: cluster map, queues, event feed, job pages.
+
+    Every request needs a token: open the URL it prints (?token=... sets the page's cookie), or
+    send `Authorization: Bearer TOKEN`."""
+    from gpufleet.dashboard import (
+        Tokens,
+        check_admin_token,
+        ensure_admin_token,
+        exposure_warning,
+        page_url,
+        serve,
+        tenant_token,
+        tokens_path,
+    )
+
+    ddir = resolve_data_dir(data_dir)
+    try:
+        if tenant is not None:
+            url = page_url(host, port, tenant_token(ddir, tenant))
+            typer.echo(f"dashboard of tenant {tenant} (its own jobs only, read-only): {url}")
+            typer.echo(f"(the token is in {tokens_path(ddir)}; `gpufleet dashboard` serves it)")
+            return
+        admin = check_admin_token(token) if token is not None else ensure_admin_token(ddir)
+    except (OSError, ValueError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
 
     async def go(fleet: Any) -> None:
-        _, server, follow = await serve(fleet.bus, host, port)
-        typer.echo(f"dashboard on http://{host}:{port}/ (Ctrl-C stops it)")
+        _, server, follow = await serve(fleet.bus, host, port, tokens=Tokens.of(ddir, admin=token))
+        bound = server.sockets[0].getsockname()[1] if server.sockets else port
+        if (warning := exposure_warning(host, bound)) is not None:
+            typer.echo(warning, err=True)
+        typer.echo(f"dashboard on {page_url(host, bound, admin)} (admin: every tenant; Ctrl-C stops it)")
+        typer.echo("a tenant's own view: gpufleet dashboard --tenant NAME")
         async with server:
             await asyncio.gather(server.serve_forever(), follow)
 
@@ -440,8 +491,8 @@ def audit(data_dir: DataDir = None, as_json: JsonOut = False,
     from gpufleet.audit import audit as run_audit
 
     config = _mesh_config(data_dir)
-    hist = _run(_with_fleet(data_dir, lambda f: f.history()))
-    report = run_audit(hist, config, pending_grace_s=grace)
+    hist, facts = _run(_with_fleet(data_dir, lambda f: f.audit_input()))
+    report = run_audit(hist, config, pending_grace_s=grace, log=facts)
     if as_json:
         _print_json(report.as_json())
     else:
@@ -1011,6 +1062,94 @@ def pools(data_dir: DataDir = None, as_json: JsonOut = False, config: ConfigOpt 
         draining = r["draining"] + r["removing"]
         typer.echo(f"{r['pool']:<14}{what:<14}{r['ready']:>6}{r['provisioning']:>6}{draining:>6}"
                    f"{r['min'] if r['min'] is not None else '-':>5}{r['max'] if r['max'] is not None else '-':>5}  {said}")
+
+
+# ------------------------------------------------------------------ tenants
+
+
+def _realm_and_reload(data_dir: str | None, change: Callable[[Any], T]) -> tuple[T, bool]:
+    """Apply `change` to the data dir's realm, rewrite nats.conf's authorization and, when the mesh
+    runs, have nats-server reload it (SIGHUP). Returns change's result and whether it reloaded."""
+    import signal
+
+    from gpufleet.mesh import running_supervisor
+    from gpufleet.shared.authz import NATS_CONF, Realm, write_nats_config
+
+    ddir = resolve_data_dir(data_dir)
+    realm = Realm.load(ddir)
+    if not realm.exists():
+        raise GpufleetError(f"no identities in {ddir}: start the mesh there first (`gpufleet up`)")
+    out = change(realm)
+    conf_path = ddir / NATS_CONF
+    reloaded = False
+    if conf_path.exists():
+        conf = json.loads(conf_path.read_text())
+        conf["authorization"] = realm.authorization()
+        write_nats_config(conf_path, conf)
+        doc = running_supervisor(ddir)
+        pid = ((doc or {}).get("parts", {}).get("nats") or {}).get("pid")
+        if pid:
+            os.kill(int(pid), signal.SIGHUP)
+            reloaded = True
+    return out, reloaded
+
+
+@tenant_app.command("add")
+def tenant_add(name: str, data_dir: DataDir = None, as_json: JsonOut = False) -> None:
+    """Create a tenant's identity (an nkey; its credentials file is mode 0600) and let the server admit it."""
+    from gpufleet.shared.authz import Realm
+
+    def add(realm: Realm) -> Path:
+        try:
+            realm.add("tenant", name)
+        except ValueError as exc:
+            raise GpufleetError(str(exc)) from None
+        return realm.creds_path(f"tenant-{name}")
+
+    try:
+        path, reloaded = _realm_and_reload(data_dir, add)
+    except GpufleetError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+    if as_json:
+        _print_json({"tenant": name, "creds": str(path), "reloaded": reloaded})
+        return
+    typer.echo(f"tenant {name}: credentials in {path}" + ("" if reloaded else " (the mesh is not running: "
+                                                             "its next start admits them)"))
+    typer.echo(f"  give that file to {name}; they run e.g.  gpufleet --creds {name}.creds submit job.yaml")
+
+
+@tenant_app.command("creds")
+def tenant_creds(name: str, data_dir: DataDir = None,
+                 output: Annotated[Path | None, typer.Option("--output", "-o", help="copy the credentials here (mode 0600)")] = None,
+                 ) -> None:
+    """Where a tenant's credentials are (or a copy of them, with -o)."""
+    from gpufleet.shared.authz import Realm, write_private
+
+    realm = Realm.load(resolve_data_dir(data_dir))
+    path = realm.creds_path(f"tenant-{name}")
+    if not path.exists():
+        known = ", ".join(realm.tenants()) or "none"
+        typer.echo(f"error: no tenant {name!r} (known: {known}); create it with `gpufleet tenant add {name}`", err=True)
+        raise typer.Exit(1)
+    if output is not None:
+        write_private(output, path.read_text())
+        typer.echo(str(output))
+        return
+    typer.echo(str(path))
+
+
+@tenant_app.command("list")
+def tenant_list(data_dir: DataDir = None, as_json: JsonOut = False) -> None:
+    """The tenants that have credentials."""
+    from gpufleet.shared.authz import Realm
+
+    names = Realm.load(resolve_data_dir(data_dir)).tenants()
+    if as_json:
+        _print_json(names)
+        return
+    for n in names:
+        typer.echo(n)
 
 
 def main() -> None:

@@ -21,6 +21,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gpufleet.shared.authz import (
+    ADMIN,
+    NATS_CONF,
+    Realm,
+    ensure_realm,
+    find_creds,
+    load_creds,
+    nats_config,
+    write_nats_config,
+)
 from gpufleet.shared.config import MESH_FILE, data_dir
 from gpufleet.shared.procs import free_port, pid_alive, start_nats, stop_process
 
@@ -76,6 +86,7 @@ class Supervisor:
         self.pg_dsn = ""
         self._stopping = False
         self.config_path: Path | None = None
+        self.realm: Realm | None = None
 
     # -------------------------------------------------------------- mesh.json
 
@@ -86,6 +97,8 @@ class Supervisor:
             "data_dir": str(self.dir),
             "nats_url": self.nats_url,
             "pg_dsn": self.pg_dsn,
+            "auth": "nkeys",
+            "creds_dir": str(self.realm.creds_dir) if self.realm is not None else None,
             "sim_nodes": self.opts.sim_nodes,
             "started_at": time.time(),
             "parts": {
@@ -113,9 +126,16 @@ class Supervisor:
             self.config_path.write_text(Path(self.opts.config).read_text())
         self.logs.mkdir(exist_ok=True)
         port = self.opts.nats_port or free_port()
-        self.nats_proc = start_nats(self.dir / "nats", port, log_file=self.logs / "nats.log")
+        # identities for every service process, the admin and the configured tenants; the server
+        # admits only them, each with the permissions shared/authz.py generates (docs/security.md)
+        self.realm = ensure_realm(self.dir, tenants=self._config_tenants(),
+                                  groups=[g for groups in LAYOUTS.values() for g in groups])
+        conf = write_nats_config(self.dir / NATS_CONF, nats_config(self.dir / "nats", port, self.realm))
+        self.nats_proc = start_nats(self.dir / "nats", port, log_file=self.logs / "nats.log", config=conf)
         self.nats_url = f"nats://127.0.0.1:{port}"
-        log.info("nats-server up at %s", self.nats_url)
+        log.info("nats-server up at %s (auth: %d identities, creds in %s)", self.nats_url,
+                 len(self.realm.identities), self.realm.creds_dir)
+        asyncio.run(_create_streams(self.nats_url, self.realm.creds_path(ADMIN)))
         if self.opts.postgres:
             from gpufleet.shared.pg import EmbeddedPostgres
 
@@ -123,6 +143,18 @@ class Supervisor:
             self.pg.start()
             self.pg_dsn = self.pg.dsn
             log.info("postgres up at %s", self.pg_dsn)
+
+    def _config_tenants(self) -> list[str]:
+        if self.opts.config is None:
+            return []
+        from gpufleet.shared.clusterconfig import load_config
+
+        return sorted(load_config(self.opts.config).tenants)
+
+    def child_creds(self, services: tuple[str, ...]) -> Path:
+        name = "readmodel" if services == ("readmodel",) else "-".join(services)
+        assert self.realm is not None, "start_infra makes the realm"
+        return self.realm.creds_path(f"svc-{name}")
 
     def child_argv(self, services: tuple[str, ...]) -> list[str]:
         py = sys.executable
@@ -147,6 +179,7 @@ class Supervisor:
         out = open(self.logs / f"{child.name}.log", "ab")  # noqa: SIM115 - handed to the child
         # checkpoints live under the data dir (persistent), unless the environment names a root
         env = {"GPUFLEET_CHECKPOINT_ROOT": str(self.dir / "checkpoints"), **os.environ}
+        env["GPUFLEET_CREDS"] = str(self.child_creds(child.services or (child.name,)))
         if self.pg_dsn:
             env["GPUFLEET_PG_DSN"] = self.pg_dsn  # billing's ledger writes to it (services/billing/ledger.py)
         child.proc = subprocess.Popen(child.argv, stdout=out, stderr=subprocess.STDOUT, env=env)
@@ -205,7 +238,7 @@ class Supervisor:
             self.start_infra()
             self.start_services()
             self.write_mesh("starting")
-            wait_services_ready(self.nats_url, timeout_s=60, layout=self.opts.layout)
+            wait_services_ready(self.nats_url, timeout_s=60, layout=self.opts.layout, data_dir=self.dir)
             self.write_mesh("running")
             if on_ready:
                 on_ready(self)
@@ -216,19 +249,33 @@ class Supervisor:
             self.stop_all()
 
 
+async def _create_streams(nats_url: str, admin_creds: Path) -> None:
+    """The admin creates the streams (a service may not): before any service starts."""
+    from gpufleet.shared.bus import Bus
+
+    bus = await Bus.connect(nats_url, name="gpufleet-supervisor", creds=admin_creds)
+    try:
+        await bus.ensure_streams()
+    finally:
+        await bus.close()
+
+
 def durables(layout: str) -> set[str]:
     """The durable consumer each process of a layout creates (after its fold)."""
     return {group[0] if len(group) == 1 else "group-" + "-".join(group) for group in LAYOUTS[layout]}
 
 
-def wait_services_ready(nats_url: str, timeout_s: float, layout: str = "grouped") -> None:
+def wait_services_ready(nats_url: str, timeout_s: float, layout: str = "grouped",
+                        data_dir: Path | None = None) -> None:
     """Ready = every process's durable consumer exists (each creates it after folding)."""
     expected = durables(layout)
     import nats
 
     async def check() -> None:
         deadline = time.monotonic() + timeout_s
-        nc = await nats.connect(nats_url)
+        admin = Realm(data_dir).creds_path(ADMIN) if data_dir is not None else None
+        ident = load_creds(admin) if admin is not None and admin.exists() else find_creds()
+        nc = await nats.connect(nats_url, **(ident.connect_options() if ident else {}))
         try:
             js = nc.jetstream()
             while True:

@@ -20,6 +20,7 @@ import logging
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import nats
@@ -28,6 +29,7 @@ from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfi
 from nats.js.client import JetStreamContext
 
 from . import otel
+from .authz import Creds, find_creds
 from .errors import CasConflict, PermanentError, RetryableError
 from .events import STREAM, TELEMETRY_STREAM, Envelope
 
@@ -52,6 +54,9 @@ def fleet_stream_config(replicas: int = 1) -> StreamConfig:
         allow_atomic=True,
         allow_direct=True,
         max_msg_size=1024 * 1024,
+        # the log cannot be erased through the API: no purge, no deletion of a message
+        deny_delete=True,
+        deny_purge=True,
     )
 
 
@@ -67,6 +72,14 @@ def telemetry_stream_config(replicas: int = 1) -> StreamConfig:
         duplicate_window=10.0,
         allow_direct=True,
     )
+
+
+def _covers(have: StreamConfig, want: StreamConfig) -> bool:
+    """The stream as it is already has what `want` asks for (no update needed)."""
+    keys = ("subjects", "retention", "storage", "num_replicas", "duplicate_window", "allow_atomic",
+            "allow_direct", "max_msg_size", "deny_delete", "deny_purge", "max_age", "discard")
+    return all(getattr(have, k, None) == getattr(want, k, None) or getattr(want, k, None) is None
+               for k in keys)
 
 
 @dataclass(frozen=True)
@@ -104,16 +117,30 @@ class Bus:
         # 1 on one machine, 3 in a cluster (GPUFLEET_STREAM_REPLICAS=3 in docker-compose / k8s)
         self.replicas = int(os.environ.get("GPUFLEET_STREAM_REPLICAS", "1")) if replicas is None else replicas
         self._batch_counter = 0
+        self.creds: Creds | None = None  # who this connection is (None: a server without auth)
+
+    @property
+    def tenant_scope(self) -> str | None:
+        """The tenant this connection may read for, when it is a tenant's (it reads its own
+        subjects only, through push consumers: shared/log.py)."""
+        return self.creds.tenant if self.creds is not None else None
 
     @classmethod
-    async def connect(cls, url: str, name: str = "gpufleet", replicas: int | None = None, **kw: Any) -> Bus:
-        """`url` may list several servers, comma-separated (a cluster)."""
+    async def connect(cls, url: str, name: str = "gpufleet", replicas: int | None = None,
+                      creds: Creds | str | Path | None = None, **kw: Any) -> Bus:
+        """`url` may list several servers, comma-separated (a cluster). `creds`: the identity
+        (shared/authz.py), by default $GPUFLEET_CREDS's; none for a server without auth."""
         servers = [u.strip() for u in url.split(",") if u.strip()]
-        nc = await nats.connect(
-            servers, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
-            connect_timeout=5, **kw,
-        )
-        return cls(nc, replicas=replicas)
+        ident = creds if isinstance(creds, Creds) else find_creds(creds)
+        opts: dict[str, Any] = {"name": name, "max_reconnect_attempts": -1, "reconnect_time_wait": 0.5,
+                                "connect_timeout": 5}
+        if ident is not None:
+            opts.update(ident.connect_options())
+        opts.update(kw)
+        nc = await nats.connect(servers, **opts)
+        bus = cls(nc, replicas=replicas)
+        bus.creds = ident
+        return bus
 
     async def close(self) -> None:
         if not self.nc.is_closed:
@@ -124,7 +151,9 @@ class Bus:
             await self.nc.close()
 
     async def ensure_streams(self) -> None:
-        """Create or update FLEET and FLEET_TELEMETRY; safe to call from every service at start."""
+        """Create or update FLEET and FLEET_TELEMETRY; safe to call from every service at start.
+        A stream already as configured is left alone (only the admin may create or update one:
+        a service with the mesh's permissions just checks)."""
         for name, cfg in ((STREAM, fleet_stream_config(self.replicas)),
                           (TELEMETRY_STREAM, telemetry_stream_config(self.replicas))):
             try:
@@ -132,6 +161,8 @@ class Bus:
                 if (info.config.num_replicas or 1) > (cfg.num_replicas or 1):
                     # never lower a cluster's replication from a service started with the default
                     cfg.num_replicas = info.config.num_replicas
+                if _covers(info.config, cfg):
+                    continue
                 await self.js.update_stream(cfg)
             except nats.js.errors.NotFoundError:
                 try:

@@ -40,10 +40,15 @@ def wait_port(port: int, timeout_s: float = 10.0, host: str = "127.0.0.1") -> No
     raise TimeoutError(f"nothing listening on {host}:{port} after {timeout_s}s")
 
 
-def start_nats(store_dir: Path, port: int, log_file: Path | None = None, detach: bool = False) -> subprocess.Popen[bytes]:
-    """nats-server with JetStream on 127.0.0.1:port, storing under store_dir."""
+def start_nats(store_dir: Path, port: int, log_file: Path | None = None, detach: bool = False,
+               config: Path | None = None) -> subprocess.Popen[bytes]:
+    """nats-server with JetStream on 127.0.0.1:port, storing under store_dir; with `config` (a
+    file shared/authz.py wrote: listen address, store, fsync policy, authorization) from it."""
     store_dir.mkdir(parents=True, exist_ok=True)
-    args = [nats_server_binary(), "-js", "-a", "127.0.0.1", "-p", str(port), "-sd", str(store_dir)]
+    if config is not None:
+        args = [nats_server_binary(), "-c", str(config)]
+    else:
+        args = [nats_server_binary(), "-js", "-a", "127.0.0.1", "-p", str(port), "-sd", str(store_dir)]
     out = open(log_file, "ab") if log_file else subprocess.DEVNULL  # noqa: SIM115 - handed to the child
     proc = subprocess.Popen(
         args, stdout=out, stderr=subprocess.STDOUT, start_new_session=detach,

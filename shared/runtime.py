@@ -36,6 +36,7 @@ from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from . import otel
+from .authz import foreign_author
 from .bus import Bus, Cas
 from .errors import CasConflict, RetryableError
 from .events import STREAM, SYS_TENANT, DeadLetter, Envelope, Payload, parse_envelope, subject_for, utc
@@ -212,7 +213,7 @@ class ServiceRuntime(Generic[S]):
                     env: Envelope | None = parse_envelope(msg.data)
                 except Exception:  # noqa: BLE001 - dead-lettered when consumed
                     env = None
-                if env is None or env.subject() != msg.subject:
+                if env is None or env.subject() != msg.subject or foreign_author(env):
                     continue  # likewise
                 try:
                     state = self.core.evolve(state, env)
@@ -324,6 +325,13 @@ class ServiceRuntime(Generic[S]):
                 # tenant, job or type than the subject it was allowed to publish on
                 outputs.append(self._dead_letter(
                     msg, f"invalid message: envelope belongs on {env.subject()}, not {msg.subject}"))
+                bad.append(msg)
+                continue
+            forged = foreign_author(env)
+            if forged is not None:
+                # the server's permissions should have refused it already (shared/authz.py): a
+                # second line of defence, so a misconfigured server cannot make a core act on it
+                outputs.append(self._dead_letter(msg, f"foreign author: {forged}"))
                 bad.append(msg)
                 continue
             if md.num_delivered > MAX_DELIVER:

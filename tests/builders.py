@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from datetime import UTC, datetime, timedelta
 from typing import Any, Generic, TypeVar
 
+from gpufleet.shared.authz import owner_actor
 from gpufleet.shared.bus import subject_matches
 from gpufleet.shared.events import (
     SYS_TENANT,
@@ -139,7 +140,7 @@ def event_id(seq: int) -> str:
 
 
 def event(payload: _Payload, *, tenant: str | None = None, seq: int | None = None, at: datetime | None = None,
-          actor: str = "test", cause: Envelope | None = None) -> Envelope:
+          actor: str | None = None, cause: Envelope | None = None) -> Envelope:
     """An envelope around `payload`: node and dead-letter facts default to tenant 'sys', the rest to 'acme'."""
     if seq is None:
         seq = next(_seq)
@@ -147,6 +148,8 @@ def event(payload: _Payload, *, tenant: str | None = None, seq: int | None = Non
         kind = str(payload.type)  # type: ignore[attr-defined]
         tenant = SYS_TENANT if kind.startswith(("node.", "sys.")) else "acme"
     job_id = getattr(payload, "job_id", None)
+    if actor is None:  # by default the event is by its type's owner (shared/authz.py)
+        actor = owner_actor(str(payload.type))  # type: ignore[attr-defined]
     return Envelope(
         event_id=event_id(seq), type=payload.type,  # type: ignore[attr-defined]
         occurred_at=at or T0 + timedelta(milliseconds=seq % 1_000_000),

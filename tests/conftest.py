@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from gpufleet.mesh import LAYOUTS
+from gpufleet.shared.authz import ADMIN, Realm, ensure_realm, nats_config, write_nats_config
 from gpufleet.shared.bus import Bus
 from gpufleet.shared.procs import free_port, start_nats, stop_process
 
@@ -15,10 +17,25 @@ REPO = Path(__file__).resolve().parent.parent
 SHARED_DATA = Path(os.environ.get("GPUFLEET_SHARED", REPO.parent / "shared"))
 
 
+TEST_TENANTS = ("acme", "beta")
+
+
 @pytest.fixture
-def nats_url(tmp_path: Path) -> Iterator[str]:
+def realm(tmp_path: Path) -> Realm:
+    """The identities of the test's nats-server, as `gpufleet up` makes them (shared/authz.py)."""
+    return ensure_realm(tmp_path / "realm", tenants=TEST_TENANTS, groups=[g for gs in LAYOUTS.values() for g in gs])
+
+
+@pytest.fixture
+def nats_url(tmp_path: Path, realm: Realm, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """A real nats-server with the generated authorization: nothing connects without credentials.
+    The test itself (and every CLI it runs) is the admin, through $GPUFLEET_CREDS; a test that
+    plays another identity connects with `realm.creds_path(...)`."""
     port = free_port()
-    proc = start_nats(tmp_path / "nats", port)
+    conf = write_nats_config(tmp_path / "nats.conf", nats_config(tmp_path / "nats", port, realm))
+    proc = start_nats(tmp_path / "nats", port, config=conf, log_file=tmp_path / "nats.log")
+    monkeypatch.setenv("GPUFLEET_CREDS", str(realm.creds_path(ADMIN)))
+    monkeypatch.setenv("GPUFLEET_TEST_REALM", str(realm.dir))
     try:
         yield f"nats://127.0.0.1:{port}"
     finally:

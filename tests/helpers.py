@@ -7,6 +7,7 @@ import os
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 from gpufleet.services.admission.core import AdmissionCore
@@ -61,7 +62,7 @@ async def running(url: str, cores: list[Core[Any]]) -> AsyncIterator[list[Servic
     rts: list[ServiceRuntime[Any]] = []
     tasks = []
     for core in cores:
-        bus = await Bus.connect(url, name=core.name)
+        bus = await Bus.connect(url, name=core.name, creds=service_creds(core.name))
         rt: ServiceRuntime[Any] = ServiceRuntime(core, bus, fetch_timeout_s=0.05)
         await rt.start()
         rts.append(rt)
@@ -74,6 +75,16 @@ async def running(url: str, cores: list[Core[Any]]) -> AsyncIterator[list[Servic
         await asyncio.gather(*tasks, return_exceptions=True)
         for rt in rts:
             await rt.bus.close()
+
+
+def service_creds(name: str) -> Path | None:
+    """The test server's credentials of service `name` (conftest's realm), so a core runs with
+    exactly the permissions `gpufleet up` gives it; None (the admin's) for a test's own core."""
+    realm = os.environ.get("GPUFLEET_TEST_REALM")
+    if not realm:
+        return None
+    p = Path(realm) / "creds" / f"svc-{name}.creds"
+    return p if p.exists() else None
 
 
 async def read_log(bus: Bus) -> list[tuple[int, Envelope]]:

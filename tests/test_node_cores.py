@@ -16,6 +16,7 @@ from gpufleet.services.executor.core import (
 )
 from gpufleet.services.executor.drivers import Workload
 from gpufleet.services.telemetry.core import JobUse, Rules, TelemetryCore, TelemetryState, Windows
+from gpufleet.shared.authz import owner_actor
 from gpufleet.shared.events import (
     Envelope,
     GpuDevice,
@@ -44,7 +45,9 @@ def ctx(at: float = T0) -> Ctx:
 
 
 def ev(payload: Payload, at: float = T0, tenant: str = "acme") -> Envelope:
-    return ctx(at).emit(payload, tenant=tenant, key=f"{payload.type}:{at}:{getattr(payload, 'replica', 0)}")
+    """`payload` as its owner service would have said it (shared/authz.py)."""
+    env = ctx(at).emit(payload, tenant=tenant, key=f"{payload.type}:{at}:{getattr(payload, 'replica', 0)}")
+    return env.model_copy(update={"actor": owner_actor(env.type)})
 
 
 def submitted(job: str, **spec: Any) -> Envelope:

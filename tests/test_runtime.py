@@ -26,7 +26,8 @@ from gpufleet.shared.events import (
     TERMINAL_JOB_TYPES,
     Envelope,
     JobAdmitted,
-    JobQueued,
+    JobRejected,
+    Reason,
     SubmitRequested,
 )
 from gpufleet.shared.runtime import BaseCore, Core, Ctx, ServiceRuntime
@@ -143,9 +144,10 @@ class CrashBeforeAck(ServiceRuntime[Any]):
 
 
 class Echo(BaseCore[None]):
-    """Decides two facts per submit and folds nothing: only the server's dedupe stops a copy."""
+    """Decides two facts per submit and folds nothing: only the server's dedupe stops a copy.
+    It stands in for admission (whose facts these are: shared/authz.py)."""
 
-    name = "echo"
+    name = "admission"
     subjects = ("fleet.cmd.*.submit",)
 
     def initial_state(self) -> None:
@@ -157,7 +159,8 @@ class Echo(BaseCore[None]):
     def decide(self, state: None, env: Envelope, ctx: Ctx) -> list[Envelope]:
         assert isinstance(env.payload, SubmitRequested)
         job_id = env.payload.job_id
-        return [ctx.emit(JobAdmitted(job_id=job_id)), ctx.emit(JobQueued(job_id=job_id, queue="echo"))]
+        return [ctx.emit(JobAdmitted(job_id=job_id)),
+                ctx.emit(JobRejected(job_id=job_id, reasons=(Reason(code="echo", message="echo"),)))]
 
 
 @pytest.mark.parametrize("make_core", [AdmissionCore, Echo], ids=["folded-state", "server-dedupe"])

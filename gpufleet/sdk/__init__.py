@@ -15,11 +15,17 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
+import nats
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
+from gpufleet.shared.authz import ADMIN, find_creds
 from gpufleet.shared.bus import Bus
+from gpufleet.shared.config import data_dir as resolve_data_dir
 from gpufleet.shared.config import resolve_nats_url
+from gpufleet.shared.errors import GpufleetError, MeshNotRunning
 from gpufleet.shared.events import (
+    STREAM,
+    SYS_TENANT,
     TERMINAL_JOB_TYPES,
     CancelRequestedCmd,
     Envelope,
@@ -77,9 +83,32 @@ class Fleet:
         self.bus = bus
 
     @classmethod
-    async def connect(cls, data_dir: str | None = None, nats_url: str | None = None) -> Fleet:
+    async def connect(cls, data_dir: str | None = None, nats_url: str | None = None,
+                      creds: str | None = None) -> Fleet:
+        """Connect as `creds` (a credentials file), else $GPUFLEET_CREDS, else the data dir's admin
+        (the local operator). A server that is down is reported within seconds (MeshNotRunning)."""
         url = nats_url or resolve_nats_url(data_dir)
-        return cls(await Bus.connect(url, name="gpufleet-sdk"))
+        ident = find_creds(creds, resolve_data_dir(data_dir))
+        try:
+            bus = await Bus.connect(url, name="gpufleet-sdk", creds=ident, connect_timeout=3,
+                                    max_reconnect_attempts=10)  # a refused or absent server: an error in ~5 s
+        except (nats.errors.NoServersError, OSError, TimeoutError) as exc:
+            raise MeshNotRunning(f"cannot reach NATS at {url}: {exc}") from None
+        except nats.errors.Error as exc:
+            if "authorization" in str(exc).lower():
+                who = ident.identity if ident else "no credentials"
+                raise GpufleetError(f"NATS at {url} refused {who}: {exc}") from None
+            raise
+        return cls(bus)
+
+    @property
+    def tenant(self) -> str | None:
+        """The tenant this client acts as (its credentials'), None for the admin or no auth."""
+        return self.bus.tenant_scope
+
+    @property
+    def is_admin(self) -> bool:
+        return self.bus.creds is not None and self.bus.creds.is_admin
 
     async def __aenter__(self) -> Fleet:
         return self
@@ -91,17 +120,37 @@ class Fleet:
         await self.bus.close()
 
     async def submit(self, spec: dict[str, Any], job_id: str | None = None, validate: bool = True) -> str:
-        """Publish a submit command; returns the job id. Raises SpecError on a bad spec."""
+        """Publish a submit command; returns the job id. Raises SpecError on a bad spec. A tenant's
+        credentials submit for that tenant only (a spec without `tenant` gets it)."""
+        if self.tenant is not None:
+            named = spec.get("tenant")
+            if named is None:
+                spec = {**spec, "tenant": self.tenant}
+            elif named != self.tenant:
+                raise GpufleetError(f"tenant: these credentials are tenant {self.tenant}'s; the spec names "
+                                    f"tenant {named!r}")
         if validate:
             parse_spec(spec)
         job_id = job_id or new_job_id()
         await self.bus.publish(submit_envelope(spec, job_id))
         return job_id
 
-    async def cancel(self, job_id: str, tenant: str, reason: str = "cancelled by user") -> None:
+    async def cancel(self, job_id: str, tenant: str | None = None, reason: str = "cancelled by user") -> None:
+        """Ask to cancel a job, as the caller's own identity: a tenant's credentials cancel on its
+        own subject (admission refuses another tenant's job); the admin's on `fleet.cmd.sys.cancel`
+        (an admin cancel, logged as the admin's). `tenant` is for a server without auth only."""
+        actor = "sdk"
+        if self.tenant is not None:
+            if tenant not in (None, self.tenant):
+                raise GpufleetError(f"tenant: these credentials are tenant {self.tenant}'s, not {tenant!r}'s")
+            tenant = self.tenant
+        elif self.is_admin:
+            tenant, actor = SYS_TENANT, f"{ADMIN}/cli"
+        elif tenant is None:
+            raise GpufleetError("tenant: say whose job it is (a server without auth has no identities)")
         env = Envelope(
             event_id=derive_id(job_id, f"cancel:{time.time_ns()}"), type="cmd.cancel", occurred_at=utc(time.time()),
-            tenant=tenant, actor="sdk", correlation_id=job_id, payload=CancelRequestedCmd(job_id=job_id, reason=reason),
+            tenant=tenant, actor=actor, correlation_id=job_id, payload=CancelRequestedCmd(job_id=job_id, reason=reason),
         )
         await self.bus.publish(env)
 
@@ -139,7 +188,8 @@ class Fleet:
                 apply(view, env, last)
                 if also is not None:
                     also(last, env)
-        view.seq = max(view.seq, until_seq or (last if until_time is not None else await self.bus.last_seq()))
+        head = last if until_time is not None or self.tenant is not None else await self.bus.last_seq()
+        view.seq = max(view.seq, until_seq or head)
         return view
 
     async def state_at(self, until_seq: int | None = None, until_time: float | None = None) -> dict[str, Any]:
@@ -163,6 +213,27 @@ class Fleet:
                     continue
         return out
 
+    async def audit_input(self) -> tuple[list[tuple[int, Envelope]], Any]:
+        """The whole log as `gpufleet audit` reads it: the parsed events, and the stream's own
+        facts (first and last sequence, the subject of every sequence read, parsed or not)."""
+        from gpufleet.audit import LogFacts
+
+        try:
+            info = await self.bus.js.stream_info(STREAM)
+        except nats.js.errors.NotFoundError:
+            return [], LogFacts(0, 0, exists=False)
+        facts = LogFacts(int(info.state.first_seq), int(info.state.last_seq))
+        out: list[tuple[int, Envelope]] = []
+        async for batch in read_stream(self.bus, ("fleet.>",), until_seq=facts.last_seq):
+            for msg in batch:
+                seq = msg.metadata.sequence.stream
+                facts.subjects[seq] = msg.subject
+                try:
+                    out.append((seq, parse_envelope(msg.data)))
+                except Exception:  # noqa: BLE001 - a bad message is dead-lettered; its seq still counts
+                    continue
+        return out, facts
+
     async def explain(self, job_id: str) -> Explanation | None:
         """What `gpufleet explain JOB` says: the job's events (with the client commands that name
         it) in log order, why it waits (each statement with the seq of its event) and its
@@ -181,8 +252,16 @@ class Fleet:
                     until_terminal: str | None = None, since: float | None = None,
                     ) -> AsyncIterator[tuple[int, Envelope]]:
         """Live events on `subject` (an ordered consumer), new ones, all (`from_start`) or those
-        stored since the unix time `since`; stops after the terminal event of job `until_terminal`."""
-        if since is not None:
+        stored since the unix time `since`; stops after the terminal event of job `until_terminal`.
+        A tenant watches its own subjects only (a push consumer on the one it may read)."""
+        if self.tenant is not None:
+            from gpufleet.shared.log import scoped, tenant_subscribe
+
+            policy = (DeliverPolicy.BY_START_TIME if since is not None else
+                      DeliverPolicy.ALL if from_start else DeliverPolicy.NEW)
+            sub = await tenant_subscribe(self.bus, scoped(subject, self.tenant), policy,
+                                         opt_start_time=utc(since) if since is not None else None)
+        elif since is not None:
             sub = await self.bus.js.subscribe(
                 subject, ordered_consumer=True, deliver_policy=DeliverPolicy.BY_START_TIME,
                 config=ConsumerConfig(opt_start_time=utc(since)))

@@ -22,6 +22,7 @@ from gpufleet.shared.cluster import pool_shapes
 from gpufleet.shared.clusterconfig import MAX_PAYLOAD_BYTES, ClusterConfig, TenantPolicy
 from gpufleet.shared.errors import SpecError
 from gpufleet.shared.events import (
+    SYS_TENANT,
     BudgetExceeded,
     CancelRequestedCmd,
     Envelope,
@@ -380,7 +381,10 @@ class AdmissionCore(BaseCore[AdmissionState]):
         known = state.jobs.get(p.job_id)
         if known is None:
             return self._refuse(ctx, env, p.job_id, "cancel", _r("unknown_job", f"no job {p.job_id}", "job_id"))
-        if known[0] != env.tenant:
+        # `fleet.cmd.sys.cancel` is the admin's subject (only the admin may publish there): an
+        # operator's cancel of any tenant's job, recorded under the job's tenant as the admin's
+        admin = env.tenant == SYS_TENANT
+        if known[0] != env.tenant and not admin:
             # the same words as for an unknown job: another tenant's jobs are not to be probed
             return self._refuse(ctx, env, p.job_id, "cancel", _r("unknown_job", f"no job {p.job_id}", "job_id"))
         if known[1] == CANCELLING:
@@ -389,7 +393,8 @@ class AdmissionCore(BaseCore[AdmissionState]):
             return self._refuse(ctx, env, p.job_id, "cancel", _r("already_ended", f"job {p.job_id} has ended"))
         # Admission may lag behind the job: it only asks. The placer, which alone places jobs,
         # cancels one it has not placed; the executor stops one that runs; the guardian ends it.
-        return [ctx.emit(JobCancelRequested(job_id=p.job_id, reason=p.reason, requested_by=env.actor))]
+        return [ctx.emit(JobCancelRequested(job_id=p.job_id, reason=p.reason, requested_by=env.actor),
+                         tenant=known[0])]
 
 
 def _amount_key(d: Decimal) -> str:
