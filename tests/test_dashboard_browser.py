@@ -1,6 +1,7 @@
 """The dashboard in a real headless browser (Chromium, driven by Playwright) against a live mesh.
 
-The page loads, shows the cluster; a job submitted during the test appears in the job table
+The page loads with its token in the URL (which sets its cookie, then leaves the address bar)
+and shows the cluster; a job submitted during the test appears in the job table
 and changes state on screen without a reload; its page opens and follows it to the end. A
 screenshot is saved (to $GPUFLEET_ARTIFACTS when set, else the test's tmp dir).
 
@@ -16,11 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from gpufleet.dashboard import serve
+from gpufleet.dashboard import Tokens, serve
 from gpufleet.shared.bus import Bus
 from gpufleet.shared.procs import free_port
 
 from .helpers import default_cores, nodes_registered, running, submit_cmd, wait_until
+
+TOKEN = "browser-test-admin-token-0123"
 
 
 def chromium() -> str | None:
@@ -47,7 +50,7 @@ pytestmark = pytest.mark.skipif(chromium() is None, reason="no Chromium binary (
 async def test_dashboard_in_headless_chromium(bus: Bus, nats_url: str, tmp_path: Path) -> None:
     pw = pytest.importorskip("playwright.async_api")
     port = free_port()
-    _, server, follow = await serve(bus, "127.0.0.1", port)
+    _, server, follow = await serve(bus, "127.0.0.1", port, tokens=Tokens(admin=TOKEN))
     try:
         async with running(nats_url, default_cores(sim_nodes=2)):
             await wait_until(lambda: nodes_registered(bus, 2))
@@ -58,7 +61,13 @@ async def test_dashboard_in_headless_chromium(bus: Bus, nats_url: str, tmp_path:
                     page = await browser.new_page(viewport={"width": 1280, "height": 900})
                     errors: list[str] = []
                     page.on("pageerror", lambda exc: errors.append(str(exc)))
-                    await page.goto(f"http://127.0.0.1:{port}/")
+                    # without the token: 401, saying how to give it, and nothing of the cluster
+                    bare = await browser.new_page()
+                    resp = await bare.goto(f"http://127.0.0.1:{port}/")
+                    assert resp is not None and resp.status == 401 and "?token=" in await bare.inner_text("body")
+                    await bare.close()
+                    await page.goto(f"http://127.0.0.1:{port}/?token={TOKEN}")
+                    assert TOKEN not in page.url  # out of the address bar (the cookie carries it now)
                     # the cluster map is drawn from the live state: two sim nodes, their GPUs free
                     await page.wait_for_function("document.querySelectorAll('#map .node').length == 2", timeout=15_000)
                     assert await page.locator("#map .gpu.free").count() > 0
@@ -104,7 +113,7 @@ async def test_dashboard_in_headless_chromium(bus: Bus, nats_url: str, tmp_path:
                     assert "job.succeeded" in feed and "job.started" not in feed and "node.registered" not in feed
                     await page.fill("#filter", "")
                     assert "node.registered" in await page.inner_text("#feed")
-                    # a direct link opens the job's page
+                    # a direct link opens the job's page (the cookie is the token)
                     await page.goto(f"http://127.0.0.1:{port}/#job/{job_id}")
                     await page.wait_for_function(
                         "document.querySelector('#jobtitle').dataset.status == 'succeeded'", timeout=10_000)
