@@ -127,16 +127,37 @@ def _cpu_s(pid: int) -> float:
 
 def run_e2e(sim_nodes: int = 5000, jobs: int = 20000, postgres: bool = True,
             progress: Callable[[str], None] | None = None, layouts: tuple[str, ...] = ("grouped", "separate"),
-            ) -> dict[str, Any]:
-    """Run the bench once per layout, the first being the one reported; the others are baselines."""
-    runs = {layout: run_layout(sim_nodes, jobs, postgres, layout, progress) for layout in layouts}
+            syncs: tuple[str, ...] = ("always",)) -> dict[str, Any]:
+    """Run the bench once per layout, the first being the one reported; the others are baselines.
+    With several `syncs` (JetStream fsync policies: `always`, or `lazy` for the server's default),
+    the first layout also runs under each further one, as a baseline of the same run."""
+    runs = {layout: _with_sync(syncs[0], lambda lo=layout: run_layout(sim_nodes, jobs, postgres, lo, progress))
+            for layout in layouts}
     main = dict(runs[layouts[0]])
     main["layout"] = layouts[0]
+    main["nats_sync"] = syncs[0]
     for layout in layouts[1:]:
         base = runs[layout]
         main[f"baseline_{layout}"] = base
         main[f"ratio_vs_{layout}"] = round(main["placed_rate_jobs_s"] / max(1e-9, base["placed_rate_jobs_s"]), 2)
+    for sync in syncs[1:]:
+        base = _with_sync(sync, lambda: run_layout(sim_nodes, jobs, postgres, layouts[0], progress))
+        main[f"baseline_sync_{sync}"] = base
+        main[f"ratio_vs_sync_{sync}"] = round(main["placed_rate_jobs_s"] / max(1e-9, base["placed_rate_jobs_s"]), 2)
     return main
+
+
+def _with_sync(sync: str, run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """Run with the embedded nats-server's fsync policy `sync` (shared/authz.py nats_config)."""
+    old = os.environ.get("GPUFLEET_NATS_SYNC")
+    os.environ["GPUFLEET_NATS_SYNC"] = sync
+    try:
+        return run()
+    finally:
+        if old is None:
+            os.environ.pop("GPUFLEET_NATS_SYNC", None)
+        else:
+            os.environ["GPUFLEET_NATS_SYNC"] = old
 
 
 def run_layout(sim_nodes: int, jobs: int, postgres: bool, layout: str,

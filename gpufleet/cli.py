@@ -124,13 +124,30 @@ def up(
         doc = up_detached(opts)
         typer.echo(f"gpufleet running in {ddir}: NATS {doc['nats_url']}, PostgreSQL {doc['pg_dsn'] or '-'}, "
                    f"{sim_nodes} sim nodes")
+        _up_notes(ddir, config)
         return
 
     def ready(sup: Supervisor) -> None:
         typer.echo(f"gpufleet running in {ddir}: NATS {sup.nats_url}, PostgreSQL {sup.pg_dsn or '-'}, "
                    f"{sim_nodes} sim nodes. Ctrl-C stops it.")
+        _up_notes(ddir, config)
 
     Supervisor(opts).run(on_ready=ready)
+
+
+def _up_notes(ddir: Path, config: Path | None) -> None:
+    """What `up` says once: who may connect, the dashboard's token (first start only), an open cluster."""
+    from gpufleet.dashboard import TOKENS_FILE, ensure_admin_token
+
+    typer.echo(f"auth: nkeys; you are the admin ({ddir / 'creds' / 'admin.creds'}); tenants: "
+               f"`gpufleet tenant add NAME`, then `gpufleet --creds NAME.creds ...`")
+    first = not (ddir / TOKENS_FILE).exists()
+    token = ensure_admin_token(ddir)
+    if first:
+        typer.echo(f"dashboard token (shown once; kept in {ddir / TOKENS_FILE}): {token}")
+    if config is None:
+        typer.echo(f"open cluster: any tenant with credentials may submit, to any queue ({ddir / 'cluster.yaml'}); "
+                   "`gpufleet up --config` with tenants and queues closes it (docs/config.md)")
 
 
 @app.command()
@@ -236,9 +253,15 @@ def cancel(job_id: str, data_dir: DataDir = None,
 
 
 def _rows(kind: str, data_dir: str | None) -> list[dict[str, Any]]:
-    """The live read model (PostgreSQL), or the fold of the log when the mesh has none."""
+    """The live read model (PostgreSQL), or the fold of the log when the mesh has none. A tenant
+    (its --creds) reads only its own events: the fold of them, never the shared read model."""
+    from gpufleet.shared.authz import find_creds
+
+    ident = find_creds(None, resolve_data_dir(data_dir))
     dsn = os.environ.get("GPUFLEET_PG_DSN") if not data_dir else None
-    if dsn is None:
+    if ident is not None and ident.tenant is not None:
+        dsn = None
+    elif dsn is None:
         dsn = read_mesh(data_dir).get("pg_dsn") or None
     if dsn:
         from gpufleet.shared.readmodel import query_rows
@@ -636,13 +659,20 @@ def bench_e2e(
     as_json: JsonOut = False,
     postgres: Annotated[bool, typer.Option(help="include the PostgreSQL read model in the mesh")] = True,
     layouts: Annotated[str, typer.Option(help="layouts to run, the first reported, the rest as baselines")] = "grouped,separate",
+    nats_sync: Annotated[str, typer.Option(
+        help="JetStream fsync policies: always (the mesh's), lazy (the server's default: every 2 min); "
+             "the first reported, the rest as baselines of the first layout")] = "always",
 ) -> None:
     """Submit jobs as fast as the mesh takes them; report submit->placed rate and latency."""
     from gpufleet.bench import run_e2e
 
+    syncs = tuple(x.strip() for x in nats_sync.split(",") if x.strip())
+    if not syncs or any(x not in ("always", "lazy") for x in syncs):
+        typer.echo("error: --nats-sync: a list of always / lazy", err=True)
+        raise typer.Exit(2)
     result = run_e2e(sim_nodes=sim_nodes, jobs=jobs_n, postgres=postgres,
                      progress=None if as_json else (lambda s: typer.echo(s, err=True)),
-                     layouts=tuple(x.strip() for x in layouts.split(",") if x.strip()))
+                     layouts=tuple(x.strip() for x in layouts.split(",") if x.strip()), syncs=syncs)
     if as_json:
         _print_json(result)
     else:
@@ -818,6 +848,10 @@ async def _estimate_doc(spec: Any, cfg: Any, data_dir: str | None, duration_s: f
         fleet = await Fleet.connect(data_dir=data_dir)
     except Exception as exc:  # noqa: BLE001 - no mesh: the cost alone
         return estimate(spec, cfg, duration_s=duration_s, wait_note=f"no mesh to ask ({exc})")
+    if fleet.tenant is not None:  # it may read its own events only, not the queues and nodes
+        await fleet.close()
+        return estimate(spec, cfg, duration_s=duration_s,
+                        wait_note="a tenant's credentials do not read the cluster's queues and nodes: cost only")
     try:
         placer, quota, admission = PlacerCore(cfg), QuotaCore(cfg), AdmissionCore(cfg)
         pstate, qstate, astate = await fold(fleet.bus, [placer, quota, admission])
@@ -1150,6 +1184,116 @@ def tenant_list(data_dir: DataDir = None, as_json: JsonOut = False) -> None:
         return
     for n in names:
         typer.echo(n)
+
+
+# ------------------------------------------------------------------ TLS and cluster configs (distributed mode)
+
+certs_app = typer.Typer(no_args_is_help=True, help="Distributed mode: a test CA and NATS server certificates, "
+                                                   "the authorization include, a local TLS cluster's configs.")
+app.add_typer(certs_app, name="certs")
+
+
+@certs_app.command("make")
+def certs_make(
+    out: Annotated[Path, typer.Option("--out", help="folder for ca.pem, <server>.pem, <server>-key.pem (never commit it)")],
+    server: Annotated[list[str], typer.Option("--server", help="a NATS server's name (repeat): its certificate names it")],
+    host: Annotated[list[str] | None, typer.Option(
+        "--host", help="another DNS name or IP every certificate names (repeat), e.g. the alias all servers share")] = None,
+    days: Annotated[int, typer.Option(help="validity of new certificates")] = 365,
+    new_ca: Annotated[bool, typer.Option("--new-ca", help="make a new CA even if --out has one")] = False,
+    as_json: JsonOut = False,
+) -> None:
+    """A test CA and one certificate per NATS server (serverAuth + clientAuth: routes are mutual TLS);
+    each names the server, every --host, localhost and 127.0.0.1. Keys are mode 0600. A CA already in
+    --out is reused, so existing clients keep trusting the new certificates."""
+    from gpufleet.shared.tls import make_test_pki
+
+    try:
+        pki = make_test_pki(out, server, host or [], days=days, new_ca=new_ca)
+    except ValueError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    if as_json:
+        _print_json(pki.to_json())
+        return
+    typer.echo(f"CA {pki.ca_file} ({'reused' if pki.ca_reused else 'new'}; its key {pki.ca_key_file})")
+    for s in pki.servers.values():
+        typer.echo(f"  {s.name}: {s.cert_file}  {s.key_file}")
+    typer.echo("clients trust the CA: SSL_CERT_FILE=" + str(pki.ca_file) + " (or tls= ssl.create_default_context(cafile=...))")
+
+
+def _deploy_realm(realm_dir: Path, tenants: list[str] | None) -> Any:
+    from gpufleet.shared.authz import ensure_realm
+
+    try:
+        return ensure_realm(realm_dir, tenants=tenants or [])
+    except ValueError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+
+
+RealmOpt = Annotated[Path, typer.Option("--realm", help="the identities' folder (creds/ under it; made if missing, keys kept)")]
+TenantOpt = Annotated[list[str] | None, typer.Option("--tenant", help="also a tenant identity (repeat)")]
+
+
+@certs_app.command("authorization")
+def certs_authorization(
+    realm_dir: RealmOpt,
+    out: Annotated[Path, typer.Option("--out", help="the file deploy/nats/*.conf include (authorization.conf)")],
+    tenant: TenantOpt = None,
+    as_json: JsonOut = False,
+) -> None:
+    """The identities (admin, every service, the read model, --tenant) under --realm, and the
+    `authorization` block the deploy/ NATS configs include (mode 0600): the same users and
+    permissions as the embedded mesh."""
+    from gpufleet.shared.authz import write_private
+
+    realm = _deploy_realm(realm_dir, tenant)
+    write_private(out, "# generated by `gpufleet certs authorization`; do not edit, do not commit\n"
+                       "authorization: " + json.dumps(realm.authorization(), indent=2) + "\n")
+    if as_json:
+        _print_json({"authorization": str(out), "creds_dir": str(realm.creds_dir),
+                     "identities": sorted(realm.identities)})
+        return
+    typer.echo(f"{out}: {len(realm.identities)} users; their credentials in {realm.creds_dir}")
+
+
+@certs_app.command("cluster-config")
+def certs_cluster_config(
+    realm_dir: RealmOpt,
+    out: Annotated[Path, typer.Option("--out", help="folder for nats-<i>.conf and the nodes' stores (data/)")],
+    nodes: Annotated[int, typer.Option(help="servers in the cluster")] = 3,
+    certs: Annotated[Path | None, typer.Option(
+        help="certificates from `gpufleet certs make` for nats-1..N (default: made in OUT/certs)")] = None,
+    client_port: Annotated[int, typer.Option(help="node i listens for clients on this + i - 1")] = 4222,
+    cluster_port: Annotated[int, typer.Option(help="node i listens for routes on this + i - 1")] = 6222,
+    tenant: TenantOpt = None,
+    as_json: JsonOut = False,
+) -> None:
+    """The configs of a local N-node JetStream cluster on 127.0.0.1: the realm's authorization,
+    TLS for clients, mutual TLS on the routes. Start each node with `nats-server -c OUT/nats-<i>.conf`."""
+    from gpufleet.shared.tls import load_pki, node_names, write_local_cluster
+
+    realm = _deploy_realm(realm_dir, tenant)
+    try:
+        pki = None
+        if certs is not None:
+            pki = load_pki(certs)
+            missing = [n for n in node_names(nodes) if n not in pki.servers]
+            if missing:
+                raise ValueError(f"{certs} has no certificate for {', '.join(missing)}")
+        cluster = write_local_cluster(realm, out, nodes, pki,
+                                      [client_port + i for i in range(nodes)], [cluster_port + i for i in range(nodes)])
+    except (ValueError, FileNotFoundError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    if as_json:
+        _print_json({**cluster.to_json(), "creds_dir": str(realm.creds_dir)})
+        return
+    for n in cluster.nodes:
+        typer.echo(f"{n.name}: {n.config}  (clients {n.url}, routes {n.cluster_port})  nats-server -c {n.config}")
+    typer.echo(f"clients: GPUFLEET_NATS_URL={cluster.url} SSL_CERT_FILE={cluster.pki.ca_file} "
+               f"GPUFLEET_CREDS={realm.creds_path('admin')} GPUFLEET_STREAM_REPLICAS={min(nodes, 3)}")
 
 
 def main() -> None:

@@ -30,6 +30,7 @@ from gpufleet.shared.authz import (
     load_creds,
     nats_config,
     write_nats_config,
+    write_private,
 )
 from gpufleet.shared.config import MESH_FILE, data_dir
 from gpufleet.shared.procs import free_port, pid_alive, start_nats, stop_process
@@ -46,6 +47,14 @@ LAYOUTS: dict[str, tuple[tuple[str, ...], ...]] = {
     "grouped": (("admission", "quota", "guardian", "telemetry", "billing", "autoscaler"), ("placer",), ("executor",)),
 }
 RESTART_BACKOFF_S = (0.5, 1, 2, 5, 10)
+OPEN_CONFIG = """\
+# Written by `gpufleet up` without --config: the open default, explicit.
+# Every tenant that has credentials (`gpufleet tenant add NAME`) may submit, to any queue, under
+# the default policy, and an unknown queue is an implicit one without quota. To close the
+# cluster, start it with `gpufleet up --config cluster.yaml` listing tenants and queues
+# (docs/config.md); listing tenants sets openTenants: false.
+openTenants: true
+"""
 
 
 @dataclass
@@ -110,9 +119,8 @@ class Supervisor:
                 },
             },
         }
-        tmp = self.dir / (MESH_FILE + ".tmp")
-        tmp.write_text(json.dumps(doc, indent=2))
-        tmp.replace(self.dir / MESH_FILE)
+        # the owner's only: it names the PostgreSQL endpoint (a job on this host must not find it)
+        write_private(self.dir / MESH_FILE, json.dumps(doc, indent=2))
 
     # -------------------------------------------------------------- start / stop
 
@@ -124,6 +132,13 @@ class Supervisor:
             load_config(self.opts.config)  # refuse a bad config before anything starts
             self.config_path = self.dir / "cluster.yaml"
             self.config_path.write_text(Path(self.opts.config).read_text())
+        else:
+            # the open default, said out loud: in the config the services run with, and at start
+            self.config_path = self.dir / "cluster.yaml"
+            self.config_path.write_text(OPEN_CONFIG)
+            log.warning("open cluster: any tenant with credentials may submit, to any queue, without limits "
+                        "(%s; give `gpufleet up --config` tenants and queues to close it: docs/config.md)",
+                        self.config_path)
         self.logs.mkdir(exist_ok=True)
         port = self.opts.nats_port or free_port()
         # identities for every service process, the admin and the configured tenants; the server

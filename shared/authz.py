@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from .events import EVENT_TYPES, STREAM, SYS_TENANT, TELEMETRY_STREAM, Envelope
+from .tls import TLS_TIMEOUT_S, ServerTls
 
 CREDS_VERSION = 1
 CREDS_DIR = "creds"
@@ -208,11 +209,15 @@ def tenant_permissions(tenant: str, inbox_prefix: str, durables: Iterable[str] =
     pull from any consumer by name); never a service's consumer (a create on that name would
     re-point it)."""
     own = [f"fleet.evt.{tenant}.>", f"fleet.cmd.{tenant}.>"]
-    pub = [f"fleet.cmd.{tenant}.>", "$JS.API.INFO",
+    # STREAM.NAMES: clients find the stream of a subject (it lists names, nothing of the content)
+    pub = [f"fleet.cmd.{tenant}.>", "$JS.API.INFO", "$JS.API.STREAM.NAMES",
            *(f"$JS.API.CONSUMER.CREATE.{STREAM}.*.{s}" for s in own)]
     deny = [*_ERASE, *(f"$JS.API.CONSUMER.CREATE.{STREAM}.{d}.>" for d in sorted(set(durables)))]
+    # allow_responses: it may answer what it was sent with a reply subject (the flow control of
+    # its push consumers), nothing else
     return {"publish": {"allow": pub, "deny": deny},
-            "subscribe": {"allow": [f"{inbox_prefix}.>", f"fleet.evt.{tenant}.>"]}}
+            "subscribe": {"allow": [f"{inbox_prefix}.>", f"fleet.evt.{tenant}.>"]},
+            "allow_responses": {"max": 1, "expires": "1m"}}
 
 
 def service_durables() -> list[str]:
@@ -294,7 +299,7 @@ class Realm:
         write_private(self.creds_path(ident.id), json.dumps({
             "gpufleet_creds": CREDS_VERSION, "identity": ident.id, "kind": kind, "name": name,
             "services": list(services), "seed": seed, "public_key": pub, "inbox_prefix": ident.inbox_prefix,
-        }, indent=2) + "\n")
+        }, indent=2) + "\n", private_dir=True)
         self.save()
         return ident
 
@@ -302,7 +307,7 @@ class Realm:
         doc = {"identities": [
             {"kind": i.kind, "name": i.name, "services": list(i.services), "public_key": i.public_key}
             for i in sorted(self.identities.values(), key=lambda i: i.id)]}
-        write_private(self.creds_dir / REALM_FILE, json.dumps(doc, indent=2) + "\n")
+        write_private(self.creds_dir / REALM_FILE, json.dumps(doc, indent=2) + "\n", private_dir=True)
 
     def tenants(self) -> list[str]:
         return sorted(i.name for i in self.identities.values() if i.kind == "tenant")
@@ -315,10 +320,11 @@ class Realm:
             for i in sorted(self.identities.values(), key=lambda i: i.id)]}
 
 
-def write_private(path: Path, text: str) -> None:
-    """Write `text` readable by its owner only (the dir too), atomically."""
+def write_private(path: Path, text: str, private_dir: bool = False) -> None:
+    """Write `text` readable by its owner only (with `private_dir`, its folder too), atomically."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    os.chmod(path.parent, 0o700)
+    if private_dir:
+        os.chmod(path.parent, 0o700)
     tmp = path.with_suffix(path.suffix + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
@@ -359,7 +365,8 @@ def nats_config(store_dir: Path, port: int, realm: Realm | None, host: str = "12
                 sync_interval: str = DEFAULT_SYNC) -> dict[str, Any]:
     """nats-server's configuration (its format accepts JSON)."""
     js: dict[str, Any] = {"store_dir": str(store_dir)}
-    if sync_interval:
+    sync_interval = os.environ.get("GPUFLEET_NATS_SYNC", sync_interval)  # bench e2e --nats-sync
+    if sync_interval and sync_interval != "lazy":
         js["sync_interval"] = sync_interval
     conf: dict[str, Any] = {"host": host, "port": port, "jetstream": js, "max_payload": 8 * 1024 * 1024}
     if realm is not None:
@@ -370,6 +377,32 @@ def nats_config(store_dir: Path, port: int, realm: Realm | None, host: str = "12
 def write_nats_config(path: Path, conf: dict[str, Any]) -> Path:
     write_private(path, json.dumps(conf, indent=2) + "\n")
     return path
+
+
+def cluster_nats_config(realm: Realm | None, server_name: str, store_dir: Path, client_port: int,
+                        cluster_port: int, routes: Sequence[str], tls: ServerTls, *, host: str = "127.0.0.1",
+                        cluster_host: str | None = None, cluster_name: str = "gpufleet",
+                        sync_interval: str = DEFAULT_SYNC, tls_timeout: float = TLS_TIMEOUT_S,
+                        http_port: int | None = None) -> dict[str, Any]:
+    """One node of a JetStream cluster (distributed mode, deploy/README.md): the same
+    authorization as the single server (`realm`'s users and permissions), JetStream fsyncing
+    every write, TLS for clients (the server's certificate; clients authenticate with their
+    nkey, so no client certificate: `verify: false`) and mutual TLS between the nodes (`cluster.tls`,
+    `verify: true`: each route presents its certificate, signed by the same CA). `routes`: every
+    node's route URL, `nats://host:port` (a node skips the one to itself)."""
+    cert = {"cert_file": str(tls.cert_file), "key_file": str(tls.key_file), "ca_file": str(tls.ca_file)}
+    conf = nats_config(store_dir, client_port, realm, host=host, sync_interval=sync_interval)
+    conf["server_name"] = server_name
+    conf["tls"] = {**cert, "verify": False, "timeout": tls_timeout}
+    conf["cluster"] = {
+        "name": cluster_name,
+        "listen": f"{cluster_host or host}:{cluster_port}",
+        "routes": list(routes),
+        "tls": {**cert, "verify": True, "timeout": tls_timeout},
+    }
+    if http_port is not None:
+        conf["http"] = f"{host}:{http_port}"
+    return conf
 
 
 # ---------------------------------------------------------------- clients

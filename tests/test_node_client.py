@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -39,13 +40,16 @@ def node_client() -> Path:
 
 
 async def run_client(script: Path, url: str, spec: dict[str, Any]) -> tuple[int, list[dict[str, Any]]]:
+    """Runs as the tenant acme, with the credentials `gpufleet tenant creds acme` hands out."""
+    creds = Path(os.environ["GPUFLEET_TEST_REALM"]) / "creds" / "tenant-acme.creds"
     proc = await asyncio.create_subprocess_exec("node", str(script), url, json.dumps(spec), "--timeout-s", "60",
+                                                "--creds", str(creds),
                                                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     out, err = await asyncio.wait_for(proc.communicate(), 90)
     lines = [json.loads(line) for line in out.decode().splitlines() if line.strip()]
     assert proc.returncode is not None
-    if proc.returncode == 2:
-        raise AssertionError(err.decode())
+    if proc.returncode == 2 or not lines:
+        raise AssertionError(f"exit {proc.returncode}: {err.decode()[-2000:]}")
     return proc.returncode, lines
 
 

@@ -2,13 +2,19 @@
 // job by publishing a `cmd.submit` envelope (docs/schemas/cmd.submit.schema.json) to JetStream
 // and follows the job's events on `fleet.evt.<tenant>.job.<id>.>` until the job ends.
 //
-//   node submit-and-follow.mjs NATS_URL SPEC_JSON [--timeout-s 60]
+//   node submit-and-follow.mjs NATS_URL SPEC_JSON [--creds FILE] [--timeout-s 60]
+//
+// FILE (or $GPUFLEET_CREDS) is the tenant's credentials file from `gpufleet tenant creds NAME`:
+// JSON with an nkey `seed` and the `inbox_prefix` its replies must use (docs/security.md). A
+// tenant may read only its own subjects, through a consumer whose create subject carries the
+// filter: the ordered consumer below is one.
 //
 // Prints one JSON line per event ({"seq", "type", "job_id", ...}); the last line is
 // {"done": "<final type>", "job_id": ...}. Exit code 0 when the job succeeded, 1 when it ended
 // otherwise, 2 on a usage or connection error, 3 on timeout.
-import { connect, consumerOpts, headers, JSONCodec } from "nats";
+import { connect, consumerOpts, headers, JSONCodec, nkeyAuthenticator } from "nats";
 import { randomBytes } from "node:crypto";
+import { readFileSync } from "node:fs";
 
 const TERMINAL = new Set(["job.succeeded", "job.failed", "job.cancelled", "job.rejected"]);
 const CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ";
@@ -28,8 +34,20 @@ if (!url || !specJson) {
   console.error("usage: node submit-and-follow.mjs NATS_URL SPEC_JSON [--timeout-s 60]");
   process.exit(2);
 }
-const timeoutS = Number(rest[rest.indexOf("--timeout-s") + 1] || 60);
+const opt = (name) => (rest.indexOf(name) >= 0 ? rest[rest.indexOf(name) + 1] : undefined);
+const timeoutS = Number(opt("--timeout-s") || 60);
+const credsPath = opt("--creds") || process.env.GPUFLEET_CREDS;
+let creds = null;
+if (credsPath) {
+  try {
+    creds = JSON.parse(readFileSync(credsPath, "utf8"));
+  } catch (err) {
+    console.error(`cannot read credentials ${credsPath}: ${err.message}`);
+    process.exit(2);
+  }
+}
 const spec = JSON.parse(specJson);
+if (creds && creds.kind === "tenant" && spec.tenant === undefined) spec.tenant = creds.name;
 const tenant = spec.tenant;
 const jobId = ulid();
 const envelope = {
@@ -46,7 +64,10 @@ const envelope = {
 const jc = JSONCodec();
 let nc;
 try {
-  nc = await connect({ servers: url, name: "gpufleet-node-client" });
+  const auth = creds
+    ? { authenticator: nkeyAuthenticator(new TextEncoder().encode(creds.seed)), inboxPrefix: creds.inbox_prefix }
+    : {};
+  nc = await connect({ servers: url, name: "gpufleet-node-client", maxReconnectAttempts: 2, ...auth });
 } catch (err) {
   console.error(`cannot connect to ${url}: ${err.message}`);
   process.exit(2);
@@ -54,10 +75,17 @@ try {
 const js = nc.jetstream();
 
 // Follow first (from the start of the job's subject), then submit: nothing can be missed.
-const opts = consumerOpts();
-opts.orderedConsumer();
-opts.deliverAll();
-const sub = await js.subscribe(`fleet.evt.${tenant}.job.${jobId}.>`, opts);
+// A push consumer filtered to the job's subjects, created on the API subject that carries the
+// filter (`$JS.API.CONSUMER.CREATE.FLEET.<name>.<filter>`): the one shape a tenant is allowed.
+const inbox = `${nc.options.inboxPrefix || "_INBOX"}.${jobId}`;
+const sub = nc.subscribe(inbox);
+const jsm = await nc.jetstreamManager();
+await jsm.consumers.add("FLEET", {
+  name: `follow-${jobId}`, filter_subject: `fleet.evt.${tenant}.job.${jobId}.>`, deliver_subject: inbox,
+  ack_policy: "none", deliver_policy: "all", inactive_threshold: 60_000_000_000, mem_storage: true,
+});
+// the stream sequence of a delivered message: $JS.ACK.<stream>.<consumer>.<delivered>.<seq>.…
+const streamSeq = (m) => Number((m.reply || "").split(".")[5]);
 
 const h = headers();
 h.set("Nats-Msg-Id", envelope.event_id); // the server drops a re-sent copy
@@ -73,7 +101,7 @@ const timer = setTimeout(async () => {
 let final = null;
 for await (const m of sub) {
   const ev = jc.decode(m.data);
-  console.log(JSON.stringify({ seq: m.seq, type: ev.type, job_id: ev.payload.job_id, actor: ev.actor,
+  console.log(JSON.stringify({ seq: streamSeq(m), type: ev.type, job_id: ev.payload.job_id, actor: ev.actor,
                                at: ev.occurred_at }));
   if (TERMINAL.has(ev.type)) {
     final = ev.type;

@@ -256,7 +256,9 @@ class AdmissionCore(BaseCore[AdmissionState]):
             return None, [_r("payload_too_large", f"the spec is {size} bytes; the limit is {MAX_PAYLOAD_BYTES}", "spec")]
         policy = self.config.policy(env.tenant)
         if policy is None:
-            return None, [_r("unknown_tenant", f"tenant {env.tenant!r} is not in the cluster config", "tenant")]
+            known = ", ".join(sorted(self.config.tenants)) or "none"
+            return None, [_r("unknown_tenant", f"tenant {env.tenant!r} is not in the cluster config "
+                             f"(known: {known})", "tenant")]
         try:
             spec = parse_spec(p.spec)
         except SpecError as exc:
@@ -282,6 +284,10 @@ class AdmissionCore(BaseCore[AdmissionState]):
         if policy.queues is not None and spec.queue not in policy.queues:
             out.append(_r("unknown_queue", f"queue {spec.queue!r} is not one of {spec.tenant}'s queues "
                           f"({', '.join(policy.queues)})", "queue"))
+        elif self.config.queues and spec.queue not in self.config.queues:
+            # a cluster that configures queues has no implicit, unlimited one
+            out.append(_r("unknown_queue", f"queue {spec.queue!r} is not in the cluster config "
+                          f"(known: {', '.join(sorted(self.config.queues))})", "queue"))
         if spec.type not in policy.allowed_job_types:
             out.append(_r("job_type_not_allowed", f"job type {spec.type!r} is not allowed for {spec.tenant} "
                           f"({', '.join(policy.allowed_job_types)})", "type"))
