@@ -207,14 +207,24 @@ def submit(
     yes: Annotated[bool, typer.Option("--yes", "-y", help="submit without showing the cost estimate first")] = False,
     config: ConfigOpt = None,
 ) -> None:
-    """Submit a job; prints its id. Shows its cost estimate first (on a terminal: and asks) unless --yes."""
+    """Submit a job; prints its id. Shows its cost estimate first (on a terminal: and asks) unless --yes.
+    With a tenant's credentials a spec without `tenant` is that tenant's."""
+    from gpufleet.shared.authz import find_creds
+    from gpufleet.shared.spec import parse_spec
+
     text = file.read_text()
     try:
-        parsed = load_spec_yaml(text)
+        spec = yaml.safe_load(text)
+        ident = find_creds(None, resolve_data_dir(data_dir))
+        if isinstance(spec, dict) and ident is not None and ident.tenant is not None and "tenant" not in spec:
+            spec["tenant"] = ident.tenant
+        parsed = parse_spec(spec) if isinstance(spec, dict) else load_spec_yaml(text)
+    except yaml.YAMLError as exc:
+        typer.echo(f"error: invalid job spec {file}: spec: not valid YAML: {exc}", err=True)
+        raise typer.Exit(2) from None
     except SpecError as exc:
         typer.echo(f"error: invalid job spec {file}: {exc}", err=True)
         raise typer.Exit(2) from None
-    spec = yaml.safe_load(text)
     est = None if yes else _submit_estimate(parsed, data_dir, config, as_json, spec)
 
     async def go(fleet: Any) -> str:
@@ -1203,8 +1213,9 @@ def certs_make(
     new_ca: Annotated[bool, typer.Option("--new-ca", help="make a new CA even if --out has one")] = False,
     as_json: JsonOut = False,
 ) -> None:
-    """A test CA and one certificate per NATS server (serverAuth + clientAuth: routes are mutual TLS);
-    each names the server, every --host, localhost and 127.0.0.1. Keys are mode 0600. A CA already in
+    """A test CA and one certificate per NATS server.
+
+    Each certificate serves and dials (serverAuth + clientAuth: routes are mutual TLS) and names the server, every --host, localhost and 127.0.0.1. Keys are mode 0600. A CA already in
     --out is reused, so existing clients keep trusting the new certificates."""
     from gpufleet.shared.tls import make_test_pki
 
@@ -1243,7 +1254,9 @@ def certs_authorization(
     tenant: TenantOpt = None,
     as_json: JsonOut = False,
 ) -> None:
-    """The identities (admin, every service, the read model, --tenant) under --realm, and the
+    """The identities and the authorization block the deploy/ NATS configs include.
+
+    The identities: admin, every service, the read model, --tenant, under --realm. The
     `authorization` block the deploy/ NATS configs include (mode 0600): the same users and
     permissions as the embedded mesh."""
     from gpufleet.shared.authz import write_private
@@ -1270,8 +1283,9 @@ def certs_cluster_config(
     tenant: TenantOpt = None,
     as_json: JsonOut = False,
 ) -> None:
-    """The configs of a local N-node JetStream cluster on 127.0.0.1: the realm's authorization,
-    TLS for clients, mutual TLS on the routes. Start each node with `nats-server -c OUT/nats-<i>.conf`."""
+    """The configs of a local N-node JetStream cluster with TLS.
+
+    On 127.0.0.1: the realm's authorization, TLS for clients, mutual TLS on the routes. Start each node with `nats-server -c OUT/nats-<i>.conf`."""
     from gpufleet.shared.tls import load_pki, node_names, write_local_cluster
 
     realm = _deploy_realm(realm_dir, tenant)

@@ -172,8 +172,8 @@ def submit(job: JobBuilder | dict[str, Any], job_id: str = "j1", *, tenant: str 
     return event(SubmitRequested(job_id=job_id, spec=data), tenant=tenant, seq=seq)
 
 
-def cancel(job_id: str = "j1", *, tenant: str = "acme", seq: int | None = None) -> Envelope:
-    return event(CancelRequestedCmd(job_id=job_id), tenant=tenant, seq=seq)
+def cancel(job_id: str = "j1", *, tenant: str = "acme", seq: int | None = None, actor: str | None = None) -> Envelope:
+    return event(CancelRequestedCmd(job_id=job_id), tenant=tenant, seq=seq, actor=actor)
 
 
 def _spec(job: JobBuilder | JobSpec) -> JobSpec:

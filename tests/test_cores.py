@@ -18,6 +18,7 @@ from gpufleet.services.executor.core import EXIT_KILLED, EXIT_TIMEOUT, ExecutorC
 from gpufleet.services.guardian.core import GuardianCore
 from gpufleet.services.placer.core import PlacerCore, PlacerState
 from gpufleet.services.quota.core import QuotaCore
+from gpufleet.shared.clusterconfig import parse_config
 from gpufleet.shared.events import Envelope, JobPlaced
 from gpufleet.shared.runtime import Core
 
@@ -98,6 +99,36 @@ def test_duplicate_submit_is_refused_and_changes_nothing(first: JobBuilder) -> N
     assert types(out) == ["job.request_refused"]
     (reason,) = out[0].payload.reasons  # type: ignore[union-attr]
     assert (reason.code, reason.field) == ("duplicate_job_id", "job_id")
+
+
+def test_an_admin_cancel_on_the_admins_subject_cancels_any_tenants_job_as_the_admins() -> None:
+    """`fleet.cmd.sys.cancel` (only the admin may publish there): the job's own tenant carries
+    the request, and the log says the admin asked."""
+    h = Harness(AdmissionCore()).given(submitted(make_job(), "j1"))
+    cmd = cancel("j1", tenant="sys", actor="admin/cli")
+    assert cmd.subject() == "fleet.cmd.sys.cancel"
+
+    out = h.when(cmd)
+
+    assert types(out) == ["job.cancel_requested"]
+    assert out[0].tenant == "acme" and out[0].subject().startswith("fleet.evt.acme.job.j1.")
+    assert out[0].payload.requested_by == "admin/cli"  # type: ignore[union-attr]
+    # an unknown job is refused to the admin, on the admin's own subjects
+    refused = h.when(cancel("nope", tenant="sys", actor="admin/cli"))
+    assert types(refused) == ["job.request_refused"] and refused[0].tenant == "sys"
+
+
+def test_a_cluster_that_configures_queues_refuses_another_queue_naming_the_known_ones() -> None:
+    cfg = parse_config({"queues": {"train": {"cohort": "c"}, "infer": {"cohort": "c"}}})
+    out = Harness(AdmissionCore(cfg)).when(submit(make_job().queue("scratch"), "j1"))
+    assert types(out) == ["job.rejected"]
+    (reason,) = out[0].payload.reasons  # type: ignore[union-attr]
+    assert (reason.code, reason.field) == ("unknown_queue", "queue")
+    assert "known: infer, train" in reason.message
+    # a tenant outside a closed config hears which tenants there are
+    closed = parse_config({"tenants": {"acme": {}}})
+    out = Harness(AdmissionCore(closed)).when(submit(make_job(tenant="globex"), "j2"))
+    assert "known: acme" in out[-1].payload.reasons[0].message  # type: ignore[union-attr]
 
 
 def test_submit_written_in_part_is_finished_with_the_same_id() -> None:

@@ -224,3 +224,43 @@ def test_explain_shows_the_backfill_reservation_a_big_job_waits_with(mesh: Path,
     assert "pending (placement" in out and "[no_fit]" in out
     line = next(x for x in out.splitlines() if x.startswith("backfill reservation"))
     assert line.count("sim-") == 2  # the two H100 nodes, held from when the busy jobs' hour is up
+
+
+def test_a_tenant_added_to_a_running_mesh_works_as_itself_and_only_as_itself(mesh: Path, tmp_path: Path) -> None:
+    """`tenant add` admits a new identity at once (the server reloads); with its credentials a
+    tenant submits and follows its own job, sees only its own jobs, and cannot cancel another
+    tenant's; the admin can, and the log says the admin did."""
+    added = json.loads(cli(mesh, "tenant", "add", "initech", "--json").stdout)
+    assert added["reloaded"] is True and Path(added["creds"]).stat().st_mode & 0o077 == 0
+    creds = tmp_path / "initech.creds"
+    cli(mesh, "tenant", "creds", "initech", "-o", str(creds))
+    assert "initech" in cli(mesh, "tenant", "list").stdout.split()
+
+    other = tmp_path / "other.yaml"
+    other.write_text("name: theirs\ntenant: globex\nresources: {gpu: 1, cpu: 1, memory: 1Gi}\nsim: {duration: 10m}\n")
+    theirs = json.loads(cli(mesh, "submit", str(other), "--json", "--yes").stdout)["job_id"]
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("name: mine\nresources: {gpu: 1, cpu: 1, memory: 1Gi}\nsim: {duration: 1s}\n")  # no tenant: the creds'
+    out = cli(mesh, "--creds", str(creds), "submit", str(mine), "--wait", "--yes", "--json").stdout
+    lines = [json.loads(x) for x in out.splitlines() if x.strip()]
+    assert lines[-1]["type"] == "job.succeeded" and lines[-1]["tenant"] == "initech"
+
+    seen = json.loads(cli(mesh, "--creds", str(creds), "jobs", "--json").stdout)
+    assert {r["tenant"] for r in seen} == {"initech"}
+
+    wait_jobs(mesh, {theirs}, "running", timeout_s=30)
+    cli(mesh, "--creds", str(creds), "cancel", theirs)  # asked on initech's own subject: refused
+    wrong = tmp_path / "wrong.yaml"
+    wrong.write_text("name: x\ntenant: globex\nresources: {cpu: 1}\n")
+    refused = cli(mesh, "--creds", str(creds), "submit", str(wrong), "--yes", check=False)
+    assert refused.returncode == 1 and "tenant" in refused.stderr and "initech" in refused.stderr
+    cli(mesh, "cancel", theirs)  # the admin
+    wait_jobs(mesh, {theirs}, "cancelled", timeout_s=30)
+    doc = json.loads(cli(mesh, "explain", theirs, "--json").stdout)
+    kinds = [(e["type"], e["tenant"]) for e in doc["events"]]
+    assert ("job.request_refused", "initech") in kinds  # told to the asker, on its own subjects
+    asks = [e for e in doc["events"] if e["type"] == "job.cancel_requested"]
+    assert len(asks) == 1 and asks[0]["payload"]["requested_by"].startswith("admin")
+
+    report = json.loads(cli(mesh, "audit", "--json").stdout)
+    assert report["ok"], report
