@@ -1288,7 +1288,7 @@ def certs_cluster_config(
     On 127.0.0.1: the realm's authorization, TLS for clients, mutual TLS on the routes. Start each node with `nats-server -c OUT/nats-<i>.conf`."""
     from gpufleet.shared.tls import load_pki, node_names, write_local_cluster
 
-    realm = _deploy_realm(realm_dir, tenant)
+    realm = _deploy_realm(realm_dir.resolve(), tenant)
     try:
         pki = None
         if certs is not None:

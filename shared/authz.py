@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from .events import EVENT_TYPES, STREAM, SYS_TENANT, TELEMETRY_STREAM, Envelope
-from .tls import TLS_TIMEOUT_S, ServerTls
+from .tls import TLS_TIMEOUT_S, ServerTls, tls_block
 
 CREDS_VERSION = 1
 CREDS_DIR = "creds"
@@ -390,15 +390,14 @@ def cluster_nats_config(realm: Realm | None, server_name: str, store_dir: Path, 
     nkey, so no client certificate: `verify: false`) and mutual TLS between the nodes (`cluster.tls`,
     `verify: true`: each route presents its certificate, signed by the same CA). `routes`: every
     node's route URL, `nats://host:port` (a node skips the one to itself)."""
-    cert = {"cert_file": str(tls.cert_file), "key_file": str(tls.key_file), "ca_file": str(tls.ca_file)}
     conf = nats_config(store_dir, client_port, realm, host=host, sync_interval=sync_interval)
     conf["server_name"] = server_name
-    conf["tls"] = {**cert, "verify": False, "timeout": tls_timeout}
+    conf["tls"] = tls_block(tls, verify=False, timeout=tls_timeout)
     conf["cluster"] = {
         "name": cluster_name,
         "listen": f"{cluster_host or host}:{cluster_port}",
         "routes": list(routes),
-        "tls": {**cert, "verify": True, "timeout": tls_timeout},
+        "tls": tls_block(tls, verify=True, timeout=tls_timeout),
     }
     if http_port is not None:
         conf["http"] = f"{host}:{http_port}"
