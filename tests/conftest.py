@@ -127,3 +127,4 @@ async def pg_pool(pg: EmbeddedPostgres) -> AsyncIterator[asyncpg.Pool]:
     finally:
         pool.terminate()
 from .dockerd import docker_engine  # noqa: E402,F401
+from .helpers import job_dir  # noqa: E402,F401 - where a test's workloads can write, whoever they run as

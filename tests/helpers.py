@@ -145,3 +145,53 @@ async def agent_running(url: str, name: str, make: Callable[[Bus], Any]) -> Asyn
         agent.stop()
         await task
         await bus.close()
+
+
+# ---------------------------------------------------------------- what a workload can reach
+# Run as root (as here), the process driver runs every workload as an unprivileged user, which
+# cannot reach pytest's tmp_path (under a 0700 dir) nor this venv's interpreter where that is a
+# pyenv under a 0700 /root: a job writes by path into `job_dir` and runs Python by `workload_python`.
+
+import shutil  # noqa: E402
+import stat  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
+
+import pytest  # noqa: E402
+
+from gpufleet.services.executor.process_driver import unsearchable, workload_user  # noqa: E402
+
+
+@pytest.fixture
+def job_dir() -> Iterator[Path]:
+    """A directory workloads can reach and write whoever they run as (sticky, world-writable,
+    under /tmp): for what a test's job writes by path (its outputs, a checkpoint root)."""
+    d = Path(tempfile.mkdtemp(prefix="gpufleet-jobs-", dir="/tmp"))
+    d.chmod(0o1777)
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def workload_python() -> list[str]:
+    """The start of a command that runs a Python script (the rest: the script and its arguments)
+    the way a workload can, with gpufleet importable: this interpreter, or where the workload's
+    user cannot reach it (a pyenv under a 0700 /root), the system's of the same version, given
+    this venv's site-packages."""
+    who = workload_user()
+    version = f"python{sys.version_info[0]}.{sys.version_info[1]}"
+    for exe in (sys.executable, shutil.which(version) or "", f"/usr/bin/{version}"):
+        real = Path(os.path.realpath(exe)) if exe else None
+        if real is None or not real.is_file() or not real.name.startswith(version):
+            continue
+        if who.switch and (not real.stat().st_mode & stat.S_IXOTH or unsearchable(real.parent, who) is not None):
+            continue
+        if real == Path(os.path.realpath(sys.executable)):
+            return [sys.executable]
+        site_packages = [p for p in sys.path if p.startswith(sys.prefix) and p.endswith("site-packages")]
+        boot = (f"import runpy, site, sys; [site.addsitedir(p) for p in {site_packages!r}]; "
+                "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
+        return [str(real), "-c", boot]
+    pytest.skip(f"no Python interpreter that {who.name} can run")

@@ -2,6 +2,10 @@
 
 Through the mesh: a real nats-server, the real cores (admission, quota, placer, guardian) and
 the executor agent with its reconcile loop, on one node whose driver is `process`.
+
+Run as root (as here), the driver runs every workload as an unprivileged user, which cannot
+reach pytest's tmp_path (under a 0700 dir): what a job writes by path goes to `job_dir`, and a
+Python script runs as `[*workload_python(), script, ...]` (both in tests/helpers.py).
 """
 
 from __future__ import annotations
@@ -27,7 +31,17 @@ from gpufleet.shared.bus import Bus
 from gpufleet.shared.events import GpuDevice, JobExited, JobStarted, NodeInventory
 from gpufleet.shared.gpu import SimGpuBackend
 
-from .helpers import agent_running, cancel_cmd, job_status, read_log, running, submit_cmd, wait_until
+from .helpers import (  # noqa: F401 - job_dir (a fixture), workload_python: tests/test_workload_isolation.py imports them from here
+    agent_running,
+    cancel_cmd,
+    job_dir,
+    job_status,
+    read_log,
+    running,
+    submit_cmd,
+    wait_until,
+    workload_python,
+)
 
 NODE = "proc-0"
 
@@ -116,8 +130,9 @@ def process_node(gpus: int = 2) -> NodeInventory:
 def agent(url: str, data: Path, gpu: SimGpuBackend | None = None, instance: str = "0",
           grace_s: float = 1.0, checkpoint_root: str | None = None) -> Any:
     return agent_running(url, f"executor-{instance}", lambda bus: ExecutorAgent(
-        ExecutorCore({NODE: process_node()}), bus, ProcessDriver(NODE, data), gpu=gpu, instance=instance,
-        reconcile_s=0.1, grace_s=grace_s, heartbeat_s=1.0, checkpoint_root=checkpoint_root))
+        ExecutorCore({NODE: process_node()}), bus, ProcessDriver(NODE, data, checkpoint_root=checkpoint_root),
+        gpu=gpu, instance=instance, reconcile_s=0.1, grace_s=grace_s, heartbeat_s=1.0,
+        checkpoint_root=checkpoint_root))
 
 
 def control_cores() -> list[Any]:
@@ -179,8 +194,9 @@ async def test_cancel_and_timeout_kill_the_process_group(bus: Bus, nats_url: str
     assert tex.reason == "timeout" and tex.exit_code == 124 and tex.runtime_s >= 1.0
 
 
-async def test_restarted_executor_readopts_running_jobs(bus: Bus, nats_url: str, tmp_path: Path) -> None:
-    marker = tmp_path / "runs"
+async def test_restarted_executor_readopts_running_jobs(bus: Bus, nats_url: str, tmp_path: Path,
+                                                        job_dir: Path) -> None:  # noqa: F811
+    marker = job_dir / "runs"
     job = submit_cmd(spec(["sh", "-c", f'echo run >> {marker}; sleep 2'], gpu=1))
     async with running(nats_url, control_cores()):
         async with agent(nats_url, tmp_path) as first:
@@ -216,8 +232,9 @@ async def test_job_ended_while_executor_was_down_is_reported(bus: Bus, nats_url:
     assert (ex.exit_code, ex.reason) == (5, "error")
 
 
-async def test_gpu_memory_left_behind_marks_the_gpu_unclean(bus: Bus, nats_url: str, tmp_path: Path) -> None:
-    pidfile = tmp_path / "leftover.pid"
+async def test_gpu_memory_left_behind_marks_the_gpu_unclean(bus: Bus, nats_url: str, tmp_path: Path,
+                                                           job_dir: Path) -> None:  # noqa: F811
+    pidfile = job_dir / "leftover.pid"
     # the job starts a process that leaves its group (setsid) and outlives it, holding GPU memory
     cmd = ["sh", "-c", f"setsid sleep 30 & echo $! > {pidfile}; sleep 1"]
     gpu = SimGpuBackend(process_node().gpus)
@@ -236,11 +253,11 @@ async def test_gpu_memory_left_behind_marks_the_gpu_unclean(bus: Bus, nats_url: 
     assert ex.unclean_gpus == (index,)
 
 
-async def test_training_jobs_get_a_persistent_checkpoint_dir(bus: Bus, nats_url: str, tmp_path: Path) -> None:
+async def test_training_jobs_get_a_persistent_checkpoint_dir(bus: Bus, nats_url: str, job_dir: Path) -> None:  # noqa: F811
     train = submit_cmd({**spec(["sh", "-c", 'echo step-1 > "$GPUFLEET_CHECKPOINT_DIR/ckpt"'], gpu=0), "type": "training"})
     batch = submit_cmd(spec(["sh", "-c", 'test -z "$GPUFLEET_CHECKPOINT_DIR"'], gpu=0))
-    root = tmp_path / "ckpt"
-    async with running(nats_url, control_cores()), agent(nats_url, tmp_path / "data", checkpoint_root=str(root)):
+    root = job_dir / "ckpt"
+    async with running(nats_url, control_cores()), agent(nats_url, job_dir / "data", checkpoint_root=str(root)):
         await bus.publish(train)
         await bus.publish(batch)
         await until_status(bus, train.job_id or "", "succeeded")

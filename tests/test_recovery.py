@@ -3,6 +3,10 @@ run by the `process` driver on real processes, survives the loss of its node.
 
 The mesh: a real nats-server, admission, quota, placer, guardian (+ its checkpoint watcher),
 telemetry (heartbeat leases) and two process-driver executors sharing a checkpoint root.
+
+Run as root (as here), the driver runs every workload as an unprivileged user: the script, what
+it writes and the checkpoint root are in `job_dir` (tests/helpers.py), not under pytest's 0700
+tmp_path, and it runs on `workload_python()`, not on a `sys.executable` that user may not reach.
 """
 
 from __future__ import annotations
@@ -10,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import sys
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
@@ -26,7 +29,7 @@ from gpufleet.services.placer.core import PlacerCore
 from gpufleet.services.quota.core import QuotaCore
 from gpufleet.shared.bus import Bus
 
-from .helpers import agent_running, job_status, read_log, running, submit_cmd, wait_until
+from .helpers import agent_running, job_status, read_log, running, submit_cmd, wait_until, workload_python
 from .test_telemetry import node, of_type, telemetry, wait_for_type
 
 STEPS = 40
@@ -58,7 +61,7 @@ def expected(steps: int) -> int:
 def proc_executor(url: str, name: str, data: Path, root: Path) -> Any:
     inv = node(name).model_copy(update={"driver": "process"})
     return agent_running(url, f"executor-{name}", lambda bus: ExecutorAgent(
-        ExecutorCore({name: inv}), bus, ProcessDriver(name, data / name), instance=name,
+        ExecutorCore({name: inv}), bus, ProcessDriver(name, data / name, checkpoint_root=root), instance=name,
         heartbeat_s=0.3, reconcile_s=0.1, grace_s=0.5, checkpoint_root=str(root)))
 
 
@@ -74,18 +77,18 @@ async def control_plane(url: str, root: Path) -> AsyncIterator[None]:
             await task
 
 
-def training(tmp_path: Path, **extra: Any) -> tuple[Any, Path]:
-    script = tmp_path / "train.py"
+def training(job_dir: Path, **extra: Any) -> tuple[Any, Path]:
+    script = job_dir / "train.py"
     script.write_text(TRAIN)
-    out = tmp_path / "result"
+    out = job_dir / "result"
     return submit_cmd({"name": "train", "tenant": "acme", "type": "training", "resources": {"gpu": 1},
-                       "command": [sys.executable, str(script), str(STEPS), str(out)], **extra}), out
+                       "command": [*workload_python(), str(script), str(STEPS), str(out)], **extra}), out
 
 
 async def test_node_lost_mid_run_resumes_elsewhere_from_the_last_checkpoint(
-        bus: Bus, nats_url: str, tmp_path: Path) -> None:
-    root = tmp_path / "ckpt"
-    job, out = training(tmp_path)
+        bus: Bus, nats_url: str, tmp_path: Path, job_dir: Path) -> None:
+    root = job_dir / "ckpt"
+    job, out = training(job_dir)
     job_id = job.job_id or ""
     async with AsyncExitStack() as stack:
         await stack.enter_async_context(control_plane(nats_url, root))
@@ -108,7 +111,7 @@ async def test_node_lost_mid_run_resumes_elsewhere_from_the_last_checkpoint(
             return await job_status(bus, job_id) == "succeeded"
         await wait_until(done, timeout_s=40)
     assert out.read_text() == str(expected(STEPS))  # the same result as a run never interrupted
-    runs = [line.split() for line in (tmp_path / "result.runs").read_text().splitlines()]
+    runs = [line.split() for line in (job_dir / "result.runs").read_text().splitlines()]
     assert [(r[0], r[1]) for r in runs] == [("1", "a"), ("2", "b")]
     resumed_from = int(runs[1][2])
     assert 0 < resumed_from < STEPS and resumed_from == int(newest.name.split("-")[1])  # the one before the bad one
@@ -131,9 +134,10 @@ async def test_node_lost_mid_run_resumes_elsewhere_from_the_last_checkpoint(
     assert it.line().startswith("interrupted: run 1 on a ended node_lost") and "run 2 placed on b" in it.line()
 
 
-async def test_retries_used_up_fail_the_job_with_the_reason(bus: Bus, nats_url: str, tmp_path: Path) -> None:
-    root = tmp_path / "ckpt"
-    job, _ = training(tmp_path, maxRetries=0)
+async def test_retries_used_up_fail_the_job_with_the_reason(
+        bus: Bus, nats_url: str, tmp_path: Path, job_dir: Path) -> None:
+    root = job_dir / "ckpt"
+    job, _ = training(job_dir, maxRetries=0)
     async with control_plane(nats_url, root), telemetry(nats_url):
         async with proc_executor(nats_url, "a", tmp_path, root):
             await bus.publish(job)
@@ -167,16 +171,16 @@ with open(out, "w") as f:
 
 
 async def test_preempted_training_checkpoints_in_its_grace_and_resumes_later(
-        bus: Bus, nats_url: str, tmp_path: Path) -> None:
+        bus: Bus, nats_url: str, tmp_path: Path, job_dir: Path) -> None:
     from gpufleet.shared.clusterconfig import parse_config
 
-    root = tmp_path / "ckpt"
+    root = job_dir / "ckpt"
     config = parse_config({"queues": {"research": {"nominal": {"gpu": 1}}}})
-    script = tmp_path / "train.py"
+    script = job_dir / "train.py"
     script.write_text(PREEMPTIBLE)
-    out = tmp_path / "result"
+    out = job_dir / "result"
     low = submit_cmd({"name": "low", "tenant": "acme", "type": "training", "queue": "research", "priority": 0,
-                      "resources": {"gpu": 1}, "command": [sys.executable, str(script), str(STEPS), str(out)]})
+                      "resources": {"gpu": 1}, "command": [*workload_python(), str(script), str(STEPS), str(out)]})
     high = submit_cmd({"name": "high", "tenant": "acme", "type": "batch", "queue": "research", "priority": 10,
                        "resources": {"gpu": 1}, "command": ["sleep", "1"]})
     cores = [AdmissionCore(config), QuotaCore(config), PlacerCore(config), GuardianCore()]
@@ -195,7 +199,7 @@ async def test_preempted_training_checkpoints_in_its_grace_and_resumes_later(
         watcher.stop()
         await task
     assert out.read_text() == str(expected(STEPS))
-    runs = [line.split() for line in (tmp_path / "result.runs").read_text().splitlines()]
+    runs = [line.split() for line in (job_dir / "result.runs").read_text().splitlines()]
     assert [r[0] for r in runs] == ["1", "2"]
     resumed_from = int(runs[1][1])
     assert resumed_from % 10 != 0  # from the checkpoint saved in the grace, not the last periodic one

@@ -186,8 +186,9 @@ async def test_retry_budget_exhausted_fails_the_job(bus: Bus, nats_url: str) -> 
 
 
 async def test_a_lost_process_node_that_comes_back_kills_what_was_run_again_elsewhere(
-        bus: Bus, nats_url: str, tmp_path: Any) -> None:
-    """A network split that heals: the node's job ran again elsewhere, so its own copy is stopped."""
+        bus: Bus, nats_url: str, tmp_path: Any, job_dir: Any) -> None:
+    """A network split that heals: the node's job ran again elsewhere, so its own copy is stopped.
+    Its marker is in `job_dir`: the workload may run as another user than the test (as root, it does)."""
     from gpufleet.services.executor.process_driver import ProcessDriver, alive
 
     def proc_node(name: str) -> NodeInventory:
@@ -198,7 +199,7 @@ async def test_a_lost_process_node_that_comes_back_kills_what_was_run_again_else
             ExecutorCore({name: proc_node(name)}), b, ProcessDriver(name, tmp_path / name),
             instance=instance, heartbeat_s=0.3, reconcile_s=0.1, grace_s=0.5))
 
-    marker = tmp_path / "attempts"
+    marker = job_dir / "attempts"
     job = submit_cmd({"name": "p", "tenant": "acme", "type": "batch", "resources": {"gpu": 1},
                       "command": ["sh", "-c", f'echo "$GPUFLEET_ATTEMPT $GPUFLEET_NODE_ID" >> {marker}; '
                                               'if [ "$GPUFLEET_ATTEMPT" = 1 ]; then sleep 60; else sleep 1; fi']})

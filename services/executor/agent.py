@@ -315,12 +315,13 @@ def main(argv: list[str] | None = None) -> None:
         if gpu is None:
             log.warning("no GPUs through NVML (%s): node %s registers with CPUs only", nvml_status(), node_id)
         nodes = {node_id: host_inventory(gpu.devices() if gpu else (), driver=args.driver)}
-        work = Path(args.work_dir) if args.work_dir else data_dir(args.data_dir) / "executor" / node_id
-        args.checkpoint_root = args.checkpoint_root or str(data_dir(args.data_dir) / "checkpoints")
+        mesh_dir = data_dir(args.data_dir)
+        work = Path(args.work_dir) if args.work_dir else mesh_dir / "executor" / node_id
+        args.checkpoint_root = args.checkpoint_root or str(mesh_dir / "checkpoints")
         if args.driver == "process":
             from .process_driver import ProcessDriver
 
-            driver = ProcessDriver(node_id, work)
+            driver = ProcessDriver(node_id, work, checkpoint_root=args.checkpoint_root)
         else:
             from gpufleet.shared.clusterconfig import load_config
 
@@ -333,7 +334,7 @@ def main(argv: list[str] | None = None) -> None:
                 return policy is not None and policy.image_allowed(image)
 
             driver = DockerDriver(node_id, work, docker_url=args.docker_url, user=args.docker_user, pull=args.pull,
-                                  allowed_images=allowed)
+                                  allowed_images=allowed, mesh_data_dir=mesh_dir)
 
     async def run() -> None:
         bus = await Bus.connect(url, name=f"gpufleet-executor-{args.instance}")

@@ -18,6 +18,12 @@ The container request is a pure function of the launch (`container_config`): non
 CPU / memory / pids limits, no network by default, tini as pid 1 (signals reach the job, zombies
 are reaped), the checkpoint dir bind-mounted at the same path, and exactly the allocated GPUs as
 an NVIDIA device request.
+
+A container never sees a credential (issue 14): its environment is the job's (`Launch.job_env`:
+the spec's env and the GPUFLEET_* variables), nothing of the executor's, and its only mount is
+the job's checkpoint dir, refused where it would show the container anything of the mesh's
+(`mount_conflict`: the data dir or a directory above it, anything in creds/ or in the driver's
+own state and logs).
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -38,6 +44,7 @@ from aiodocker.containers import DockerContainer
 from aiodocker.exceptions import DockerError
 
 from .drivers import GRACE_S, DriverError, Launch, Workload, workload_key
+from .process_driver import default_layout_data_dir, inside
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +73,22 @@ def is_root_user(user: str) -> bool:
     return name in ("", "0", "root")
 
 
+def mount_conflict(path: str, protected: Sequence[str] = (), private: Sequence[str] = ()) -> str | None:
+    """What of the mesh's a bind mount of host `path` would show a container, or None.
+
+    `protected`: directories a mount must not be, nor be above (the data dir: one inside it, such
+    as a job's dir under the checkpoint root, is fine); `private`: directories a mount must not
+    overlap at all (creds/, the driver's state and logs). Symlinks are resolved (the one I/O).
+    """
+    for p in (*protected, *private):
+        if inside(p, path):
+            return p
+    for p in private:
+        if inside(path, p):
+            return p
+    return None
+
+
 def container_config(
     launch: Launch,
     user: str = DEFAULT_USER,
@@ -75,11 +98,15 @@ def container_config(
     network_mode: str = "none",
     init: bool = True,
     stop_timeout_s: float = GRACE_S,
+    protected: Sequence[str] = (),
+    private: Sequence[str] = (),
 ) -> dict[str, Any]:
-    """The Docker Engine `containers/create` body for `launch` (pure: no I/O, only data).
+    """The Docker Engine `containers/create` body for `launch` (pure: no I/O, only data, but for
+    resolving the checkpoint dir against `protected` / `private`).
 
     An empty command runs the image's own entrypoint / command. Raises DriverError naming the
-    field when the launch cannot become a container.
+    field when the launch cannot become a container (a checkpoint dir that would show it
+    something `protected` or `private`, see `mount_conflict`, among them).
     """
     if not launch.image:
         raise DriverError("image_required", f"job {launch.job_id}: the docker driver needs an image (spec image is empty)")
@@ -110,6 +137,12 @@ def container_config(
             raise DriverError(
                 "bad_checkpoint_dir",
                 f"job {launch.job_id}: checkpoint_dir must be an absolute path without ':', got {ckpt!r}")
+        conflict = mount_conflict(ckpt, protected, private)
+        if conflict is not None:
+            raise DriverError(
+                "checkpoint_dir_not_allowed",
+                f"job {launch.job_id}: checkpoint_dir {ckpt!r} is not mounted: it would show the container "
+                f"{conflict}, which is the mesh's")
         host["Binds"] = [f"{ckpt}:{ckpt}:rw"]
     if launch.gpu_uuids:
         host["DeviceRequests"] = [
@@ -191,6 +224,7 @@ class DockerDriver:
         pids_limit: int = DEFAULT_PIDS_LIMIT,
         network_mode: str = "none",
         init: bool = True,
+        mesh_data_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         if is_root_user(user):
             raise ValueError(f"DockerDriver: user must not be root, got user={user!r}")
@@ -209,6 +243,21 @@ class DockerDriver:
         self.logs_dir = self.data_dir / "logs"
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.logs_dir.mkdir(parents=True, exist_ok=True)
+        # what no container may see through its checkpoint mount: the mesh's data dir (given, from
+        # $GPUFLEET_DATA_DIR, or above the agent's default work dir), the driver's own and the
+        # executor's creds file ($GPUFLEET_CREDS), whole; creds/ dirs and the driver's state and
+        # logs, nothing of them either
+        meshes = {str(p) for p in (mesh_data_dir, os.environ.get("GPUFLEET_DATA_DIR"),
+                                   default_layout_data_dir(self.data_dir)) if p}
+        protected = [*meshes, str(self.data_dir)]
+        private = [os.path.join(m, "creds") for m in meshes] + [str(self.state_dir), str(self.logs_dir)]
+        creds = os.environ.get("GPUFLEET_CREDS")
+        if creds:
+            protected.append(creds)
+            if Path(creds).parent.name == "creds":
+                private.append(str(Path(creds).parent))
+        self.protected = tuple(sorted({os.path.realpath(p) for p in protected}))
+        self.private = tuple(sorted({os.path.realpath(p) for p in private}))
         self._docker: aiodocker.Docker | None = None
         self._stopping: dict[str, asyncio.Task[None]] = {}
 
@@ -230,9 +279,7 @@ class DockerDriver:
         if self.allowed_images is not None and image and not self.allowed_images(launch.tenant, image):
             raise DriverError(
                 "image_not_allowed", f"job {launch.job_id}: image {image!r} is not allowed for tenant {launch.tenant!r}")
-        config = container_config(
-            launch, self.user, started_at=time.time(), pids_limit=self.pids_limit,
-            network_mode=self.network_mode, init=self.init)
+        config = self.config_for(launch, started_at=time.time())
         await self._ensure_image(launch.job_id, image)
         if launch.checkpoint_dir:
             await asyncio.to_thread(self._prepare_checkpoint_dir, Path(launch.checkpoint_dir))
@@ -344,6 +391,12 @@ class DockerDriver:
         if self._docker is not None:
             await self._docker.close()
             self._docker = None
+
+    def config_for(self, launch: Launch, started_at: float = 0.0) -> dict[str, Any]:
+        """The `containers/create` body `start` sends for `launch` (see `container_config`)."""
+        return container_config(
+            launch, self.user, started_at=started_at, pids_limit=self.pids_limit,
+            network_mode=self.network_mode, init=self.init, protected=self.protected, private=self.private)
 
     # ------------------------------------------------------------ inside
 
