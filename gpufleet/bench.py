@@ -9,6 +9,7 @@ timestamps every placement.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import statistics
 import tempfile
@@ -131,7 +132,7 @@ def run_e2e(sim_nodes: int = 5000, jobs: int = 20000, postgres: bool = True,
     """Run the bench once per layout, the first being the one reported; the others are baselines.
     With several `syncs` (JetStream fsync policies: `always`, or `lazy` for the server's default),
     the first layout also runs under each further one, as a baseline of the same run."""
-    runs = {layout: _with_sync(syncs[0], lambda lo=layout: run_layout(sim_nodes, jobs, postgres, lo, progress))
+    runs = {layout: _with_sync(syncs[0], functools.partial(run_layout, sim_nodes, jobs, postgres, layout, progress))
             for layout in layouts}
     main = dict(runs[layouts[0]])
     main["layout"] = layouts[0]
@@ -141,7 +142,7 @@ def run_e2e(sim_nodes: int = 5000, jobs: int = 20000, postgres: bool = True,
         main[f"baseline_{layout}"] = base
         main[f"ratio_vs_{layout}"] = round(main["placed_rate_jobs_s"] / max(1e-9, base["placed_rate_jobs_s"]), 2)
     for sync in syncs[1:]:
-        base = _with_sync(sync, lambda: run_layout(sim_nodes, jobs, postgres, layouts[0], progress))
+        base = _with_sync(sync, functools.partial(run_layout, sim_nodes, jobs, postgres, layouts[0], progress))
         main[f"baseline_sync_{sync}"] = base
         main[f"ratio_vs_sync_{sync}"] = round(main["placed_rate_jobs_s"] / max(1e-9, base["placed_rate_jobs_s"]), 2)
     return main

@@ -63,6 +63,7 @@ from gpufleet.services.guardian.core import GuardianCore
 from gpufleet.services.placer.core import PlacerCore
 from gpufleet.services.quota.core import QuotaCore
 from gpufleet.services.telemetry.core import Rules, TelemetryCore
+from gpufleet.shared.authz import owner_actor
 from gpufleet.shared.cluster import SHAPES, shape_inventory
 from gpufleet.shared.clusterconfig import ClusterConfig, parse_config
 from gpufleet.shared.events import (
@@ -260,6 +261,14 @@ class _Member:
     paused_until: float = 0.0  # a slow service consumes nothing until then
 
 
+def _by_owner(env: Envelope) -> Envelope:
+    """A fact the scenario states (a GPU failing, an operator's cordon) as its owner says it: the
+    telemetry for GPU facts, the admin (operator) for cordons (shared/authz.py); the id stays
+    the scenario's."""
+    owner = "admin" if env.type in ("node.cordoned", "node.uncordoned") else owner_actor(env.type).split("/")[0]
+    return env.model_copy(update={"actor": f"{owner}/sim"})
+
+
 class Simulation:
     def __init__(self, scenario: Scenario, lease_s: float = 30.0) -> None:
         self.sc = scenario
@@ -399,22 +408,22 @@ class Simulation:
                 raise ScenarioError(f"fault node_lost: no node {f.arg!r}")
             self.dead.add(str(f.arg))
         elif f.kind == "gpu_unhealthy":
-            self.append([ctx.emit(NodeGpuUnhealthy(node_id=f.arg["node"], gpu_index=int(f.arg["gpu"]),
+            self.append([_by_owner(ctx.emit(NodeGpuUnhealthy(node_id=f.arg["node"], gpu_index=int(f.arg["gpu"]),
                                                    reason=str(f.arg.get("reason", "XID 79"))),
-                                  tenant=SYS_TENANT, key=f"fault:{f.at}:{f.kind}:{f.arg}")])
+                                  tenant=SYS_TENANT, key=f"fault:{f.at}:{f.kind}:{f.arg}"))])
         elif f.kind == "zombie":
-            self.append([ctx.emit(NodeGpuZombieDetected(
+            self.append([_by_owner(ctx.emit(NodeGpuZombieDetected(
                 node_id=f.arg["node"], gpu_index=int(f.arg["gpu"]), pid=int(f.arg.get("pid", 4242)),
-                used_mib=int(f.arg.get("used_mib", 4096))), tenant=SYS_TENANT, key=f"fault:{f.at}:{f.kind}:{f.arg}")])
+                used_mib=int(f.arg.get("used_mib", 4096))), tenant=SYS_TENANT, key=f"fault:{f.at}:{f.kind}:{f.arg}"))])
         elif f.kind == "gpu_cleared":
-            self.append([ctx.emit(NodeGpuCleared(node_id=f.arg["node"], gpu_index=int(f.arg["gpu"])),
-                                  tenant=SYS_TENANT, key=f"fault:{f.at}:{f.kind}:{f.arg}")])
+            self.append([_by_owner(ctx.emit(NodeGpuCleared(node_id=f.arg["node"], gpu_index=int(f.arg["gpu"])),
+                                  tenant=SYS_TENANT, key=f"fault:{f.at}:{f.kind}:{f.arg}"))])
         elif f.kind in ("cordon", "uncordon"):
             if f.arg not in self.sc.nodes:
                 raise ScenarioError(f"fault {f.kind}: no node {f.arg!r}")
             payload = (NodeCordoned(node_id=str(f.arg), reason="scenario") if f.kind == "cordon"
                        else NodeUncordoned(node_id=str(f.arg)))
-            self.append([ctx.emit(payload, tenant=SYS_TENANT, key=f"fault:{f.at}:{f.kind}:{f.arg}")])
+            self.append([_by_owner(ctx.emit(payload, tenant=SYS_TENANT, key=f"fault:{f.at}:{f.kind}:{f.arg}"))])
         elif f.kind == "cancel":
             job_id = str(f.arg["job"])
             tenant = str(f.arg.get("tenant") or next((s.tenant for s in self.sc.submits if s.job_id == job_id), "acme"))

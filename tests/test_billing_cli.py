@@ -25,6 +25,7 @@ pytestmark = pytest.mark.slow
 CONFIG = """\
 queues:
   research: {nominal: {gpu: 8}}
+  default: {}   # listed: a cluster that configures queues has no implicit one
 prices:
   currency: USD
   gpuHour: {H100: "36", A100: "18"}
@@ -103,7 +104,9 @@ def test_estimate_submit_and_bill_through_the_cli(mesh: Path, tmp_path: Path) ->
     assert {line["resource"]: line["cost"] for line in est["lines"]} == {"gpu/A100": "18.00", "cpu": "0.72",
                                                                          "memory": "0.144"}
     assert est["wait_s"] == 0 and est["wait_note"] == "fits the free capacity and quota now"
-    assert est["wait"]["ahead"] == 0 and est["wait"]["quota"] is None
+    # its queue (default: listed, without limits) holds nothing back
+    assert est["wait"]["ahead"] == 0 and est["wait"]["quota"]["full_now"] is False
+    assert est["wait"]["quota"]["reason"] is None
     assert json.loads(cli(mesh, "estimate", str(one), "--json", "--duration", "3s").stdout)["cost"] == "0.01572"
     text = cli(mesh, "estimate", str(one)).stdout
     assert "cost: 18.864 USD" in text and "expected wait: none, it fits now" in text

@@ -16,6 +16,7 @@ import asyncpg
 import nats
 import pytest
 
+from gpufleet.shared.authz import owner_actor
 from gpufleet.shared.bus import Bus
 from gpufleet.shared.events import (
     STREAM,
@@ -56,7 +57,7 @@ class Events:
         return Envelope(
             event_id=ulid(int(at.timestamp() * 1000), self.n.to_bytes(10, "big")),
             type=payload.type,  # type: ignore[attr-defined]
-            occurred_at=at, tenant=tenant, actor="test/0", payload=payload,  # type: ignore[arg-type]
+            occurred_at=at, tenant=tenant, actor=owner_actor(payload.type), payload=payload,  # type: ignore[arg-type]
         )
 
     def node(self, node_id: str, gpus: int = 8, model: str = "H100") -> Envelope:
