@@ -23,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from gpufleet.shared.authz import owner_actor
 from gpufleet.shared.bus import Bus
 from gpufleet.shared.cluster import shape_inventory
 from gpufleet.shared.events import (
@@ -58,7 +59,8 @@ def synthetic_log(events: int) -> list[Envelope]:
 
     def env(payload: Any, tenant: str, key: str, job_id: str | None = None) -> Envelope:
         return Envelope(event_id=derive_id(key, payload.type, time_ms=int(t * 1000)), type=payload.type,
-                        occurred_at=utc(t), tenant=tenant, actor="bench", correlation_id=job_id, payload=payload)
+                        occurred_at=utc(t), tenant=tenant, actor=owner_actor(payload.type), correlation_id=job_id,
+                        payload=payload)
 
     for i in range(n_nodes):
         node_id = f"n{i:05d}"

@@ -751,6 +751,35 @@ def bench_placement(
                        f"{p.get('frag_80_mean', float('nan')):>11.2f}{r['seconds_per_seed']:>8.1f}")
 
 
+@bench_app.command("history")
+def bench_history(
+    events: Annotated[str, typer.Option(help="log sizes, comma-separated (100000,1000000)")] = "100000",
+    services: Annotated[str, typer.Option(help="the service cores to restart")] = "admission,quota,placer,guardian,billing,telemetry",
+    as_json: JsonOut = False,
+) -> None:
+    """Restart cost as the log grows: each core's full fold beside its start from a snapshot (+ tail)."""
+    from gpufleet.bench_history import run as run_history
+
+    try:
+        sizes = [int(x.replace("_", "")) for x in events.split(",") if x.strip()]
+    except ValueError:
+        typer.echo("error: --events: comma-separated counts, e.g. 100000,1000000", err=True)
+        raise typer.Exit(2) from None
+    doc = run_history(sizes, tuple(x.strip() for x in services.split(",") if x.strip()),
+                      progress=None if as_json else (lambda s: typer.echo(s, err=True)))
+    if as_json:
+        _print_json(doc)
+        return
+    for size in doc["sizes"]:
+        typer.echo(f"{size['events']:,} events")
+        for name, row in size["cores"].items():
+            typer.echo(f"  {name:<11} full fold {row['full_fold_s']:>7.2f} s ({row['full_fold_events']:,} events)   "
+                       f"from snapshot {row['snapshot_start_s']:>6.3f} s (+{row['tail_events']} events, "
+                       f"{row['snapshot_bytes'] / 1e6:.1f} MB)   {row['speedup']}x")
+    for name, g in doc.get("growth", {}).items():
+        typer.echo(f"  growth {name}: full fold {g['full_fold']}x, snapshot start {g['snapshot_start']}x")
+
+
 @bench_app.command("replay")
 def bench_replay(
     events: Annotated[int, typer.Option(help="events in the synthetic log to build")] = 100_000,

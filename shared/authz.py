@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -188,6 +189,15 @@ _SERVICE_API = (
 _ERASE = (f"$JS.API.STREAM.DELETE.{STREAM}", f"$JS.API.STREAM.PURGE.{STREAM}", f"$JS.API.STREAM.MSG.DELETE.{STREAM}")
 
 
+def snapshot_subjects(core: str) -> list[str]:
+    """What a core's identity needs to keep its snapshots (shared/snapshots.py): its own object
+    store bucket, `SNAP_<core>`, and no other's."""
+    stream = f"OBJ_SNAP_{core}"
+    return [f"$O.SNAP_{core}.>", f"$JS.API.STREAM.CREATE.{stream}", f"$JS.API.STREAM.INFO.{stream}",
+            f"$JS.API.STREAM.PURGE.{stream}", f"$JS.API.STREAM.MSG.GET.{stream}", f"$JS.API.DIRECT.GET.{stream}",
+            f"$JS.API.DIRECT.GET.{stream}.>"]
+
+
 def admin_permissions() -> dict[str, Any]:
     return {"publish": {"allow": [">"], "deny": list(_ERASE)}, "subscribe": {"allow": [">"]}}
 
@@ -196,6 +206,7 @@ def service_permissions(services: Sequence[str], inbox_prefix: str) -> dict[str,
     pub: list[str] = list(_SERVICE_API)
     for svc in services:
         pub += [subject_pattern(t, svc) for t, owners in OWNERS.items() if svc in owners]
+        pub += snapshot_subjects(svc)
         if svc == "telemetry":
             pub.append("fleet.tel.node.*.gpu")  # GPU samples (its own; heartbeats are the executor's)
     sub = [f"{inbox_prefix}.>"]
@@ -259,6 +270,8 @@ class Realm:
 
     dir: Path
     identities: dict[str, Identity] = field(default_factory=dict)
+    # core -> the key its snapshots are signed with (HMAC): in the creds of every process that runs it
+    snapshot_keys: dict[str, str] = field(default_factory=dict)
 
     @property
     def creds_dir(self) -> Path:
@@ -274,6 +287,7 @@ class Realm:
         for item in doc.get("identities", []):
             ident = Identity(item["kind"], item["name"], tuple(item.get("services", ())), item["public_key"])
             realm.identities[ident.id] = ident
+        realm.snapshot_keys = dict(doc.get("snapshot_keys", {}))
         return realm
 
     def exists(self) -> bool:
@@ -296,17 +310,39 @@ class Realm:
         seed, pub = new_keypair()
         ident = Identity(kind, name, services, pub)
         self.identities[ident.id] = ident
-        write_private(self.creds_path(ident.id), json.dumps({
-            "gpufleet_creds": CREDS_VERSION, "identity": ident.id, "kind": kind, "name": name,
-            "services": list(services), "seed": seed, "public_key": pub, "inbox_prefix": ident.inbox_prefix,
-        }, indent=2) + "\n", private_dir=True)
+        self._write_creds(ident, seed)
         self.save()
         return ident
+
+    def _write_creds(self, ident: Identity, seed: str) -> None:
+        for svc in ident.services:
+            self.snapshot_keys.setdefault(svc, secrets.token_hex(32))
+        write_private(self.creds_path(ident.id), json.dumps({
+            "gpufleet_creds": CREDS_VERSION, "identity": ident.id, "kind": ident.kind, "name": ident.name,
+            "services": list(ident.services), "seed": seed, "public_key": ident.public_key,
+            "inbox_prefix": ident.inbox_prefix,
+            "snapshot_keys": {svc: self.snapshot_keys[svc] for svc in ident.services},
+        }, indent=2) + "\n", private_dir=True)
+
+    def ensure_snapshot_keys(self) -> None:
+        """Creds made before snapshots were signed get their cores' keys (the seeds are kept)."""
+        for ident in self.identities.values():
+            if ident.kind != "service" or not ident.services:
+                continue
+            path = self.creds_path(ident.id)
+            try:
+                doc = json.loads(path.read_text())
+            except (FileNotFoundError, json.JSONDecodeError):
+                continue
+            if set(doc.get("snapshot_keys", {})) != set(ident.services):
+                self._write_creds(ident, str(doc["seed"]))
+        self.save()
 
     def save(self) -> None:
         doc = {"identities": [
             {"kind": i.kind, "name": i.name, "services": list(i.services), "public_key": i.public_key}
-            for i in sorted(self.identities.values(), key=lambda i: i.id)]}
+            for i in sorted(self.identities.values(), key=lambda i: i.id)],
+            "snapshot_keys": self.snapshot_keys}
         write_private(self.creds_dir / REALM_FILE, json.dumps(doc, indent=2) + "\n", private_dir=True)
 
     def tenants(self) -> list[str]:
@@ -346,6 +382,7 @@ def ensure_realm(d: Path, tenants: Iterable[str] = (), groups: Iterable[tuple[st
             realm.add("service", "-".join(g), tuple(g))
     for t in tenants:
         realm.add("tenant", t)
+    realm.ensure_snapshot_keys()
     return realm
 
 
@@ -417,6 +454,12 @@ class Creds:
     name: str
     seed: str
     inbox_prefix: str
+    snapshot_keys: dict[str, str] = field(default_factory=dict)
+
+    def snapshot_key(self, core: str) -> bytes | None:
+        """The key `core`'s snapshots are signed with, if this identity runs that core."""
+        k = self.snapshot_keys.get(core)
+        return bytes.fromhex(k) if k else None
 
     @property
     def tenant(self) -> str | None:
@@ -447,7 +490,7 @@ def load_creds(path: str | Path) -> Creds:
         raise CredsError(f"credentials file {p} is not gpufleet credentials (JSON): {exc}") from None
     try:
         return Creds(p, str(doc["identity"]), str(doc["kind"]), str(doc["name"]), str(doc["seed"]),
-                     str(doc["inbox_prefix"]))
+                     str(doc["inbox_prefix"]), dict(doc.get("snapshot_keys") or {}))
     except (KeyError, TypeError) as exc:
         raise CredsError(f"credentials file {p} lacks {exc}") from None
 

@@ -89,9 +89,19 @@ async def run_core(core: Core[Any], nats_url: str, instance: str = "0", batch: i
         if ready:
             ready(rt)
         await asyncio.gather(rt.run(), *(s.run() for s in sidecars))
+        await _flush_snapshots([rt])
     finally:
         await bus.close()
         log.info("%s stopped: %s", rt.actor, rt.stats)
+
+
+async def _flush_snapshots(runtimes: list[ServiceRuntime[Any]]) -> None:
+    """On a clean stop: store each core's state, so the next start folds nothing (bounded)."""
+    for rt in runtimes:
+        try:
+            await asyncio.wait_for(rt.flush_snapshot(), 10)
+        except Exception as exc:  # noqa: BLE001 - the log holds everything; the next start folds more
+            log.warning("%s: snapshot at stop failed (%s)", rt.actor, exc)
 
 
 def serve(name: str, make_core: Callable[[argparse.Namespace], Core[Any]],
@@ -123,6 +133,7 @@ async def run_group(cores: list[Core[Any]], nats_url: str, instance: str = "0", 
         await _start_sidecars(group.runtimes, bus, sidecars)
         log.info("group %s ready", group.durable)
         await asyncio.gather(group.run(), *(s.run() for s in sidecars))
+        await _flush_snapshots(group.runtimes)
     finally:
         await bus.close()
 

@@ -337,6 +337,9 @@ async def test_two_placers_never_allocate_a_gpu_twice(bus: Bus, nats_url: str) -
     assert conflicts >= 1, "the race never happened"
     loser = a if a.rt.stats.cas_conflicts else b
     assert loser.rt.stats.refolds >= 1 + loser.rt.stats.cas_conflicts  # start, then once per lost CAS
+    # a lost CAS rolls back to the last committed point and folds only what came since
+    assert loser.rt.last_fold.from_seq > 0
+    assert loser.rt.last_fold.events < loser.rt.last_fold.to_seq
 
 
 async def test_two_placers_racing_on_gangs_place_each_whole_or_not_at_all(bus: Bus, nats_url: str) -> None:
