@@ -181,9 +181,10 @@ def status(data_dir: DataDir = None, as_json: JsonOut = False) -> None:
         out = {"running": True, "state": doc.get("state"), "data_dir": str(ddir), "nats_url": doc["nats_url"],
                "pg_dsn": doc.get("pg_dsn"), "parts": parts}
         try:
-            out["stream_seq"] = _run(_with_fleet(str(ddir), lambda f: f.bus.last_seq()))
+            out["stream"] = _run(_with_fleet(str(ddir), _stream_status))
+            out["stream_seq"] = out["stream"]["last_seq"]
         except Exception as exc:  # noqa: BLE001 - report, do not fail
-            out["stream_error"] = str(exc)
+            out["stream_error"] = str(exc) or type(exc).__name__
     if as_json:
         _print_json(out)
         return
@@ -191,11 +192,30 @@ def status(data_dir: DataDir = None, as_json: JsonOut = False) -> None:
         typer.echo(f"not running ({ddir})")
         raise typer.Exit(1)
     typer.echo(f"running in {ddir}  NATS {out['nats_url']}  log seq {out.get('stream_seq')}")
+    st = out.get("stream")
+    if st:
+        typer.echo(f"  log: seqs {st['first_seq']}..{st['last_seq']}, {st['bytes'] / 1e6:.1f} MB; limits: {st['limits']}"
+                   + ("" if st["first_seq"] <= 1 else "  (the head is gone: see `gpufleet audit`)"))
+    elif "stream_error" in out:
+        typer.echo(f"  log: cannot read it ({out['stream_error']})")
     for name, p in out["parts"].items():
         typer.echo(f"  {name:<11} {'up' if p['alive'] else 'DOWN':<5} pid {p['pid']}  restarts {p['restarts']}")
 
 
 # ------------------------------------------------------------------ jobs
+
+
+async def _stream_status(fleet: Any) -> dict[str, Any]:
+    """The log's extent and the limits that would stop it (or, with another discard, drop its head)."""
+    info = await fleet.bus.js.stream_info("FLEET")
+    c, st = info.config, info.state
+    limits = {k: v for k, v in (("max_bytes", c.max_bytes), ("max_msgs", c.max_msgs), ("max_age_s", c.max_age))
+              if v not in (None, -1, 0)}
+    desc = ", ".join(f"{k} {v}" for k, v in limits.items()) or "none (keeps everything)"
+    discard = getattr(c.discard, "value", c.discard)
+    return {"first_seq": st.first_seq, "last_seq": st.last_seq, "messages": st.messages, "bytes": st.bytes,
+            "limits": f"{desc}; at a limit: {'refuse new events' if discard == 'new' else 'drop the oldest'}",
+            "deny_purge": bool(c.deny_purge), "deny_delete": bool(c.deny_delete)}
 
 
 @app.command()

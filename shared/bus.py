@@ -57,6 +57,9 @@ def fleet_stream_config(replicas: int = 1) -> StreamConfig:
         # the log cannot be erased through the API: no purge, no deletion of a message
         deny_delete=True,
         deny_purge=True,
+        # at a limit (the server's max_file_store, a max_bytes) refuse new writes, loudly, instead
+        # of dropping the oldest events: a fold from sequence 1 of a log without its head is wrong
+        discard=DiscardPolicy.NEW,
     )
 
 
