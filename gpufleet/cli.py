@@ -296,7 +296,11 @@ def _rows(kind: str, data_dir: str | None) -> list[dict[str, Any]]:
     if dsn:
         from gpufleet.shared.readmodel import query_rows
 
-        return _run(query_rows(dsn, kind))
+        try:
+            return asyncio.run(asyncio.wait_for(query_rows(dsn, kind), 5))
+        except Exception as exc:  # noqa: BLE001 - PostgreSQL down or stopped: the log still answers
+            typer.echo(f"warning: the read model (PostgreSQL) does not answer ({type(exc).__name__}: {exc}); "
+                       "folding the log instead", err=True)
     view = _run(_with_fleet(data_dir, lambda f: f.fold()))
     return list(view.as_json()[kind])
 

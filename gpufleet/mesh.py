@@ -96,6 +96,8 @@ class Supervisor:
         self._stopping = False
         self.config_path: Path | None = None
         self.realm: Realm | None = None
+        self._nats_conf: Path | None = None
+        self.infra_restarts: dict[str, int] = {}
 
     # -------------------------------------------------------------- mesh.json
 
@@ -111,8 +113,10 @@ class Supervisor:
             "sim_nodes": self.opts.sim_nodes,
             "started_at": time.time(),
             "parts": {
-                "nats": {"pid": self.nats_proc.pid if self.nats_proc else None},
-                **({"postgres": {"pid": self.pg.running_pid()}} if self.pg is not None else {}),
+                "nats": {"pid": self.nats_proc.pid if self.nats_proc else None,
+                         "restarts": self.infra_restarts.get("nats", 0)},
+                **({"postgres": {"pid": self.pg.running_pid(), "restarts": self.infra_restarts.get("postgres", 0)}}
+                   if self.pg is not None else {}),
                 **{
                     svc: {"pid": c.proc.pid if c.proc else None, "restarts": c.restarts, "process": c.name}
                     for c in self.children.values() for svc in (c.services or (c.name,))
@@ -146,6 +150,7 @@ class Supervisor:
         self.realm = ensure_realm(self.dir, tenants=self._config_tenants(),
                                   groups=[g for groups in LAYOUTS.values() for g in groups])
         conf = write_nats_config(self.dir / NATS_CONF, nats_config(self.dir / "nats", port, self.realm))
+        self._nats_conf = conf
         self.nats_proc = start_nats(self.dir / "nats", port, log_file=self.logs / "nats.log", config=conf)
         self.nats_url = f"nats://127.0.0.1:{port}"
         log.info("nats-server up at %s (auth: %d identities, creds in %s)", self.nats_url,
@@ -209,8 +214,31 @@ class Supervisor:
             self.children[name] = child
             self.spawn(child)
 
+    def check_infra(self) -> None:
+        """nats-server or PostgreSQL died: start it again, on the same port with the same store
+        (the services reconnect by themselves); counted in mesh.json."""
+        if self._stopping:
+            return
+        if self.nats_proc is not None and self.nats_proc.poll() is not None and self._nats_conf is not None:
+            log.warning("nats-server exited with %s; restarting it", self.nats_proc.returncode)
+            self.infra_restarts["nats"] = self.infra_restarts.get("nats", 0) + 1
+            port = int(self.nats_url.rsplit(":", 1)[1])
+            self.nats_proc = start_nats(self.dir / "nats", port, log_file=self.logs / "nats.log", config=self._nats_conf)
+            self.write_mesh("running")
+        if self.pg is not None and self.pg.running_pid() is None:
+            log.warning("PostgreSQL is not running; starting it again")
+            _reap_children()  # a killed postmaster left as a zombie still holds its lock file
+            try:
+                self.pg.start()
+            except Exception:  # noqa: BLE001 - try again at the next check
+                log.exception("starting PostgreSQL again")
+                return
+            self.infra_restarts["postgres"] = self.infra_restarts.get("postgres", 0) + 1
+            self.write_mesh("running")
+
     def check_children(self) -> None:
         """Restart a service that died, with backoff; every restart is counted in mesh.json."""
+        self.check_infra()
         for child in self.children.values():
             if child.proc is not None and child.proc.poll() is not None and not self._stopping:
                 wait = RESTART_BACKOFF_S[min(child.restarts, len(RESTART_BACKOFF_S) - 1)]
@@ -368,6 +396,17 @@ def down(ddir: Path, timeout_s: float = 60.0) -> bool:
             os.kill(int(p), signal.SIGTERM)
     (ddir / MESH_FILE).unlink(missing_ok=True)
     return True
+
+
+def _reap_children() -> None:
+    """Collect every child that has exited (without blocking)."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
 
 
 def _reap(pid: int) -> None:

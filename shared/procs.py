@@ -69,10 +69,15 @@ def stop_process(proc: subprocess.Popen[bytes], timeout_s: float = 10.0) -> None
 
 
 def pid_alive(pid: int) -> bool:
+    """The process exists and is not a zombie (a dead child its parent has not reaped yet)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return True

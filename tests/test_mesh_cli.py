@@ -264,3 +264,35 @@ def test_a_tenant_added_to_a_running_mesh_works_as_itself_and_only_as_itself(mes
 
     report = json.loads(cli(mesh, "audit", "--json").stdout)
     assert report["ok"], report
+
+
+def test_the_supervisor_brings_back_nats_and_postgresql_after_a_kill(mesh: Path, tmp_path: Path) -> None:
+    """kill -9 of nats-server and of PostgreSQL: the supervisor starts each again (same port,
+    same store), status says so, and the mesh runs jobs again; a client told of a dead read
+    model folds the log instead of failing."""
+    st = json.loads(cli(mesh, "status", "--json").stdout)
+    nats_pid = st["parts"]["nats"]["pid"]
+    os.kill(nats_pid, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while True:  # the supervisor notices within its 0.5 s loop
+        st = json.loads(cli(mesh, "status", "--json").stdout)
+        if st["parts"]["nats"]["restarts"] == 1 and st["parts"]["nats"]["alive"] and "stream" in st:
+            break
+        assert time.monotonic() < deadline, st
+        time.sleep(0.3)
+    assert st["parts"]["nats"]["pid"] != nats_pid
+    spec = tmp_path / "after.yaml"
+    spec.write_text("name: after\ntenant: acme\nresources: {gpu: 1, cpu: 1, memory: 1Gi}\nsim: {duration: 1s}\n")
+    job_id = json.loads(cli(mesh, "submit", str(spec), "--json", "--yes").stdout)["job_id"]
+    wait_jobs(mesh, {job_id}, "succeeded", timeout_s=90)
+
+    pg_pid = st["parts"]["postgres"]["pid"]
+    os.kill(pg_pid, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while True:
+        st = json.loads(cli(mesh, "status", "--json").stdout)
+        if st["parts"]["postgres"].get("restarts") == 1 and st["parts"]["postgres"]["alive"]:
+            break
+        assert time.monotonic() < deadline, st
+        time.sleep(0.3)
+    wait_jobs(mesh, {job_id}, "succeeded", timeout_s=30)  # the read model answers again

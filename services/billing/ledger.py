@@ -190,7 +190,12 @@ class Ledger:
             return list(await self._psub.fetch(self.batch, timeout=self.fetch_timeout_s))
         except (TimeoutError, nats.errors.TimeoutError):
             return []
-        except nats.js.errors.NotFoundError:  # the consumer is gone (server restarted): read on from read_seq
+        except (nats.js.errors.NotFoundError, nats.js.errors.ServiceUnavailableError) as exc:
+            # the consumer is gone (a server restart deletes a memory-stored one; the fetch then
+            # says "service unavailable", not "not found"): read on from read_seq with a new one
+            log.warning("ledger %s: its reader is gone (%s); reading on from seq %d", self.name,
+                        type(exc).__name__, self.read_seq + 1)
+            self._psub = None  # (if the new one cannot be made yet, the next fetch tries again)
             await self._open_tail()
             return []
 

@@ -149,6 +149,9 @@ class TelemetryAgent:
             core, bus, instance=instance, batch=batch, clock=clock)
         self.windows = Windows()
         self.last_seen: dict[str, float] = {}
+        self._blind = False  # its own connection was down: it heard no one
+        self._reconnects = 0
+        self.lease_checks = 0  # the checks that could decide (it heard the nodes)
         self.proc_use = ProcUse()
         self._stop = asyncio.Event()
         self._sub: Any = None
@@ -164,6 +167,7 @@ class TelemetryAgent:
         now = self.clock()
         for node_id in self.state.nodes:  # a restarted telemetry gives every node a full lease
             self.last_seen[node_id] = now
+        self._reconnects = int(self.bus.nc.stats.get("reconnects", 0))
         self._sub = await self.bus.nc.subscribe("fleet.tel.node.*.heartbeat", cb=self._on_heartbeat)
 
     async def _on_heartbeat(self, msg: Any) -> None:
@@ -202,6 +206,26 @@ class TelemetryAgent:
         await every(self._stop, period_s, fn, self.runtime.actor)
 
     async def check_leases(self) -> None:
+        """Turn a node's silence into `node.lost`, but only a silence this telemetry could have
+        heard: while its own connection is down it hears no one, and after it reconnects every
+        node gets a full lease from then (a NATS outage longer than the lease is not every node
+        lost at once; issue: the distributed mode under faults)."""
+        nc = self.bus.nc
+        if not nc.is_connected:
+            if not self._blind:
+                log.warning("telemetry is cut off from NATS: no node is declared lost until it hears them again")
+            self._blind = True
+            return
+        reconnects = int(nc.stats.get("reconnects", 0))
+        if self._blind or reconnects != self._reconnects:
+            self._blind, self._reconnects = False, reconnects
+            now = self.clock()
+            for node_id in self.state.nodes:
+                self.last_seen[node_id] = max(self.last_seen.get(node_id, 0.0), now)
+            log.warning("telemetry is back on NATS: every node gets a full lease (%.0fs) from now",
+                        self.core.rules.lease_s)
+            return
+        self.lease_checks += 1
         facts = self.core.check_leases(self.state, self.last_seen, self.clock(), self.runtime.ctx())
         for f in facts:
             if f.type == "node.lost":
