@@ -125,3 +125,19 @@ async def test_the_ledger_reads_on_after_nats_restarts(server: Server, pg: Any) 
         ledger.stop()
         await task
         await admin.close()
+
+
+async def test_a_client_whose_server_does_not_answer_says_so_within_seconds(tmp_path: Path) -> None:
+    """A port that accepts and never speaks (a stopped nats-server) and a closed one: the SDK (and
+    so every client command) fails within its deadline, naming the server, without a traceback."""
+    from gpufleet.sdk import CONNECT_DEADLINE_S, Fleet
+    from gpufleet.shared.errors import MeshNotRunning
+
+    silent = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+    port = silent.sockets[0].getsockname()[1]
+    for url in (f"nats://127.0.0.1:{port}", f"nats://127.0.0.1:{free_port()}"):
+        t0 = time.monotonic()
+        with pytest.raises(MeshNotRunning, match="does not answer"):
+            await Fleet.connect(nats_url=url, data_dir=str(tmp_path))
+        assert time.monotonic() - t0 < CONNECT_DEADLINE_S + 2
+    silent.close()

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from collections.abc import AsyncIterator, Callable
@@ -78,6 +79,9 @@ class Explanation:
                 "pending": self.pending, "interruptions": self.interruptions}
 
 
+CONNECT_DEADLINE_S = 6.0
+
+
 class Fleet:
     def __init__(self, bus: Bus) -> None:
         self.bus = bus
@@ -89,16 +93,23 @@ class Fleet:
         (the local operator). A server that is down is reported within seconds (MeshNotRunning)."""
         url = nats_url or resolve_nats_url(data_dir)
         ident = find_creds(creds, resolve_data_dir(data_dir))
+        errors: list[str] = []
+
+        async def quiet(exc: Exception) -> None:  # nats-py would print a traceback per attempt
+            errors.append(str(exc) or type(exc).__name__)
+
+        who = ident.identity if ident else "no credentials"
         try:
-            bus = await Bus.connect(url, name="gpufleet-sdk", creds=ident, connect_timeout=3,
-                                    max_reconnect_attempts=10)  # a refused or absent server: an error in ~5 s
-        except (nats.errors.NoServersError, OSError, TimeoutError) as exc:
-            raise MeshNotRunning(f"cannot reach NATS at {url}: {exc}") from None
-        except nats.errors.Error as exc:
-            if "authorization" in str(exc).lower():
-                who = ident.identity if ident else "no credentials"
-                raise GpufleetError(f"NATS at {url} refused {who}: {exc}") from None
-            raise
+            # the first connection within CONNECT_DEADLINE_S, or an error saying why; once
+            # connected it reconnects for as long as the command runs (a long `watch`)
+            bus = await asyncio.wait_for(Bus.connect(url, name="gpufleet-sdk", creds=ident, connect_timeout=2,
+                                                     error_cb=quiet), CONNECT_DEADLINE_S)
+        except (nats.errors.NoServersError, OSError, TimeoutError, nats.errors.Error) as exc:
+            said = " ".join(errors[-1:]) or str(exc) or type(exc).__name__
+            if any("authorization" in e.lower() for e in [*errors, str(exc)]):
+                raise GpufleetError(f"NATS at {url} refused {who}: authorization violation") from None
+            raise MeshNotRunning(f"NATS at {url} does not answer (within {CONNECT_DEADLINE_S:.0f} s: {said}); "
+                                 "is the mesh up? (`gpufleet status`)") from None
         return cls(bus)
 
     @property
