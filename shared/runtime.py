@@ -387,6 +387,12 @@ class ServiceRuntime(Generic[S]):
     def _own_subject(self, subject: str) -> bool:
         return self._interest(subject)
 
+    def _says_bad(self, subject: str) -> bool:
+        """Who records a message that is not the contract: for a client's command, admission alone
+        (it answers commands; the autoscaler also reads them, and two dead letters per bad
+        command said the same thing twice); for anything else, every service that reads it."""
+        return self.core.name == "admission" or not subject.startswith("fleet.cmd.")
+
     def _dead_letter(self, msg: Msg, reason: str) -> Envelope:
         md = msg.metadata
         seq = md.sequence.stream
@@ -423,7 +429,8 @@ class ServiceRuntime(Generic[S]):
                 if self._parsed is not None:
                     self._parsed[seq] = env
             except Exception as exc:  # noqa: BLE001 - any parse failure is a bad message
-                outputs.append(self._dead_letter(msg, f"invalid message: {_short(exc)}"))
+                if self._says_bad(msg.subject):
+                    outputs.append(self._dead_letter(msg, f"invalid message: {_short(exc)}"))
                 bad.append(msg)
                 if types is not None:
                     types["invalid"] = types.get("invalid", 0) + 1
@@ -433,8 +440,9 @@ class ServiceRuntime(Generic[S]):
             if env.subject() != msg.subject:
                 # the subject is what NATS permissions check: an envelope must not claim another
                 # tenant, job or type than the subject it was allowed to publish on
-                outputs.append(self._dead_letter(
-                    msg, f"invalid message: envelope belongs on {env.subject()}, not {msg.subject}"))
+                if self._says_bad(msg.subject):
+                    outputs.append(self._dead_letter(
+                        msg, f"invalid message: envelope belongs on {env.subject()}, not {msg.subject}"))
                 bad.append(msg)
                 continue
             forged = foreign_author(env)

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from gpufleet.services.admission.core import AdmissionCore
+from gpufleet.services.autoscaler.core import AutoscalerCore
 from gpufleet.services.executor.core import ExecutorCore
 from gpufleet.services.guardian.core import GuardianCore
 from gpufleet.services.placer.core import PlacerCore
@@ -99,7 +100,8 @@ SPECS: dict[str, tuple[dict[str, Any], str | None, str, str | None]] = {
 
 
 def cores(config: ClusterConfig = CONFIG, nodes: int = 10) -> list[Any]:
-    out: list[Any] = [AdmissionCore(config), QuotaCore(), PlacerCore(), GuardianCore()]
+    # (the autoscaler reads every command too: a bad one must still be dead-lettered once)
+    out: list[Any] = [AdmissionCore(config), QuotaCore(), PlacerCore(), GuardianCore(), AutoscalerCore(config)]
     if nodes:  # the default mix, and one node with GPUs in MIG mode
         out.append(ExecutorCore(sim_fleet(nodes) | sim_fleet(1, prefix="mig", mix="h100mig")))
     return out
@@ -166,6 +168,9 @@ async def test_every_bad_input_gets_a_clear_reason_and_nothing_is_lost(bus: Bus,
     letters = {e.payload.stream_seq: e.payload.reason for e in log if e.type == "sys.dead_letter"}  # type: ignore[union-attr]
     for seq, words in dead.items():
         assert words in letters[seq], (seq, letters[seq])
+    # one dead letter per bad command, admission's (the autoscaler reads commands too, silently)
+    per_seq = [(e.payload.stream_seq, e.payload.service) for e in log if e.type == "sys.dead_letter"]  # type: ignore[union-attr]
+    assert sorted(per_seq) == sorted((seq, "admission") for seq in dead)
     # the good job ran; its life is untouched by the refused commands about it
     assert [e.type for e in log if e.job_id == gid][-1] == "job.succeeded"
     assert len(SPECS) >= 30
