@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Sequence
+from datetime import datetime
 from typing import Any
 
 import nats
@@ -21,19 +22,23 @@ READ_BATCH = 2048
 
 
 async def read_stream(bus: Bus, subjects: Sequence[str] = ("fleet.>",), from_seq: int = 1,
-                      until_seq: int | None = None, stream: str = STREAM) -> AsyncIterator[list[Msg]]:
-    """Yield batches of messages on `subjects` from `from_seq` to the head (or `until_seq`).
-    On a tenant's connection, only what it may read (its own subjects: read_tenant_stream)."""
+                      until_seq: int | None = None, stream: str = STREAM,
+                      from_time: datetime | None = None) -> AsyncIterator[list[Msg]]:
+    """Yield batches of messages on `subjects` from `from_seq` (or those stored since `from_time`)
+    to the head (or `until_seq`). On a tenant's connection, only what it may read (its own
+    subjects: read_tenant_stream)."""
     if bus.tenant_scope is not None:
         async for msgs in read_tenant_stream(bus, bus.tenant_scope, subjects, until_seq):
             yield msgs
         return
     js = bus.js
     name = f"read-{time.time_ns()}"
+    policy = (DeliverPolicy.BY_START_TIME if from_time is not None else
+              DeliverPolicy.BY_START_SEQUENCE if from_seq > 1 else DeliverPolicy.ALL)
     cfg = ConsumerConfig(
-        name=name, filter_subjects=list(subjects), ack_policy=AckPolicy.NONE,
-        deliver_policy=DeliverPolicy.BY_START_SEQUENCE if from_seq > 1 else DeliverPolicy.ALL,
-        opt_start_seq=from_seq if from_seq > 1 else None, inactive_threshold=120.0, mem_storage=True,
+        name=name, filter_subjects=list(subjects), ack_policy=AckPolicy.NONE, deliver_policy=policy,
+        opt_start_seq=from_seq if from_seq > 1 and from_time is None else None, opt_start_time=from_time,
+        inactive_threshold=120.0, mem_storage=True,
     )
     info = await js.add_consumer(stream, cfg)
     try:

@@ -53,3 +53,27 @@ async def test_the_sdk_explains_a_job_from_the_log(bus: Bus, nats_url: str) -> N
             assert js["job_id"] == waits and js["events"][0]["seq"] == doc.history[0][0] and js["pending"] == doc.pending
             await fleet.cancel(ok, "acme")
             assert await fleet.explain("no-such-job") is None
+
+
+async def test_explain_reads_the_commands_of_the_jobs_window_not_the_whole_log(bus: Bus, nats_url: str) -> None:
+    """300 commands of other jobs came before (200 of another tenant): explain reads its job's
+    events and its tenant's commands of the job's life, and still finds the submit and a cancel."""
+    from .helpers import submit_cmd
+
+    await bus.publish_batch([submit_cmd({"name": "x", "tenant": "globex" if i % 3 else "acme"}, f"old{i}")
+                             for i in range(300)])
+    async with running(nats_url, default_cores(sim_nodes=1)):
+        await wait_until(lambda: nodes_registered(bus, 1))
+        async with await Fleet.connect(nats_url=nats_url) as fleet:
+            job = await fleet.submit({"name": "mine", "tenant": "acme", "resources": {"gpu": 1},
+                                      "sim": {"duration": "10m"}})
+            await fleet.cancel(job)  # the admin's (fleet.cmd.sys.cancel)
+
+            async def told() -> Any:
+                doc = await fleet.explain(job)
+                return doc if doc and "job.cancelled" in [e.type for _, e in doc.history] else None
+
+            doc = await wait_until(told)
+            types = [e.type for _, e in doc.history]
+            assert types[0] == "cmd.submit" and "cmd.cancel" in types
+            assert fleet.commands_read < 120, fleet.commands_read  # acme's 100 old ones at most, not 300

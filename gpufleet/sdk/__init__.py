@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 from collections.abc import AsyncIterator, Callable
@@ -35,7 +36,7 @@ from gpufleet.shared.events import (
     parse_envelope,
     utc,
 )
-from gpufleet.shared.ids import check_token, derive_id, ulid
+from gpufleet.shared.ids import check_token, derive_id, ulid, ulid_time_ms
 from gpufleet.shared.log import read_stream
 from gpufleet.shared.spec import parse_spec
 from gpufleet.shared.view import ClusterView, apply
@@ -85,6 +86,7 @@ CONNECT_DEADLINE_S = 6.0
 class Fleet:
     def __init__(self, bus: Bus) -> None:
         self.bus = bus
+        self.commands_read = 0  # by the last explain (it reads only the job's window)
 
     @classmethod
     async def connect(cls, data_dir: str | None = None, nats_url: str | None = None,
@@ -245,6 +247,36 @@ class Fleet:
                     continue
         return out, facts
 
+    async def _commands_of(self, job_id: str, events: list[tuple[int, Envelope]]) -> list[tuple[int, Envelope]]:
+        """The client commands that may name the job: its tenant's (and the admin's), sent during
+        the job's life, not every command in the log. The submit came before `job.submitted`
+        (its cause; the window opens a minute before the earlier of that command's own clock and
+        the first event's) and every later command about it left an event on the job's subjects
+        (a cancel, a refusal): the window closes at the job's last event. With no event of the
+        job (its submit was dead-lettered) every command is read."""
+        self.commands_read = 0
+        if not events:
+            subjects, start, until = ["fleet.cmd.*.*"], None, None
+        else:
+            tenant = events[0][1].tenant
+            first = min(events, key=lambda x: x[0])[1]
+            cause = next((e.causation_id for _, e in events if e.type == "job.submitted" and e.causation_id), None)
+            at = first.occurred_at.timestamp()
+            if cause:
+                with contextlib.suppress(KeyError, ValueError):
+                    at = min(at, ulid_time_ms(cause) / 1000)
+            subjects = [f"fleet.cmd.{tenant}.*", f"fleet.cmd.{SYS_TENANT}.*"]
+            start, until = utc(at - 60), max(s for s, _ in events)
+        out: list[tuple[int, Envelope]] = []
+        async for batch in read_stream(self.bus, subjects, until_seq=until, from_time=start):
+            for msg in batch:
+                self.commands_read += 1
+                try:
+                    out.append((msg.metadata.sequence.stream, parse_envelope(msg.data)))
+                except Exception:  # noqa: BLE001
+                    continue
+        return out
+
     async def explain(self, job_id: str) -> Explanation | None:
         """What `gpufleet explain JOB` says: the job's events (with the client commands that name
         it) in log order, why it waits (each statement with the seq of its event) and its
@@ -252,7 +284,7 @@ class Fleet:
         from gpufleet.shared.view import interruptions, pending_reasons
 
         hist = await self.history(job_filter(job_id=job_id))
-        hist += [(s, e) for s, e in await self.history("fleet.cmd.*.*") if e.job_id == job_id]
+        hist += [(s, e) for s, e in await self._commands_of(job_id, hist) if e.job_id == job_id]
         hist.sort(key=lambda x: x[0])
         if not hist:
             return None
