@@ -468,6 +468,10 @@ class DeadLetter(_Payload):
     stream_seq: int
     reason: str
     data_excerpt: str = ""
+    # who sent it and about which job, when they can be read (the subject names the tenant of a
+    # command; the raw payload its job id)
+    tenant: str | None = None
+    about_job: str | None = None  # (not `job_id`: a dead letter is not one of the job's events)
 
 
 # ---------------------------------------------------------------- billing

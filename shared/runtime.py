@@ -114,6 +114,7 @@ class Core(Protocol[S]):
     def decide(self, state: S, env: Envelope, ctx: Ctx) -> list[Envelope]: ...
     def tick(self, state: S, ctx: Ctx) -> list[Envelope]: ...
     def on_start(self, state: S, ctx: Ctx) -> list[Envelope]: ...
+    def on_invalid(self, state: S, bad: InvalidMessage, ctx: Ctx) -> list[Envelope]: ...
 
 
 class BaseCore(Generic[S]):
@@ -132,6 +133,71 @@ class BaseCore(Generic[S]):
 
     def on_start(self, state: S, ctx: Ctx) -> list[Envelope]:
         return []
+
+    def on_invalid(self, state: S, bad: InvalidMessage, ctx: Ctx) -> list[Envelope]:
+        """Answer a message that is not the contract (besides its dead letter): nothing by default."""
+        return []
+
+
+@dataclass(frozen=True)
+class InvalidMessage:
+    """A message that is not the contract, as far as it can be read: its subject, the tenant the
+    subject names (a command's sender), the job id in its raw payload, and every error found."""
+
+    subject: str
+    stream_seq: int
+    event_id: str  # a deterministic id for an answer to it
+    tenant: str | None
+    job_id: str | None
+    errors: tuple[tuple[str, str], ...]  # (field, message)
+
+
+def read_invalid(subject: str, data: bytes, seq: int, errors: list[tuple[str, str]], ts_ms: int) -> InvalidMessage:
+    """What can be read of a bad message: the subject's tenant (`fleet.cmd.<tenant>.<verb>`,
+    `fleet.evt.<tenant>.job.<id>.<type>`) and the raw payload's job id, each only if a valid token."""
+    import json
+
+    from .ids import is_token
+
+    toks = subject.split(".")
+    tenant = toks[2] if len(toks) > 3 and toks[1] in ("cmd", "evt") and is_token(toks[2]) else None
+    job_id = None
+    try:
+        doc = json.loads(data)
+        if isinstance(doc, dict) and isinstance(doc.get("payload"), dict):
+            jid = doc["payload"].get("job_id")
+            job_id = jid if isinstance(jid, str) and is_token(jid) else None
+    except ValueError:
+        pass
+    return InvalidMessage(subject, seq, derive_id(f"invalid:{seq}", "answer", time_ms=ts_ms), tenant, job_id,
+                          tuple(errors))
+
+
+def _mismatch_field(own: str, published: str) -> str:
+    """The envelope field that puts it on another subject than the one it was published on."""
+    a, b = own.split("."), published.split(".")
+    i = next((k for k, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+    if i == 2:
+        return "tenant"
+    if a[1:2] == ["evt"] and a[3:4] == ["job"] and i == 4:
+        return "payload.job_id"
+    return "type"
+
+
+def validation_errors(exc: BaseException) -> list[tuple[str, str]]:
+    """One (field, message) per error of a failed parse (pydantic's, or a plain exception's)."""
+    errs = getattr(exc, "errors", None)
+    if callable(errs):
+        try:
+            out = []
+            for e in errs():
+                loc = [str(x) for x in e.get("loc", ()) if not str(x).startswith(("cmd.", "job.", "node."))]
+                out.append((".".join(loc) or "envelope", str(e.get("msg", ""))))
+            if out:
+                return out
+        except Exception:  # noqa: BLE001 - fall back to the text
+            pass
+    return [("envelope", _short(exc))]
 
 
 @dataclass
@@ -393,7 +459,21 @@ class ServiceRuntime(Generic[S]):
         command said the same thing twice); for anything else, every service that reads it."""
         return self.core.name == "admission" or not subject.startswith("fleet.cmd.")
 
-    def _dead_letter(self, msg: Msg, reason: str) -> Envelope:
+    def _invalid(self, msg: Msg, reason: str, errors: list[tuple[str, str]]) -> list[Envelope]:
+        """The dead letter of a message that is not the contract (naming its tenant and job when
+        they can be read), and the core's answer to its sender, if any (admission: `job.rejected`
+        / `job.request_refused` on the job's own subject)."""
+        md = msg.metadata
+        ts_ms = int(md.timestamp.timestamp() * 1000) if md.timestamp else 0
+        bad = read_invalid(msg.subject, msg.data, md.sequence.stream, errors, ts_ms)
+        out = [self._dead_letter(msg, reason, bad)]
+        try:
+            out += self.core.on_invalid(self.state, bad, self.ctx())
+        except Exception:  # noqa: BLE001 - the dead letter is said either way
+            log.exception("%s: answering the invalid message at seq %d failed", self.actor, bad.stream_seq)
+        return out
+
+    def _dead_letter(self, msg: Msg, reason: str, bad: InvalidMessage | None = None) -> Envelope:
         md = msg.metadata
         seq = md.sequence.stream
         ts_ms = int(md.timestamp.timestamp() * 1000) if md.timestamp else 0
@@ -403,6 +483,7 @@ class ServiceRuntime(Generic[S]):
         payload = DeadLetter(
             service=self.core.name, subject=msg.subject, stream_seq=seq, reason=reason[:2000],
             data_excerpt=msg.data[:512].decode("utf-8", "replace"),
+            tenant=bad.tenant if bad else None, about_job=bad.job_id if bad else None,
         )
         return Envelope(
             event_id=derive_id(f"{self.durable}:{seq}", "dead", time_ms=ts_ms), type=payload.type,
@@ -430,7 +511,7 @@ class ServiceRuntime(Generic[S]):
                     self._parsed[seq] = env
             except Exception as exc:  # noqa: BLE001 - any parse failure is a bad message
                 if self._says_bad(msg.subject):
-                    outputs.append(self._dead_letter(msg, f"invalid message: {_short(exc)}"))
+                    outputs.extend(self._invalid(msg, f"invalid message: {_short(exc)}", validation_errors(exc)))
                 bad.append(msg)
                 if types is not None:
                     types["invalid"] = types.get("invalid", 0) + 1
@@ -441,8 +522,9 @@ class ServiceRuntime(Generic[S]):
                 # the subject is what NATS permissions check: an envelope must not claim another
                 # tenant, job or type than the subject it was allowed to publish on
                 if self._says_bad(msg.subject):
-                    outputs.append(self._dead_letter(
-                        msg, f"invalid message: envelope belongs on {env.subject()}, not {msg.subject}"))
+                    why = f"envelope belongs on {env.subject()}, not {msg.subject}"
+                    outputs.extend(self._invalid(msg, f"invalid message: {why}",
+                                                 [(_mismatch_field(env.subject(), msg.subject), why)]))
                 bad.append(msg)
                 continue
             forged = foreign_author(env)

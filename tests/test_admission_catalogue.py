@@ -239,3 +239,51 @@ def test_a_priority_class_is_recorded_as_its_number() -> None:
     out = h.when(submit(job(priorityClass="high"), "p1"))
     assert types(out) == ["job.submitted", "job.admitted"]
     assert out[0].payload.spec.priority == 1000  # type: ignore[union-attr]
+
+
+async def test_a_broken_envelope_is_answered_on_the_jobs_own_subject(bus: Bus, nats_url: str) -> None:
+    """A client following its job (`fleet.evt.<tenant>.job.<id>.>`) is told when its command
+    could not be read, with one reason per field; the dead letter names the tenant and the job."""
+    def raw(job_id: str, **change: Any) -> bytes:
+        doc = json.loads(_envelope_json(job_id, job()))
+        for k, v in change.items():
+            if v is None:
+                doc.pop(k, None)
+            else:
+                doc[k] = v
+        return json.dumps(doc).encode()
+
+    no_actor, extra, mismatch, two_bad = new_id(), new_id(), new_id(), new_id()
+    async with running(nats_url, cores(nodes=0)):
+        good = submit_cmd(job(name="good"), job_id=new_id())
+        await bus.publish(good)
+        gid = good.payload.job_id  # type: ignore[union-attr]
+        await wait_until(lambda: _count(bus, "job.submitted", 1), timeout_s=10)
+        await _raw(bus, "fleet.cmd.acme.submit", raw(no_actor, actor=None))
+        await _raw(bus, "fleet.cmd.acme.submit", raw(extra, colour="red"))
+        await _raw(bus, "fleet.cmd.globex.submit", raw(mismatch))  # globex published an acme envelope
+        await _raw(bus, "fleet.cmd.acme.submit", raw(two_bad, actor=None, occurred_at="yesterday"))
+        bad_cancel = json.dumps({"type": "cmd.cancel", "tenant": "acme", "payload": {"job_id": gid}}).encode()
+        await _raw(bus, "fleet.cmd.acme.cancel", bad_cancel)
+        junk = await _raw(bus, "fleet.cmd.acme.submit", b"{not json")
+
+        async def answered() -> Any:
+            log = [e for _, e in await read_log(bus)]
+            told = {e.job_id: e for e in log if e.type in ("job.rejected", "job.request_refused")}
+            letters = [e for e in log if e.type == "sys.dead_letter"]
+            return (told, letters) if {no_actor, extra, mismatch, two_bad, gid} <= set(told) and len(letters) >= 6 else None
+
+        told, letters = await wait_until(answered, timeout_s=20)
+    fields = {j: [(r.code, r.field) for r in told[j].payload.reasons] for j in told}  # type: ignore[union-attr]
+    assert told[no_actor].type == "job.rejected" and fields[no_actor] == [("invalid_envelope", "actor")]
+    assert fields[extra] == [("invalid_envelope", "colour")]
+    assert told[mismatch].tenant == "globex" and fields[mismatch] == [("invalid_envelope", "tenant")]
+    assert sorted(f for _, f in fields[two_bad]) == ["actor", "occurred_at"]  # every field, separately
+    # a broken cancel of a job that exists refuses the request; the job itself goes on
+    assert told[gid].type == "job.request_refused" and told[gid].payload.command == "cancel"  # type: ignore[union-attr]
+    assert {"event_id", "occurred_at", "actor"} <= {f for _, f in fields[gid]}
+    assert "job.cancel_requested" not in [e.type for e in letters]
+    # the dead letters name the tenant (from the subject) and the job when they can be read
+    by_seq = {e.payload.stream_seq: e.payload for e in letters}  # type: ignore[union-attr]
+    assert by_seq[junk].tenant == "acme" and by_seq[junk].about_job is None  # type: ignore[union-attr]
+    assert {p.about_job for p in by_seq.values()} >= {no_actor, extra, mismatch, two_bad}  # type: ignore[union-attr]

@@ -127,8 +127,11 @@ async def test_bad_messages_are_dead_lettered_once_and_the_service_goes_on(bus: 
     # an event subject many services consume: each of them says so, once
     assert {d.service for d in dead if d.stream_seq == garbage_evt} == {  # type: ignore[union-attr]
         "placer", "executor", "guardian"}
-    # the message claiming another tenant did nothing for that tenant
-    assert not [e for e in await log_of(bus) if e.job_id == "sneaky" and e.type != "cmd.submit"]
+    # the message claiming another tenant did nothing for that tenant: its sender (the subject's
+    # tenant, acme) is told, on its own subjects, and that is all
+    about = [e for e in await log_of(bus) if e.job_id == "sneaky" and e.type != "cmd.submit"]
+    assert [(e.type, e.tenant) for e in about] == [("job.rejected", "acme")]
+    assert about[0].payload.reasons[0].field == "tenant"  # type: ignore[union-attr]
 
 
 # ================================================================ (b) crash between publish and ack

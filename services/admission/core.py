@@ -37,7 +37,7 @@ from gpufleet.shared.events import (
     Reason,
     SubmitRequested,
 )
-from gpufleet.shared.runtime import BaseCore, Ctx
+from gpufleet.shared.runtime import BaseCore, Ctx, InvalidMessage
 from gpufleet.shared.spec import JobSpec, parse_spec
 
 PENDING, PLACED, CANCELLING, ENDED = "pending", "placed", "cancelling", "ended"
@@ -207,6 +207,29 @@ class AdmissionCore(BaseCore[AdmissionState]):
         if isinstance(p, CancelRequestedCmd):
             return self._cancel(state, env, p, ctx)
         return []
+
+    def on_invalid(self, state: AdmissionState, bad: InvalidMessage, ctx: Ctx) -> list[Envelope]:
+        """A command that is not the contract is answered on its job's own subject, when the
+        subject names its tenant and the raw payload a job id: `job.rejected` (`invalid_envelope`,
+        one reason per field) for a submit of a job it does not know, `job.request_refused` for
+        anything else (a known job is not ended by a broken copy of a command about it). The
+        tenant answered is the subject's: the one whose credentials published it."""
+        toks = bad.subject.split(".")
+        if bad.tenant is None or bad.job_id is None or toks[1] != "cmd" or bad.tenant == SYS_TENANT:
+            return []
+        verb = toks[3] if len(toks) > 3 else "?"
+        if verb not in ("submit", "cancel"):
+            return []  # (a load report answers no one)
+        reasons = tuple(Reason(code="invalid_envelope", message=f"{field}: {msg}", field=field)
+                        for field, msg in bad.errors[:20])
+        known = state.jobs.get(bad.job_id)
+        payload: JobRejected | JobRequestRefused
+        if verb == "submit" and known is None:
+            payload = JobRejected(job_id=bad.job_id, reasons=reasons)
+        else:
+            payload = JobRequestRefused(job_id=bad.job_id, command=verb, reasons=reasons)  # type: ignore[arg-type]
+        return [Envelope(event_id=bad.event_id, type=payload.type, occurred_at=ctx.now, tenant=bad.tenant,
+                         actor=ctx.actor, correlation_id=bad.job_id, payload=payload)]
 
     def _refuse(self, ctx: Ctx, env: Envelope, job_id: str, command: str, reason: Reason) -> list[Envelope]:
         return [ctx.emit(JobRequestRefused(
