@@ -57,6 +57,11 @@ def derive_id(parent_id: str, key: str | int, time_ms: int | None = None) -> str
     return ulid(time_ms, digest)
 
 
+def is_ulid(value: str) -> bool:
+    """26 characters of Crockford's base32 (upper case), the first no more than 7 (48-bit time)."""
+    return len(value) == ULID_LEN and all(c in _DECODE for c in value) and value[0] <= "7"
+
+
 def is_token(value: str) -> bool:
     """Whether `value` may be embedded in a NATS subject (no '.', '*', '>', spaces or leading '$')."""
     return 0 < len(value) <= TOKEN_LEN_MAX and bool(_TOKEN_RE.fullmatch(value))

@@ -41,7 +41,7 @@ from .authz import foreign_author
 from .bus import Bus, Cas
 from .errors import CasConflict, RetryableError
 from .events import STREAM, SYS_TENANT, DeadLetter, Envelope, Payload, parse_envelope, subject_for, utc
-from .ids import derive_id
+from .ids import derive_id, is_ulid
 from .log import read_stream
 from .snapshots import Snapshot, SnapshotStore, take
 from .subjects import SubjectFilter, consumer_filter
@@ -171,6 +171,20 @@ def read_invalid(subject: str, data: bytes, seq: int, errors: list[tuple[str, st
         pass
     return InvalidMessage(subject, seq, derive_id(f"invalid:{seq}", "answer", time_ms=ts_ms), tenant, job_id,
                           tuple(errors))
+
+
+def _command_rules(env: Envelope, msg: Msg) -> list[tuple[str, str]]:
+    """A command's `event_id` is a ULID (time-ordered, 26 Crockford base32 characters) and is
+    also its `Nats-Msg-Id` header (the server's duplicate window drops a re-sent copy by it)."""
+    out: list[tuple[str, str]] = []
+    if not is_ulid(env.event_id):
+        out.append(("event_id", f"must be a ULID (26 characters of 0-9 A-Z without I L O U), got {env.event_id!r}"))
+    sent = (msg.headers or {}).get("Nats-Msg-Id")
+    if sent is None:
+        out.append(("Nats-Msg-Id", "the header is required and must equal event_id"))
+    elif sent != env.event_id:
+        out.append(("Nats-Msg-Id", f"the header {sent!r} must equal event_id {env.event_id!r}"))
+    return out
 
 
 def _mismatch_field(own: str, published: str) -> str:
@@ -525,6 +539,15 @@ class ServiceRuntime(Generic[S]):
                     why = f"envelope belongs on {env.subject()}, not {msg.subject}"
                     outputs.extend(self._invalid(msg, f"invalid message: {why}",
                                                  [(_mismatch_field(env.subject(), msg.subject), why)]))
+                bad.append(msg)
+                continue
+            broken = _command_rules(env, msg) if msg.subject.startswith("fleet.cmd.") else []
+            if broken:
+                # the rules the contract states for a client's command: without them its
+                # duplicate protection is silently lost (docs/schemas, docs/log.md)
+                if self._says_bad(msg.subject):
+                    outputs.extend(self._invalid(msg, "invalid message: " + "; ".join(f"{f}: {m}" for f, m in broken),
+                                                 broken))
                 bad.append(msg)
                 continue
             forged = foreign_author(env)

@@ -266,12 +266,21 @@ async def test_a_broken_envelope_is_answered_on_the_jobs_own_subject(bus: Bus, n
         bad_cancel = json.dumps({"type": "cmd.cancel", "tenant": "acme", "payload": {"job_id": gid}}).encode()
         await _raw(bus, "fleet.cmd.acme.cancel", bad_cancel)
         junk = await _raw(bus, "fleet.cmd.acme.submit", b"{not json")
+        # the rules the docs state: Nats-Msg-Id = event_id, event_id a ULID
+        no_header, other_header, not_ulid = new_id(), new_id(), new_id()
+        cmd = submit_cmd(job(name="h1"), job_id=no_header)
+        await bus.js.publish(cmd.subject(), cmd.to_json())
+        cmd = submit_cmd(job(name="h2"), job_id=other_header)
+        await bus.js.publish(cmd.subject(), cmd.to_json(), headers={"Nats-Msg-Id": new_id()})
+        cmd = submit_cmd(job(name="h3"), job_id=not_ulid).model_copy(update={"event_id": "x" * 26})
+        await bus.js.publish(cmd.subject(), cmd.to_json(), headers={"Nats-Msg-Id": "x" * 26})
 
         async def answered() -> Any:
             log = [e for _, e in await read_log(bus)]
             told = {e.job_id: e for e in log if e.type in ("job.rejected", "job.request_refused")}
             letters = [e for e in log if e.type == "sys.dead_letter"]
-            return (told, letters) if {no_actor, extra, mismatch, two_bad, gid} <= set(told) and len(letters) >= 6 else None
+            want = {no_actor, extra, mismatch, two_bad, gid, no_header, other_header, not_ulid}
+            return (told, letters) if want <= set(told) and len(letters) >= 9 else None
 
         told, letters = await wait_until(answered, timeout_s=20)
     fields = {j: [(r.code, r.field) for r in told[j].payload.reasons] for j in told}  # type: ignore[union-attr]
@@ -279,6 +288,10 @@ async def test_a_broken_envelope_is_answered_on_the_jobs_own_subject(bus: Bus, n
     assert fields[extra] == [("invalid_envelope", "colour")]
     assert told[mismatch].tenant == "globex" and fields[mismatch] == [("invalid_envelope", "tenant")]
     assert sorted(f for _, f in fields[two_bad]) == ["actor", "occurred_at"]  # every field, separately
+    assert fields[no_header] == [("invalid_envelope", "Nats-Msg-Id")]
+    assert fields[other_header] == [("invalid_envelope", "Nats-Msg-Id")]
+    assert fields[not_ulid] == [("invalid_envelope", "event_id")]
+    assert told[no_header].type == "job.rejected"
     # a broken cancel of a job that exists refuses the request; the job itself goes on
     assert told[gid].type == "job.request_refused" and told[gid].payload.command == "cancel"  # type: ignore[union-attr]
     assert {"event_id", "occurred_at", "actor"} <= {f for _, f in fields[gid]}
