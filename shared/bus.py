@@ -41,6 +41,7 @@ ERR_BATCH_DUP_ID = 10201
 DUPLICATE_WINDOW_S = 120.0
 TELEMETRY_MAX_AGE_S = 6 * 3600.0
 PUBLISH_TIMEOUT_S = 10.0
+STREAM_WAIT_S = 300.0
 
 
 def fleet_stream_config(replicas: int = 1) -> StreamConfig:
@@ -164,16 +165,38 @@ class Bus:
                 if (info.config.num_replicas or 1) > (cfg.num_replicas or 1):
                     # never lower a cluster's replication from a service started with the default
                     cfg.num_replicas = info.config.num_replicas
-                if _covers(info.config, cfg):
-                    continue
+                if _covers(info.config, cfg) or (self.creds is not None and not self.creds.is_admin):
+                    continue  # (a service or tenant may not change it: the admin's config holds)
                 await self.js.update_stream(cfg)
             except nats.js.errors.NotFoundError:
+                if self.creds is not None and not self.creds.is_admin:
+                    await self._wait_for_stream(name)
+                    continue
                 try:
                     await self.js.add_stream(cfg)
                 except nats.js.errors.BadRequestError as exc:
                     # a concurrent creator won the race
                     if "already in use" not in str(exc):
                         raise
+
+    async def _wait_for_stream(self, name: str, timeout_s: float = STREAM_WAIT_S) -> None:
+        """A service started before the admin created the streams (a fresh cluster, a cluster
+        without quorum yet): wait for it, saying so, instead of failing on a create it may not do."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        said = 0.0
+        while True:
+            try:
+                await self.js.stream_info(name)
+                return
+            except (nats.js.errors.NotFoundError, nats.errors.TimeoutError, nats.js.errors.ServiceUnavailableError):
+                now = asyncio.get_running_loop().time()
+                if now > deadline:
+                    raise RetryableError(f"stream {name} does not exist after {timeout_s:.0f}s: the admin creates it "
+                                         "(gpufleet up does; in a cluster, the streams job)") from None
+                if now - said > 10:
+                    log.warning("waiting for stream %s (the admin creates it; or JetStream has no quorum yet)", name)
+                    said = now
+                await asyncio.sleep(0.5)
 
     async def last_seq(self, stream: str = STREAM) -> int:
         info = await self.js.stream_info(stream)

@@ -141,3 +141,25 @@ async def test_a_client_whose_server_does_not_answer_says_so_within_seconds(tmp_
             await Fleet.connect(nats_url=url, data_dir=str(tmp_path))
         assert time.monotonic() - t0 < CONNECT_DEADLINE_S + 2
     silent.close()
+
+
+async def test_a_service_started_before_the_streams_waits_for_them(server: Server, realm: Realm,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """A service may not create streams (only the admin may): started first, it waits and says
+    so, and starts once the admin has created them."""
+    import logging
+
+    from gpufleet.shared.runtime import ServiceRuntime
+
+    bus = await Bus.connect(server.url, name="admission", creds=realm.creds_path("svc-admission"))
+    rt: ServiceRuntime[Any] = ServiceRuntime(AdmissionCore(), bus)
+    caplog.set_level(logging.WARNING, logger="gpufleet.shared.bus")
+    task = asyncio.create_task(rt.start())
+    await wait_until(lambda: any("waiting for stream FLEET" in r.getMessage() for r in caplog.records), timeout_s=20)
+    assert not task.done()
+    admin = await Bus.connect(server.url, name="test", creds=realm.creds_path(ADMIN))
+    await admin.ensure_streams()
+    await asyncio.wait_for(task, 20)
+    assert rt.applied_seq == 0 and bus.nc.is_connected
+    await bus.close()
+    await admin.close()
