@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import os
 import statistics
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -53,16 +55,25 @@ async def _drive(nats_url: str, sim_nodes: int, jobs: int, progress: Callable[[s
         on_ready()
     placed_at: dict[str, float] = {}
     unschedulable: set[str] = set()
+    refused: dict[str, str] = {}  # job -> the code it was rejected or failed with (counted, never hidden)
 
     async def on_msg(msg: Any) -> None:
         job_id = msg.subject.split(".")[4]
-        if msg.subject.endswith(".placed"):
+        kind = msg.subject.rsplit(".", 1)[1]
+        if kind == "placed":
             placed_at.setdefault(job_id, time.perf_counter())
-        else:
+        elif kind == "unschedulable":
             unschedulable.add(job_id)
+        else:  # rejected, failed (never fits)
+            try:
+                payload = json.loads(msg.data)["payload"]
+                reasons = payload.get("reasons") or [payload.get("reason") or {}]
+                refused[job_id] = f"{kind}:{reasons[0].get('code', '?')}"
+            except (ValueError, KeyError, IndexError, AttributeError):
+                refused[job_id] = f"{kind}:?"
 
-    sub = await bus.nc.subscribe("fleet.evt.*.job.*.placed", cb=on_msg)
-    sub2 = await bus.nc.subscribe("fleet.evt.*.job.*.unschedulable", cb=on_msg)
+    subs = [await bus.nc.subscribe(f"fleet.evt.*.job.*.{kind}", cb=on_msg)
+            for kind in ("placed", "unschedulable", "rejected", "failed")]
     envs = []
     job_ids: list[str] = []
     for i in range(jobs):
@@ -88,7 +99,7 @@ async def _drive(nats_url: str, sim_nodes: int, jobs: int, progress: Callable[[s
     t_submitted = time.perf_counter()
     idle_deadline = time.monotonic() + 60
     seen = -1
-    while len(placed_at) + len(unschedulable) < jobs and time.monotonic() < idle_deadline:
+    while len(placed_at.keys() | unschedulable | refused.keys()) < jobs and time.monotonic() < idle_deadline:
         await asyncio.sleep(0.25)
         if len(placed_at) != seen:
             seen = len(placed_at)
@@ -96,8 +107,8 @@ async def _drive(nats_url: str, sim_nodes: int, jobs: int, progress: Callable[[s
             if progress and time.perf_counter() - last_report > 2:
                 last_report = time.perf_counter()
                 progress(f"placed {seen}/{jobs}")
-    await sub.unsubscribe()
-    await sub2.unsubscribe()
+    for sub in subs:
+        await sub.unsubscribe()
     await bus.close()
     lat = [placed_at[j] - submitted_at[j] for j in placed_at if j in submitted_at]
     t_last = max(placed_at.values()) if placed_at else t0
@@ -107,6 +118,10 @@ async def _drive(nats_url: str, sim_nodes: int, jobs: int, progress: Callable[[s
         "jobs": jobs,
         "placed": len(placed_at),
         "unschedulable": len(unschedulable - set(placed_at)),
+        # every job's outcome is counted: refused work is reported, and a job with none fails the run
+        "refused": len(set(refused) - set(placed_at)),
+        "refused_by_code": dict(Counter(c for j, c in refused.items() if j not in placed_at)),
+        "unaccounted": jobs - len(placed_at.keys() | unschedulable | refused.keys()),
         "submit_rate_jobs_s": round(jobs / max(1e-9, t_submitted - t0), 1),
         "placed_rate_jobs_s": round(len(placed_at) / max(1e-9, span), 1),
         "latency_p50_ms": round(_pct(lat, 0.50) * 1000, 1),

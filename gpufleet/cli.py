@@ -712,6 +712,15 @@ def bench_e2e(
     else:
         for k, v in result.items():
             typer.echo(f"{k:>24}: {v}")
+    runs = [result, *(v for k, v in result.items() if k.startswith("baseline_") and isinstance(v, dict))]
+    lost = sum(int(r.get("unaccounted", 0)) for r in runs)
+    refused = sum(int(r.get("refused", 0)) for r in runs)
+    if refused:
+        typer.echo(f"warning: {refused} job(s) refused ({result.get('refused_by_code')}): the rate counts placed jobs only",
+                   err=True)
+    if lost:
+        typer.echo(f"error: {lost} job(s) have no outcome (neither placed, told why it waits, nor refused)", err=True)
+        raise typer.Exit(1)
 
 
 def _seeds(text: str) -> list[int]:
