@@ -316,9 +316,11 @@ def jobs(data_dir: DataDir = None, as_json: JsonOut = False,
         _print_json(rows)
         return
     w = max([28, *(len(r["job_id"]) + 2 for r in rows)])  # (a service's replicas: <service id>-r<n>)
-    typer.echo(f"{'JOB':<{w}}{'TENANT':<10}{'QUEUE':<10}{'NAME':<16}{'GPUS':>5}  {'STATUS':<10} REASON")
+    tw = max([10, *(len(r["tenant"]) + 2 for r in rows)])  # a long tenant does not run into the queue
+    qw = max([10, *(len(r["queue"] or "") + 2 for r in rows)])
+    typer.echo(f"{'JOB':<{w}}{'TENANT':<{tw}}{'QUEUE':<{qw}}{'NAME':<16}{'GPUS':>5}  {'STATUS':<10} REASON")
     for r in rows:
-        typer.echo(f"{r['job_id']:<{w}}{r['tenant']:<10}{r['queue']:<10}{r['name'][:15]:<16}{r['gpus']:>5}  "
+        typer.echo(f"{r['job_id']:<{w}}{r['tenant']:<{tw}}{r['queue'] or '-':<{qw}}{r['name'][:15]:<16}{r['gpus']:>5}  "
                    f"{r['status']:<10} {r['reason']}")
 
 

@@ -397,14 +397,28 @@ def asyncapi() -> dict[str, Any]:
         "defaultContentType": "application/json",
         "servers": {
             "nats": {
-                "host": "127.0.0.1:4222",
+                "host": "{host}",
                 "protocol": "nats",
-                "description": f"A NATS server with JetStream and the {STREAM} and {TELEMETRY_STREAM} streams.",
+                "description": (
+                    f"A NATS server with JetStream and the {STREAM} and {TELEMETRY_STREAM} streams. The embedded "
+                    "mesh picks a free port at each start: its address is `nats_url` in `gpufleet status --json` "
+                    "(or <data-dir>/mesh.json). Every connection authenticates with an nkey from a credentials "
+                    "file (`gpufleet tenant creds NAME`: its `seed`) and uses the file's `inbox_prefix` for replies; "
+                    "a tenant publishes only fleet.cmd.<tenant>.> and reads only fleet.evt.<tenant>.> through "
+                    "push consumers (docs/clients.md, docs/security.md)."),
+                "variables": {"host": {"default": "127.0.0.1:4222",
+                                       "description": "host:port from `gpufleet status --json` (nats_url)"}},
+                "security": [{"$ref": "#/components/securitySchemes/nkey"}],
             },
         },
         "channels": channels,
         "operations": operations,
         "components": {
+            "securitySchemes": {"nkey": {
+                "type": "asymmetricEncryption",
+                "description": "NATS nkey authentication: sign the server's nonce with the credentials file's "
+                               "`seed` (nats.js nkeyAuthenticator, nats.py nkeys_seed_str, Go nats.Nkey).",
+            }},
             "schemas": schemas,
             "messages": messages,
             "parameters": {p: PARAMETERS[p] for p in sorted({p for ch in CHANNELS for p in ch.params} & set(PARAMETERS))},
