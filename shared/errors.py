@@ -25,10 +25,12 @@ class InvalidMessage(PermanentError):
 class SpecError(PermanentError):
     """A job spec that breaks a rule; `field` names the offending field."""
 
-    def __init__(self, field: str, reason: str) -> None:
+    def __init__(self, field: str, reason: str, errors: list[tuple[str, str]] | None = None) -> None:
         super().__init__(reason if reason.startswith(f"{field}:") else f"{field}: {reason}")
         self.field = field
         self.reason = reason
+        # every (field, message) when several rules broke: a client is told each, separately
+        self.errors = errors or [(field, reason.removeprefix(f"{field}: "))]
 
 
 class CasConflict(RetryableError):

@@ -390,14 +390,13 @@ def spec_error_from(exc: ValidationError) -> SpecError:
     errs = exc.errors()
     first = errs[0]
     field = _field_path(tuple(first["loc"]))
-    reasons = []
+    each: list[tuple[str, str]] = []
     for e in errs:
         msg = str(e["msg"]).removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
             msg = "unknown field"
-        reasons.append(f"{_field_path(tuple(e['loc']))}: {msg}")
-    err = SpecError(field, "; ".join(reasons))
-    return err
+        each.append((_field_path(tuple(e["loc"])), msg))
+    return SpecError(field, "; ".join(f"{f}: {m}" for f, m in each), errors=each)
 
 
 def parse_spec(data: Any) -> JobSpec:

@@ -131,6 +131,16 @@ def test_a_cluster_that_configures_queues_refuses_another_queue_naming_the_known
     assert "known: acme" in out[-1].payload.reasons[0].message  # type: ignore[union-attr]
 
 
+def test_every_broken_field_of_a_spec_is_its_own_reason() -> None:
+    out = Harness(AdmissionCore()).when(submit(make_job().gpus("eight").set("priority", "high").set("colour", "red"),
+                                               "j1"))
+    assert types(out) == ["job.rejected"]
+    reasons = out[0].payload.reasons  # type: ignore[union-attr]
+    assert sorted(r.field for r in reasons) == ["colour", "priority", "resources.gpu"]
+    assert all(r.code == "invalid_spec" and r.message.startswith(f"{r.field}: ") and ";" not in r.message
+               for r in reasons)
+
+
 def test_submit_written_in_part_is_finished_with_the_same_id() -> None:
     # job.submitted made it to the log, job.admitted did not (a publish cut short)
     cmd = submit(make_job(), "j1")

@@ -285,7 +285,8 @@ class AdmissionCore(BaseCore[AdmissionState]):
         try:
             spec = parse_spec(p.spec)
         except SpecError as exc:
-            return None, [_r("invalid_spec", exc.reason, exc.field)]
+            # one reason per broken field, each naming its own
+            return None, [_r("invalid_spec", f"{f}: {m}", f) for f, m in exc.errors]
         if spec.tenant != env.tenant:
             return spec, [_r("tenant_mismatch", f"spec.tenant {spec.tenant!r} is not the submitting tenant {env.tenant!r}",
                        "tenant")]
