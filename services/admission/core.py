@@ -37,6 +37,8 @@ from gpufleet.shared.events import (
     Reason,
     SubmitRequested,
 )
+from gpufleet.shared.ids import is_ulid, ulid_time_ms
+from gpufleet.shared.retention import EndedJobs
 from gpufleet.shared.runtime import BaseCore, Ctx, InvalidMessage
 from gpufleet.shared.spec import JobSpec, parse_spec
 
@@ -57,6 +59,7 @@ class AdmissionState:
     # job_id -> (tenant, phase)
     jobs: dict[str, tuple[str, str]] = field(default_factory=dict)
     submit_cmd: dict[str, str] = field(default_factory=dict)  # job_id -> the command that submitted it
+    ended: EndedJobs = field(default_factory=EndedJobs)  # ended jobs are forgotten after a window of log time
     # submitted, admitted not yet seen: a publish cut short between the two is finished on redelivery
     unadmitted: set[str] = field(default_factory=set)
     buckets: dict[str, SubmitBucket] = field(default_factory=dict)
@@ -184,6 +187,7 @@ class AdmissionCore(BaseCore[AdmissionState]):
                 state.submit_cmd[job_id] = env.causation_id
             state.jobs[job_id] = (env.tenant, ENDED)
             self._waiting(state, job_id, env.tenant, False)
+            self._forget(state, job_id, env)
         elif t == "job.placed":
             if known and known[1] in (PENDING, CANCELLING):
                 state.jobs[job_id] = (known[0], PLACED if known[1] == PENDING else CANCELLING)
@@ -195,8 +199,20 @@ class AdmissionCore(BaseCore[AdmissionState]):
             if known is not None:
                 state.jobs[job_id] = (known[0], ENDED)
                 self._waiting(state, job_id, known[0], False)
+            self._forget(state, job_id if known is not None else None, env)
             state.unadmitted.discard(job_id)
         return state
+
+    @staticmethod
+    def _forget(state: AdmissionState, job_id: str | None, env: Envelope) -> None:
+        """Remember the end; forget the jobs that ended more than the window ago (a submit of a
+        forgotten ULID id is refused by its time: `_submit`)."""
+        gone = (state.ended.add(job_id, env.occurred_at) if job_id is not None
+                else state.ended.prune(env.occurred_at.timestamp()))
+        for gone_job in gone:
+            if state.jobs.get(gone_job, ("", ""))[1] == ENDED:
+                state.jobs.pop(gone_job, None)
+                state.submit_cmd.pop(gone_job, None)
 
     # ------------------------------------------------------------ decide
 
@@ -247,6 +263,11 @@ class AdmissionCore(BaseCore[AdmissionState]):
                 return []  # the same command again (a redelivery): decided already
             return self._refuse(ctx, env, p.job_id, "submit", _r(
                 "duplicate_job_id", f"job {p.job_id} exists already; a new job needs a new id", "job_id"))
+        if is_ulid(p.job_id) and ulid_time_ms(p.job_id) / 1000 < ctx.now.timestamp() - state.ended.retention_s:
+            # ended jobs are forgotten after the window: an id from before it may be one of them
+            return self._refuse(ctx, env, p.job_id, "submit", _r(
+                "job_id_expired", f"job id {p.job_id} is a ULID from before the {state.ended.retention_s / 3600:g} h "
+                "the cluster remembers ended jobs for; a new job needs a new id", "job_id"))
         spec, reasons = self._check(state, env, p, ctx)
         if reasons or spec is None:
             return [ctx.emit(JobRejected(job_id=p.job_id, reasons=tuple(reasons)))]

@@ -41,6 +41,7 @@ from gpufleet.shared.events import (
     resumed_attempt,
     utc,
 )
+from gpufleet.shared.retention import EndedJobs
 from gpufleet.shared.runtime import BaseCore, Ctx
 from gpufleet.shared.spec import JobSpec
 
@@ -109,7 +110,7 @@ class ExecutorState:
     replicas_of: dict[str, list[int]] = field(default_factory=dict)  # job_id -> running replicas
     # (when it ends, job_id, replica): a tick looks only at what is due, not at every replica
     deadlines: list[tuple[float, str, int]] = field(default_factory=list)
-    ended: set[str] = field(default_factory=set)
+    ended: EndedJobs = field(default_factory=EndedJobs)  # forgotten after a window of log time
     cancelling: set[str] = field(default_factory=set)  # asked to stop: a late placement does not run
     # job_id -> (replica, attempt) started here: a placement redelivered after its replica exited starts nothing
     started: dict[str, set[tuple[int, int]]] = field(default_factory=dict)
@@ -260,7 +261,8 @@ class ExecutorCore(BaseCore[ExecutorState]):
             state.stop_reason.setdefault(job_id, "preempted")
             state.stop_grace.setdefault(job_id, p.grace_s)
         elif t in ("job.succeeded", "job.failed", "job.cancelled", "job.preempted"):
-            state.ended.add(job_id)
+            for forgotten in state.ended.add(job_id, env.occurred_at):
+                state.stop_reason.pop(forgotten, None)  # (kept past the end: a late exit's reason)
             state.cancelling.discard(job_id)
             state.plans.pop(job_id, None)
             state.started.pop(job_id, None)

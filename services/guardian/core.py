@@ -43,6 +43,7 @@ from gpufleet.shared.events import (
     resumed_attempt,
     utc,
 )
+from gpufleet.shared.retention import EndedJobs
 from gpufleet.shared.runtime import BaseCore, Ctx
 from gpufleet.shared.spec import JobSpec
 
@@ -51,7 +52,7 @@ from gpufleet.shared.spec import JobSpec
 class GuardianState:
     replicas: dict[str, int] = field(default_factory=dict)
     exits: dict[str, dict[int, JobExited]] = field(default_factory=dict)
-    ended: set[str] = field(default_factory=set)
+    ended: EndedJobs = field(default_factory=EndedJobs)  # forgotten after a window of log time
     max_retries: dict[str, int] = field(default_factory=dict)
     attempt: dict[str, int] = field(default_factory=dict)
     checkpoint: dict[str, tuple[str, float]] = field(default_factory=dict)  # job -> (uri, saved at)
@@ -184,7 +185,7 @@ class GuardianCore(BaseCore[GuardianState]):
                 state.checkpoint[job_id] = (p.uri, at)
                 state.step[job_id] = p.step
         else:
-            state.ended.add(job_id)
+            state.ended.add(job_id, env.occurred_at)
             for d in (state.exits, state.replicas, state.max_retries, state.attempt, state.checkpoint, state.specs,
                       state.tenants, state.started, state.step, state.placed, state.on_failure, state.retry_at,
                       state.failures, state.idle_since, state.good):

@@ -53,6 +53,7 @@ from gpufleet.shared.events import (
     resumed_attempt,
     utc,
 )
+from gpufleet.shared.retention import EndedJobs
 from gpufleet.shared.runtime import BaseCore, Ctx
 from gpufleet.shared.spec import JobSpec
 
@@ -96,7 +97,7 @@ class PlacerState:
     pending: OrderedDict[str, None] = field(default_factory=OrderedDict)
     allocations: dict[str, tuple[ReplicaAllocation, ...]] = field(default_factory=dict)
     ends_at: dict[str, float] = field(default_factory=dict)  # placed job -> placed at + max runtime
-    ended: set[str] = field(default_factory=set)
+    ended: EndedJobs = field(default_factory=EndedJobs)  # forgotten after a window of log time
     unschedulable_said: dict[str, str] = field(default_factory=dict)
     reservation: Reservation | None = None
     shapes: Counter[TaskShape] = field(default_factory=Counter)
@@ -411,7 +412,7 @@ class PlacerCore(BaseCore[PlacerState]):
                     self._quarantine(state, p.node_id, p.unclean_gpus, "unclean")
                 return state
             if t != "job.exited":
-                state.ended.add(job_id)
+                state.ended.add(job_id, env.occurred_at)
                 state.requota.discard(job_id)
                 state.specs.pop(job_id, None)
                 state.pending.pop(job_id, None)

@@ -42,6 +42,7 @@ from gpufleet.shared.events import (
     Reason,
     resumed_attempt,
 )
+from gpufleet.shared.retention import EndedJobs
 from gpufleet.shared.runtime import BaseCore, Ctx
 from gpufleet.shared.spec import JobSpec
 
@@ -69,7 +70,7 @@ class QuotaState:
     pending: dict[str, Pending] = field(default_factory=dict)
     reserved: dict[str, tuple[str, dict[str, int]]] = field(default_factory=dict)  # job -> (queue, demand)
     usage: dict[str, dict[str, int]] = field(default_factory=dict)  # queue -> resource -> amount
-    ended: set[str] = field(default_factory=set)
+    ended: EndedJobs = field(default_factory=EndedJobs)  # forgotten after a window of log time
     said: dict[str, str] = field(default_factory=dict)  # job -> the last reason told
     told: dict[str, int] = field(default_factory=dict)  # job -> how many reasons told
     admitted_n: int = 0
@@ -171,7 +172,7 @@ class QuotaCore(BaseCore[QuotaState]):
                 state.pending[job_id] = Pending(job_id, env.tenant, spec.queue, spec.priority, state.admitted_n,
                                                 env.occurred_at.timestamp())
         elif t in ENDED_TYPES:
-            state.ended.add(job_id)
+            state.ended.add(job_id, env.occurred_at)
             state.preempting.pop(job_id, None)
             state.reserved_order.pop(job_id, None)
             state.protected.discard(job_id)

@@ -1,0 +1,81 @@
+"""A state that forgets (shared/retention.py): jobs that ended more than the window of log time
+ago are forgotten by every core, so what a core holds does not grow with the jobs ever run."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import pickle
+from collections import Counter, deque
+from datetime import timedelta
+from typing import Any
+
+import pytest
+
+from gpufleet.bench_replay import synthetic_log
+from gpufleet.services.admission.core import AdmissionCore
+from gpufleet.services.registry import make_core
+from gpufleet.shared.events import Envelope, JobSucceeded, NodeRegistered
+from gpufleet.shared.retention import EndedJobs
+from gpufleet.shared.subjects import SubjectFilter
+
+from .builders import T0, Harness, event, make_job, submit
+
+
+def _fold(name: str, log: list[Envelope]) -> Any:
+    core = make_core(name, argparse.Namespace(config=None, sim_nodes=0))
+    state, wants = core.initial_state(), SubjectFilter(core.subjects)
+    for env in log:
+        if wants(env.subject()):
+            state = core.evolve(state, env)
+    return state
+
+
+def _jobs_then_later(events: int) -> list[Envelope]:
+    """Job lifecycles on a fixed set of nodes, then the end of another job a day and a half later."""
+    log = [e for e in synthetic_log(events) if not isinstance(e.payload, NodeRegistered)]
+    nodes = [e for e in synthetic_log(events) if isinstance(e.payload, NodeRegistered)][:2]
+    # every job runs on the first two nodes (the synthetic log spreads them over more)
+    log = [e for e in log if _on(e, {n.payload.node_id for n in nodes})]  # type: ignore[union-attr]
+    # a day and a half later another job ends: the clock of the log is past the window for all
+    late = event(JobSucceeded(job_id="late-job"), at=log[-1].occurred_at + timedelta(hours=36))
+    return [*nodes, *log, late]
+
+
+def _on(env: Envelope, nodes: set[str]) -> bool:
+    allocs = getattr(env.payload, "allocations", None)
+    node = getattr(env.payload, "node_id", None)
+    return (allocs is None or all(a.node_id in nodes for a in allocs)) and (node is None or node in nodes)
+
+
+@pytest.mark.parametrize("name", ["admission", "quota", "placer", "guardian", "executor"])
+def test_a_cores_state_after_many_ended_jobs_past_the_window_is_no_larger_than_after_few(name: str) -> None:
+    few = _fold(name, _jobs_then_later(700))  # ~100 jobs
+    many = _fold(name, _jobs_then_later(70_000))  # ~10,000 jobs
+    if name == "placer":  # its window of the latest job shapes is bounded by design (SHAPES_KEPT)
+        from gpufleet.services.placer.core import SHAPES_KEPT
+
+        assert len(many.recent) <= SHAPES_KEPT
+        few, many = (dataclasses.replace(s, recent=deque(), shapes=Counter()) for s in (few, many))
+    small, big = len(pickle.dumps(few)), len(pickle.dumps(many))
+    assert big <= small * 1.1 + 512, f"{name}: {small} bytes after ~100 jobs, {big} after ~10,000"
+    assert len(many.ended) <= len(few.ended) + 1
+
+
+def test_ended_jobs_forget_in_log_time_and_only_past_the_window() -> None:
+    e = EndedJobs(retention_s=3600)
+    assert e.add("a", T0) == [] and "a" in e
+    assert e.add("b", T0 + timedelta(minutes=59)) == []
+    assert e.add("c", T0 + timedelta(hours=1, minutes=1)) == ["a"]
+    assert "a" not in e and list(e) == ["b", "c"]
+
+
+def test_a_forgotten_ulid_job_id_is_refused_by_its_time() -> None:
+    from gpufleet.shared.ids import ulid
+
+    old = ulid(int((T0 - timedelta(days=3)).timestamp() * 1000), b"\x01" * 10)
+    out = Harness(AdmissionCore()).when(submit(make_job(), old), now=T0)
+    assert [e.type for e in out] == ["job.request_refused"]
+    assert out[0].payload.reasons[0].code == "job_id_expired"  # type: ignore[union-attr]
+    fresh = ulid(int(T0.timestamp() * 1000), b"\x02" * 10)
+    assert [e.type for e in Harness(AdmissionCore()).when(submit(make_job(), fresh), now=T0)][0] != "job.request_refused"
