@@ -135,6 +135,25 @@ async def test_a_tenant_cannot_read_another_tenants_events(bus: Bus, connect: An
     await beta.violation("_INBOX.>")
 
 
+async def test_a_tenant_cannot_widen_its_own_consumer_in_the_request_body(bus: Bus, connect: Any) -> None:
+    """The create subject carries the tenant's filter; a body that asks for more (another
+    filter, or several) is refused by the server itself, and nothing of acme's is delivered."""
+    await bus.publish(submit_cmd(make_job("secret", tenant="acme").dict(), "secret", tenant="acme"))
+    beta = await connect("tenant-beta")
+    inbox = beta.nc.new_inbox()
+    sub = await beta.nc.subscribe(inbox)
+    for body in ({"filter_subject": "fleet.>"}, {"filter_subjects": ["fleet.>"]},
+                 {"filter_subject": "fleet.evt.beta.>", "filter_subjects": ["fleet.>"]}):
+        cfg = {"name": "peek", "deliver_subject": inbox, "ack_policy": "none", "deliver_policy": "all", **body}
+        resp = await beta.nc.request(f"$JS.API.CONSUMER.CREATE.{STREAM}.peek.fleet.evt.beta.>",
+                                     json.dumps({"stream_name": STREAM, "config": cfg}).encode(), timeout=5)
+        err = json.loads(resp.data).get("error")
+        assert err is not None and err["code"] == 400, (body, resp.data)
+    with pytest.raises(nats.js.errors.NotFoundError):  # no consumer was made: nothing can be delivered
+        await bus.js.consumer_info(STREAM, "peek")
+    await sub.unsubscribe()
+
+
 async def test_a_tenant_cannot_repoint_a_services_consumer(bus: Bus, connect: Any) -> None:
     """A create on an existing name updates it: a tenant could narrow the placer's filter to its
     own subjects and starve it. The service consumers' names are denied to tenants."""
