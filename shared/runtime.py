@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import time
@@ -41,7 +42,7 @@ from .authz import foreign_author
 from .bus import Bus, Cas
 from .errors import CasConflict, RetryableError
 from .events import STREAM, SYS_TENANT, DeadLetter, Envelope, Payload, parse_envelope, subject_for, utc
-from .ids import derive_id, is_ulid
+from .ids import derive_id, is_token, is_ulid
 from .log import read_stream
 from .snapshots import Snapshot, SnapshotStore, take
 from .subjects import SubjectFilter, consumer_filter
@@ -155,10 +156,6 @@ class InvalidMessage:
 def read_invalid(subject: str, data: bytes, seq: int, errors: list[tuple[str, str]], ts_ms: int) -> InvalidMessage:
     """What can be read of a bad message: the subject's tenant (`fleet.cmd.<tenant>.<verb>`,
     `fleet.evt.<tenant>.job.<id>.<type>`) and the raw payload's job id, each only if a valid token."""
-    import json
-
-    from .ids import is_token
-
     toks = subject.split(".")
     tenant = toks[2] if len(toks) > 3 and toks[1] in ("cmd", "evt") and is_token(toks[2]) else None
     job_id = None
@@ -171,6 +168,28 @@ def read_invalid(subject: str, data: bytes, seq: int, errors: list[tuple[str, st
         pass
     return InvalidMessage(subject, seq, derive_id(f"invalid:{seq}", "answer", time_ms=ts_ms), tenant, job_id,
                           tuple(errors))
+
+
+def _refusal(env: Envelope, msg: Msg) -> tuple[str, list[tuple[str, str]]] | None:
+    """Why a parsed message is not taken, with the fields to tell its sender (none: a fact by a
+    foreign author, a service's, answered by nobody); None when it is taken. The live decision
+    and every fold apply the same rules."""
+    if env.subject() != msg.subject:
+        # the subject is what NATS permissions check: an envelope must not claim another
+        # tenant, job or type than the subject it was allowed to publish on
+        why = f"envelope belongs on {env.subject()}, not {msg.subject}"
+        return f"invalid message: {why}", [(_mismatch_field(env.subject(), msg.subject), why)]
+    broken = _command_rules(env, msg) if msg.subject.startswith("fleet.cmd.") else []
+    if broken:
+        # the rules the contract states for a client's command: without them its duplicate
+        # protection is silently lost (docs/schemas, docs/log.md)
+        return "invalid message: " + "; ".join(f"{f}: {m}" for f, m in broken), broken
+    forged = foreign_author(env)
+    if forged is not None:
+        # the server's permissions should have refused it already (shared/authz.py): a second
+        # line of defence, so a misconfigured server cannot make a core act on it
+        return f"foreign author: {forged}", []
+    return None
 
 
 def _command_rules(env: Envelope, msg: Msg) -> list[tuple[str, str]]:
@@ -331,8 +350,8 @@ class ServiceRuntime(Generic[S]):
                     env: Envelope | None = parse_envelope(msg.data)
                 except Exception:  # noqa: BLE001 - dead-lettered when consumed
                     env = None
-                if env is None or env.subject() != msg.subject or foreign_author(env):
-                    continue  # likewise
+                if env is None or _refusal(env, msg) is not None:
+                    continue  # likewise (the same rules as a delivered message: a fold equals the live state)
                 if env.event_id in own:  # evolved already, before the snapshot was taken
                     own.discard(env.event_id)
                     continue
@@ -369,7 +388,7 @@ class ServiceRuntime(Generic[S]):
             self._snap = snap
         return snap
 
-    def _take_snapshot(self) -> None:
+    def _take_snapshot(self, store: bool = True) -> None:
         """Keep the state as the last committed point (after a successful commit: every output it
         holds is in the log); store it when enough has happened since the stored one."""
         if self._dirty or not self._stream_created:
@@ -380,9 +399,9 @@ class ServiceRuntime(Generic[S]):
         self._snap_cost_s = time.perf_counter() - t0
         self._snap_at = time.monotonic()
         self._since_snap = 0
-        if (self.applied_seq - self._stored_seq >= SNAPSHOT_STORE_EVENTS
-                or (self.applied_seq > self._stored_seq
-                    and time.monotonic() - self._stored_at >= SNAPSHOT_STORE_S)):
+        due = (self.applied_seq - self._stored_seq >= SNAPSHOT_STORE_EVENTS
+               or (self.applied_seq > self._stored_seq and time.monotonic() - self._stored_at >= SNAPSHOT_STORE_S))
+        if store and due:
             self._store_snapshot(self._snap)
 
     def _store_snapshot(self, snap: Snapshot) -> None:
@@ -413,7 +432,7 @@ class ServiceRuntime(Generic[S]):
         """Store the current committed point now and wait for it (a clean stop, tests)."""
         if self._save_task is not None:
             await asyncio.gather(self._save_task, return_exceptions=True)
-        self._take_snapshot()
+        self._take_snapshot(store=False)  # stored here, once, and awaited
         if self._snap is not None and self._snap.seq > 0:
             await self.snapshots.save(self._snap)
             self._stored_seq = self._snap.seq
@@ -532,29 +551,13 @@ class ServiceRuntime(Generic[S]):
                 continue
             if types is not None:
                 types[env.type] = types.get(env.type, 0) + 1
-            if env.subject() != msg.subject:
-                # the subject is what NATS permissions check: an envelope must not claim another
-                # tenant, job or type than the subject it was allowed to publish on
-                if self._says_bad(msg.subject):
-                    why = f"envelope belongs on {env.subject()}, not {msg.subject}"
-                    outputs.extend(self._invalid(msg, f"invalid message: {why}",
-                                                 [(_mismatch_field(env.subject(), msg.subject), why)]))
-                bad.append(msg)
-                continue
-            broken = _command_rules(env, msg) if msg.subject.startswith("fleet.cmd.") else []
-            if broken:
-                # the rules the contract states for a client's command: without them its
-                # duplicate protection is silently lost (docs/schemas, docs/log.md)
-                if self._says_bad(msg.subject):
-                    outputs.extend(self._invalid(msg, "invalid message: " + "; ".join(f"{f}: {m}" for f, m in broken),
-                                                 broken))
-                bad.append(msg)
-                continue
-            forged = foreign_author(env)
-            if forged is not None:
-                # the server's permissions should have refused it already (shared/authz.py): a
-                # second line of defence, so a misconfigured server cannot make a core act on it
-                outputs.append(self._dead_letter(msg, f"foreign author: {forged}"))
+            refused = _refusal(env, msg)
+            if refused is not None:
+                reason, fields = refused
+                if not fields:  # a foreign author: a service's fact, nobody to answer
+                    outputs.append(self._dead_letter(msg, reason))
+                elif self._says_bad(msg.subject):
+                    outputs.extend(self._invalid(msg, reason, fields))
                 bad.append(msg)
                 continue
             if md.num_delivered > MAX_DELIVER:
