@@ -233,13 +233,9 @@ def tenant_permissions(tenant: str, inbox_prefix: str, durables: Iterable[str] =
 
 def service_durables() -> list[str]:
     """The consumer names the mesh's own processes use (and their replicas 1-9)."""
-    from gpufleet.mesh import LAYOUTS
+    from gpufleet.mesh import LAYOUTS, durables
 
-    base = {"readmodel", "billing-ledger"}
-    for groups in LAYOUTS.values():
-        for g in groups:
-            base.add(g[0] if len(g) == 1 else "group-" + "-".join(g))
-    base |= set(SERVICES)
+    base = {"readmodel", "billing-ledger", *SERVICES, *(d for layout in LAYOUTS for d in durables(layout))}
     return sorted({*base, *(f"{b}-{i}" for b in base for i in range(1, 10))})
 
 

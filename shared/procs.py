@@ -68,6 +68,15 @@ def stop_process(proc: subprocess.Popen[bytes], timeout_s: float = 10.0) -> None
         proc.wait(5)
 
 
+def proc_stat(pid: int) -> list[str] | None:
+    """/proc/<pid>/stat fields after the command name (state is [0]), or None if gone."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    return raw[raw.rfind(")") + 2:].split()
+
+
 def pid_alive(pid: int) -> bool:
     """The process exists and is not a zombie (a dead child its parent has not reaped yet)."""
     try:
@@ -76,8 +85,5 @@ def pid_alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        return True
+    fields = proc_stat(pid)
+    return fields is None or fields[0] not in ("Z", "X")  # (no /proc: as kill said)

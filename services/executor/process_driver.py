@@ -63,6 +63,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from gpufleet.shared.procs import proc_stat as _stat
+
 from .drivers import GRACE_S, DriverError, Launch, Workload
 
 log = logging.getLogger(__name__)
@@ -213,15 +215,6 @@ def unsearchable(path: Path, who: RunAs) -> Path | None:
         if not st.st_mode & bit:
             return d
     return None
-
-
-def _stat(pid: int) -> list[str] | None:
-    """/proc/<pid>/stat fields after the command name (state is [0]), or None if gone."""
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
-        return None
-    return raw[raw.rfind(")") + 2:].split()
 
 
 def proc_start_time(pid: int) -> int | None:
