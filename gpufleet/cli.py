@@ -138,8 +138,9 @@ def up(
 def _up_notes(ddir: Path, config: Path | None) -> None:
     """What `up` says once: who may connect, the dashboard's token (first start only), an open cluster."""
     from gpufleet.dashboard import TOKENS_FILE, ensure_admin_token
+    from gpufleet.shared.authz import ADMIN, Realm
 
-    typer.echo(f"auth: nkeys; you are the admin ({ddir / 'creds' / 'admin.creds'}); tenants: "
+    typer.echo(f"auth: nkeys; you are the admin ({Realm(ddir).creds_path(ADMIN)}); tenants: "
                f"`gpufleet tenant add NAME`, then `gpufleet --creds NAME.creds ...`")
     first = not (ddir / TOKENS_FILE).exists()
     token = ensure_admin_token(ddir)
@@ -207,7 +208,9 @@ def status(data_dir: DataDir = None, as_json: JsonOut = False) -> None:
 
 async def _stream_status(fleet: Any) -> dict[str, Any]:
     """The log's extent and the limits that would stop it (or, with another discard, drop its head)."""
-    info = await fleet.bus.js.stream_info("FLEET")
+    from gpufleet.shared.events import STREAM
+
+    info = await fleet.bus.js.stream_info(STREAM)
     c, st = info.config, info.state
     limits = {k: v for k, v in (("max_bytes", c.max_bytes), ("max_msgs", c.max_msgs), ("max_age_s", c.max_age))
               if v not in (None, -1, 0)}

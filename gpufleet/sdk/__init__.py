@@ -12,8 +12,9 @@ import asyncio
 import contextlib
 import os
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from types import TracebackType
 from typing import Any
 
@@ -216,13 +217,20 @@ class Fleet:
         extra = board.state()
         return {**board.view.as_json(), "gpus": {n["node_id"]: n["gpus"] for n in extra["nodes"]}, "queues": extra["queues"]}
 
-    async def history(self, subject: str = "fleet.>") -> list[tuple[int, Envelope]]:
+    async def history(self, subject: str | Sequence[str] = "fleet.>", until_seq: int | None = None,
+                      from_time: datetime | None = None, seen: Callable[[Any], None] | None = None,
+                      ) -> list[tuple[int, Envelope]]:
+        """(seq, event) of every event on `subject` (or subjects), stored since `from_time`, to
+        `until_seq`; `seen` is given every message read, parsed or not."""
         out: list[tuple[int, Envelope]] = []
-        async for batch in read_stream(self.bus, (subject,)):
+        subjects = (subject,) if isinstance(subject, str) else tuple(subject)
+        async for batch in read_stream(self.bus, subjects, until_seq=until_seq, from_time=from_time):
             for msg in batch:
+                if seen is not None:
+                    seen(msg)
                 try:
                     out.append((msg.metadata.sequence.stream, parse_envelope(msg.data)))
-                except Exception:  # noqa: BLE001
+                except Exception:  # noqa: BLE001 - a bad message is dead-lettered; its seq still counts
                     continue
         return out
 
@@ -236,16 +244,11 @@ class Fleet:
         except nats.js.errors.NotFoundError:
             return [], LogFacts(0, 0, exists=False)
         facts = LogFacts(int(info.state.first_seq), int(info.state.last_seq))
-        out: list[tuple[int, Envelope]] = []
-        async for batch in read_stream(self.bus, ("fleet.>",), until_seq=facts.last_seq):
-            for msg in batch:
-                seq = msg.metadata.sequence.stream
-                facts.subjects[seq] = msg.subject
-                try:
-                    out.append((seq, parse_envelope(msg.data)))
-                except Exception:  # noqa: BLE001 - a bad message is dead-lettered; its seq still counts
-                    continue
-        return out, facts
+
+        def note(msg: Any) -> None:
+            facts.subjects[msg.metadata.sequence.stream] = msg.subject
+
+        return await self.history(until_seq=facts.last_seq, seen=note), facts
 
     async def _commands_of(self, job_id: str, events: list[tuple[int, Envelope]]) -> list[tuple[int, Envelope]]:
         """The client commands that may name the job: its tenant's (and the admin's), sent during
@@ -267,15 +270,10 @@ class Fleet:
                     at = min(at, ulid_time_ms(cause) / 1000)
             subjects = [f"fleet.cmd.{tenant}.*", f"fleet.cmd.{SYS_TENANT}.*"]
             start, until = utc(at - 60), max(s for s, _ in events)
-        out: list[tuple[int, Envelope]] = []
-        async for batch in read_stream(self.bus, subjects, until_seq=until, from_time=start):
-            for msg in batch:
-                self.commands_read += 1
-                try:
-                    out.append((msg.metadata.sequence.stream, parse_envelope(msg.data)))
-                except Exception:  # noqa: BLE001
-                    continue
-        return out
+        def count(_msg: Any) -> None:
+            self.commands_read += 1
+
+        return await self.history(subjects, until_seq=until, from_time=start, seen=count)
 
     async def explain(self, job_id: str) -> Explanation | None:
         """What `gpufleet explain JOB` says: the job's events (with the client commands that name
