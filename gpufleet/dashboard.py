@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, quote, unquote
 
+from gpufleet.shared.config import write_private
 from gpufleet.shared.events import (
     SYS_TENANT,
     Envelope,
@@ -312,13 +313,7 @@ def _read_tokens(path: Path) -> dict[str, Any]:
 
 def _write_tokens(path: Path, doc: dict[str, Any]) -> None:
     """Replace the file at once (a reader never sees half of it), readable by its owner only."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(doc, f, indent=2)
-        f.write("\n")
-    os.chmod(tmp, 0o600)
-    os.replace(tmp, path)
+    write_private(path, json.dumps(doc, indent=2) + "\n")
 
 
 def _viewer(entry: Any) -> Viewer | None:

@@ -30,9 +30,8 @@ from gpufleet.shared.authz import (
     load_creds,
     nats_config,
     write_nats_config,
-    write_private,
 )
-from gpufleet.shared.config import MESH_FILE, data_dir
+from gpufleet.shared.config import MESH_FILE, data_dir, write_private
 from gpufleet.shared.procs import free_port, pid_alive, start_nats, stop_process
 
 log = logging.getLogger("gpufleet.mesh")

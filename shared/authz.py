@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .config import write_private
 from .events import EVENT_TYPES, STREAM, SYS_TENANT, TELEMETRY_STREAM, Envelope
 from .tls import TLS_TIMEOUT_S, ServerTls, tls_block
 
@@ -352,17 +353,6 @@ class Realm:
             for i in sorted(self.identities.values(), key=lambda i: i.id)]}
 
 
-def write_private(path: Path, text: str, private_dir: bool = False) -> None:
-    """Write `text` readable by its owner only (with `private_dir`, its folder too), atomically."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if private_dir:
-        os.chmod(path.parent, 0o700)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.chmod(tmp, 0o600)
-    tmp.replace(path)
 
 
 def ensure_realm(d: Path, tenants: Iterable[str] = (), groups: Iterable[tuple[str, ...]] = ()) -> Realm:

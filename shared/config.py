@@ -41,3 +41,18 @@ def resolve_pg_dsn(explicit_data_dir: str | None = None) -> str:
     if env and not explicit_data_dir:
         return env
     return str(read_mesh(explicit_data_dir)["pg_dsn"])
+
+
+def write_private(path: Path, data: str | bytes, private_dir: bool = False, mode: int = 0o600) -> None:
+    """Replace `path` at once (a reader never sees half of it) with `data`, readable by its owner
+    only unless `mode` says otherwise, never more open even briefly; with `private_dir`, its
+    folder is made the owner's only too."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if private_dir:
+        os.chmod(path.parent, 0o700)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data.encode() if isinstance(data, str) else data)
+    os.chmod(tmp, mode)
+    tmp.replace(path)

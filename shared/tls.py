@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import datetime as dt
 import ipaddress
-import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from .config import write_private
 
 if TYPE_CHECKING:  # authz imports this module's types; the import back is for the checker only
     from .authz import Realm
@@ -98,15 +99,6 @@ def check_server_name(name: str) -> str:
     return name
 
 
-def _write(path: Path, data: bytes, mode: int) -> None:
-    """Write `data` atomically with `mode` (0600 for a key: never readable by others, even briefly)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.chmod(tmp, mode)
-    tmp.replace(path)
 
 
 def _now() -> dt.datetime:
@@ -242,14 +234,14 @@ def make_test_pki(out_dir: Path, server_names: Sequence[str], hosts: Sequence[st
         ca_key, ca_cert = _load_ca(ca_file, ca_key_file)
     else:
         ca_key, ca_cert = _make_ca(ca_name, days)
-        _write(ca_key_file, _key_pem(ca_key), 0o600)
-        _write(ca_file, _cert_pem(ca_cert), 0o644)
+        write_private(ca_key_file, _key_pem(ca_key), mode=0o600)
+        write_private(ca_file, _cert_pem(ca_cert), mode=0o644)
     servers: dict[str, ServerTls] = {}
     for name in names:
         key, cert = _make_server_cert(ca_key, ca_cert, name, hosts, days)
         st = ServerTls(name, out_dir / f"{name}.pem", out_dir / f"{name}-key.pem", ca_file)
-        _write(st.key_file, _key_pem(key), 0o600)
-        _write(st.cert_file, _cert_pem(cert), 0o644)
+        write_private(st.key_file, _key_pem(key), mode=0o600)
+        write_private(st.cert_file, _cert_pem(cert), mode=0o644)
         servers[name] = st
     return Pki(out_dir, ca_file, ca_key_file, servers, reused)
 
