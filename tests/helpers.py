@@ -83,7 +83,9 @@ def service_creds(name: str) -> Path | None:
     realm = os.environ.get("GPUFLEET_TEST_REALM")
     if not realm:
         return None
-    p = Path(realm) / "creds" / f"svc-{name}.creds"
+    from gpufleet.shared.authz import Realm
+
+    p = Realm(Path(realm)).creds_path(f"svc-{name}")
     return p if p.exists() else None
 
 

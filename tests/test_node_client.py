@@ -18,6 +18,7 @@ from typing import Any
 import jsonschema
 import pytest
 
+from gpufleet.shared.authz import Realm
 from gpufleet.shared.bus import Bus
 
 from .helpers import default_cores, nodes_registered, running, wait_until
@@ -41,7 +42,7 @@ def node_client() -> Path:
 
 async def run_client(script: Path, url: str, spec: dict[str, Any]) -> tuple[int, list[dict[str, Any]]]:
     """Runs as the tenant acme, with the credentials `gpufleet tenant creds acme` hands out."""
-    creds = Path(os.environ["GPUFLEET_TEST_REALM"]) / "creds" / "tenant-acme.creds"
+    creds = Realm(Path(os.environ["GPUFLEET_TEST_REALM"])).creds_path("tenant-acme")
     proc = await asyncio.create_subprocess_exec("node", str(script), url, json.dumps(spec), "--timeout-s", "60",
                                                 "--creds", str(creds),
                                                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
