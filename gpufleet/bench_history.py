@@ -45,13 +45,12 @@ async def _start(nats_url: str, creds: Path, name: str) -> tuple[ServiceRuntime[
 
 
 async def measure_size(events: int, cores: tuple[str, ...], progress: Callable[[str], None] | None) -> dict[str, Any]:
-    from gpufleet.mesh import LAYOUTS
     from gpufleet.shared.authz import ADMIN, ensure_realm, nats_config, write_nats_config
     from gpufleet.shared.procs import free_port, start_nats, stop_process
 
     with tempfile.TemporaryDirectory(prefix="gpufleet-bench-history-") as tmp:
         d = Path(tmp)
-        realm = ensure_realm(d, groups=[g for gs in LAYOUTS.values() for g in gs])
+        realm = ensure_realm(d)
         port = free_port()
         conf = write_nats_config(d / "nats.conf", nats_config(d / "nats", port, realm, sync_interval="lazy"))
         proc = start_nats(d / "nats", port, config=conf, log_file=d / "nats.log")

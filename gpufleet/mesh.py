@@ -146,8 +146,7 @@ class Supervisor:
         port = self.opts.nats_port or free_port()
         # identities for every service process, the admin and the configured tenants; the server
         # admits only them, each with the permissions shared/authz.py generates (docs/security.md)
-        self.realm = ensure_realm(self.dir, tenants=self._config_tenants(),
-                                  groups=[g for groups in LAYOUTS.values() for g in groups])
+        self.realm = ensure_realm(self.dir, tenants=self._config_tenants())
         conf = write_nats_config(self.dir / NATS_CONF, nats_config(self.dir / "nats", port, self.realm))
         self._nats_conf = conf
         self.nats_proc = start_nats(self.dir / "nats", port, log_file=self.logs / "nats.log", config=conf)

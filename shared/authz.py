@@ -355,9 +355,12 @@ class Realm:
 
 
 
-def ensure_realm(d: Path, tenants: Iterable[str] = (), groups: Iterable[tuple[str, ...]] = ()) -> Realm:
+def ensure_realm(d: Path, tenants: Iterable[str] = ()) -> Realm:
     """The mesh's identities: the admin, every service (alone, and as each group of services a
     layout runs in one process), the read-model projector, and `tenants`. Existing keys are kept."""
+    from gpufleet.mesh import LAYOUTS
+
+    groups = [g for gs in LAYOUTS.values() for g in gs]
     realm = Realm.load(d)
     realm.add("admin", ADMIN)
     for svc in SERVICES:

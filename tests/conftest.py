@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from gpufleet.mesh import LAYOUTS
 from gpufleet.shared.authz import ADMIN, Realm, ensure_realm, nats_config, write_nats_config
 from gpufleet.shared.bus import Bus
 from gpufleet.shared.procs import free_port, start_nats, stop_process
@@ -20,10 +19,11 @@ SHARED_DATA = Path(os.environ.get("GPUFLEET_SHARED", REPO.parent / "shared"))
 TEST_TENANTS = ("acme", "beta")
 
 
-@pytest.fixture
-def realm(tmp_path: Path) -> Realm:
-    """The identities of the test's nats-server, as `gpufleet up` makes them (shared/authz.py)."""
-    return ensure_realm(tmp_path / "realm", tenants=TEST_TENANTS, groups=[g for gs in LAYOUTS.values() for g in gs])
+@pytest.fixture(scope="session")
+def realm(tmp_path_factory: pytest.TempPathFactory) -> Realm:
+    """The identities of the tests' nats-servers, as `gpufleet up` makes them (shared/authz.py):
+    made once (20 ms of keys and files), read by every test's server, changed by none."""
+    return ensure_realm(tmp_path_factory.mktemp("realm"), tenants=TEST_TENANTS)
 
 
 @pytest.fixture
