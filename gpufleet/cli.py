@@ -599,22 +599,13 @@ def _mesh_config(data_dir: str | None) -> Any:
 
 
 async def _quota_state(fleet: Any, config: Any) -> tuple[Any, Any]:
+    """The quota core's state at the head of the log: its newest snapshot and the tail after it."""
     from gpufleet.services.quota.core import QuotaCore
-    from gpufleet.shared.events import parse_envelope
-    from gpufleet.shared.log import read_stream
-    from gpufleet.shared.subjects import SubjectFilter
+    from gpufleet.shared.engine import fold_log
 
     core = QuotaCore(config)
-    state = core.initial_state()
-    wanted = SubjectFilter(core.subjects)
-    async for batch in read_stream(fleet.bus, ("fleet.evt.>",)):
-        for msg in batch:
-            if wanted(msg.subject):
-                try:
-                    state = core.evolve(state, parse_envelope(msg.data))
-                except Exception:  # noqa: BLE001 - dead letters are the services' business
-                    continue
-    return core, state
+    engine, _ = await fold_log(fleet.bus, core)
+    return core, engine.state
 
 
 @app.command()
@@ -931,7 +922,7 @@ async def _estimate_doc(spec: Any, cfg: Any, data_dir: str | None, duration_s: f
                         wait_note="a tenant's credentials do not read the cluster's queues and nodes: cost only")
     try:
         placer, quota, admission = PlacerCore(cfg), QuotaCore(cfg), AdmissionCore(cfg)
-        pstate, qstate, astate = await fold(fleet.bus, [placer, quota, admission])
+        pstate, qstate, astate = await fold(fleet.bus, [placer, quota, admission], snapshots=True)
         # would admission take it now? (tenant policy, capacity, budgets, limits: the same checks)
         refused = (admission.refusals(astate, spec.tenant, spec_doc, Ctx(now=utc(time.time()), actor="estimate"))
                    if spec_doc is not None else [])
@@ -1132,18 +1123,11 @@ def report_load(
 async def _pools_state(fleet: Any, config: Any) -> list[dict[str, Any]]:
     from gpufleet.services.autoscaler.core import AutoscalerCore, pool_summary
     from gpufleet.services.autoscaler.providers import PROVIDERS
-    from gpufleet.shared.events import parse_envelope
-    from gpufleet.shared.log import read_stream
+    from gpufleet.shared.engine import fold_log
 
     core = AutoscalerCore(config, providers=tuple(PROVIDERS))
-    state = core.initial_state()
-    async for batch in read_stream(fleet.bus, ("fleet.evt.sys.node.>",)):  # pools: node facts alone
-        for msg in batch:
-            try:
-                state = core.evolve(state, parse_envelope(msg.data))
-            except Exception:  # noqa: BLE001 - dead letters are the services' business
-                continue
-    return pool_summary(core, state)
+    engine, _ = await fold_log(fleet.bus, core)
+    return pool_summary(core, engine.state)
 
 
 @app.command()

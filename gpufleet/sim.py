@@ -66,6 +66,7 @@ from gpufleet.services.telemetry.core import Rules, TelemetryCore
 from gpufleet.shared.authz import owner_actor
 from gpufleet.shared.cluster import SHAPES, shape_inventory
 from gpufleet.shared.clusterconfig import ClusterConfig, parse_config
+from gpufleet.shared.engine import Engine
 from gpufleet.shared.events import (
     SYS_TENANT,
     TERMINAL_JOB_TYPES,
@@ -85,7 +86,6 @@ from gpufleet.shared.events import (
 from gpufleet.shared.ids import derive_id
 from gpufleet.shared.runtime import Core, Ctx
 from gpufleet.shared.spec import parse_duration_s
-from gpufleet.shared.subjects import SubjectFilter
 
 EPOCH = datetime(2026, 1, 1, tzinfo=UTC).timestamp()
 MAX_STEPS = 2_000_000
@@ -252,13 +252,18 @@ def load_chaos(doc: Any) -> Chaos:
 
 @dataclass
 class _Member:
-    core: Core[Any]
-    interest: SubjectFilter
-    state: Any = None
+    engine: Engine[Any]  # the core, its state and the delivery rules (shared/engine.py), as the runtime plays them
     delivered: int = 0  # log index up to which it has seen
-    own: set[str] = field(default_factory=set)
     next_tick: float = 0.0
     paused_until: float = 0.0  # a slow service consumes nothing until then
+
+    @property
+    def core(self) -> Core[Any]:
+        return self.engine.core
+
+    @property
+    def state(self) -> Any:
+        return self.engine.state
 
 
 def _by_owner(env: Envelope) -> Envelope:
@@ -288,7 +293,7 @@ class Simulation:
         self.executor = ExecutorCore(scenario.nodes, sim_pools=True)  # also the sim provider of node pools
         cores: list[Core[Any]] = [AdmissionCore(cfg), QuotaCore(cfg), PlacerCore(cfg), self.executor,
                                   GuardianCore(cfg), self.telemetry, AutoscalerCore(cfg)]
-        self.members = [_Member(c, SubjectFilter(c.subjects), c.initial_state()) for c in cores]
+        self.members = [_Member(Engine(c)) for c in cores]
         self.last_seen: dict[str, float] = {}
 
     # ------------------------------------------------------------ the log
@@ -297,6 +302,8 @@ class Simulation:
         return Ctx(now=utc(self.now), actor=f"{actor}/sim", cause=cause)
 
     def append(self, envs: list[Envelope], member: _Member | None = None) -> None:
+        """Outputs into the log, as the server takes them; a member's own that got in are applied to it."""
+        taken: list[Envelope] = []
         for env in envs:
             if env.subject().startswith("fleet.tel."):
                 continue  # samples and heartbeats are not in the main log
@@ -308,9 +315,9 @@ class Simulation:
             self.ids.add(env.event_id)
             self.log.append(env)
             self.last_event_at = self.now
-            if member is not None and member.interest(env.subject()):
-                member.state = member.core.evolve(member.state, env)
-                member.own.add(env.event_id)
+            taken.append(env)
+        if member is not None:
+            member.engine.apply(taken)
 
     def deliver(self) -> int:
         """Every member catches up with the log, in order, until nothing new is decided."""
@@ -326,7 +333,7 @@ class Simulation:
                     if len(self.log) - start > MAX_EVENTS_PER_INSTANT:
                         self._loop_found()
                     env = self.log[m.delivered]
-                    if not m.interest(env.subject()):
+                    if not m.engine.wants(env.subject()):
                         m.delivered += 1
                         continue
                     if self.sc.chaos.on and self._chaos(m):
@@ -339,13 +346,9 @@ class Simulation:
                     if times == 2:
                         self.duplicated.add(env.type)
                         self.redeliveries += 1
-                    if env.event_id in m.own:
-                        m.own.discard(env.event_id)
-                    else:
-                        m.state = m.core.evolve(m.state, env)
+                    m.engine.fold(env, m.delivered)  # its sequence: the log's index + 1
                     for _ in range(times):  # a redelivery is decided again, not folded again
-                        outs = m.core.decide(m.state, env, self.ctx(m.core.name, env))
-                        self.append(outs, m)
+                        self.append(m.engine.decide(env, self.ctx(m.core.name, env)), m)
                     n += 1
                     progress = True
         return n
@@ -375,13 +378,10 @@ class Simulation:
     def _restart(self, m: _Member) -> None:
         """As the runtime starts: fold the log to its head, then take the deliveries from where it
         had got to (its ack floor); those the fold covered are decided on, not folded again."""
-        m.state = m.core.initial_state()
-        m.own.clear()
+        m.engine = Engine(m.core)
         for i, env in enumerate(self.log):
-            if m.interest(env.subject()):
-                m.state = m.core.evolve(m.state, env)
-                if i >= m.delivered:
-                    m.own.add(env.event_id)
+            if m.engine.wants(env.subject()):
+                m.engine.fold(env, i + 1)  # what it had not been delivered yet is decided, not folded again
         self.append(m.core.on_start(m.state, self.ctx(m.core.name)), m)
 
     def tick(self) -> None:

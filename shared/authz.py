@@ -318,20 +318,27 @@ class Realm:
             "gpufleet_creds": CREDS_VERSION, "identity": ident.id, "kind": ident.kind, "name": ident.name,
             "services": list(ident.services), "seed": seed, "public_key": ident.public_key,
             "inbox_prefix": ident.inbox_prefix,
-            "snapshot_keys": {svc: self.snapshot_keys[svc] for svc in ident.services},
+            "snapshot_keys": self._keys_of(ident),
         }, indent=2) + "\n", private_dir=True)
+
+    def _keys_of(self, ident: Identity) -> dict[str, str]:
+        """The snapshot keys an identity holds: a service process those of the cores it runs; the
+        admin every core's, to verify them (the tools start from the cores' snapshots)."""
+        if ident.kind == "admin":
+            return dict(self.snapshot_keys)
+        return {svc: self.snapshot_keys[svc] for svc in ident.services}
 
     def ensure_snapshot_keys(self) -> None:
         """Creds made before snapshots were signed get their cores' keys (the seeds are kept)."""
         for ident in self.identities.values():
-            if ident.kind != "service" or not ident.services:
+            if not (ident.kind == "service" and ident.services) and ident.kind != "admin":
                 continue
             path = self.creds_path(ident.id)
             try:
                 doc = json.loads(path.read_text())
             except (FileNotFoundError, json.JSONDecodeError):
                 continue
-            if set(doc.get("snapshot_keys", {})) != set(ident.services):
+            if doc.get("snapshot_keys", {}) != self._keys_of(ident):
                 self._write_creds(ident, str(doc["seed"]))
         self.save()
 
@@ -355,6 +362,9 @@ class Realm:
 
 
 
+VIEW_PROCESS = "view"  # the mesh's process that stores snapshots of the cluster view (gpufleet/viewsnap.py)
+
+
 def ensure_realm(d: Path, tenants: Iterable[str] = ()) -> Realm:
     """The mesh's identities: the admin, every service (alone, and as each group of services a
     layout runs in one process), the read-model projector, and `tenants`. Existing keys are kept."""
@@ -366,6 +376,7 @@ def ensure_realm(d: Path, tenants: Iterable[str] = ()) -> Realm:
     for svc in SERVICES:
         realm.add("service", svc, (svc,))
     realm.add("service", "readmodel", ())
+    realm.add("service", VIEW_PROCESS, (VIEW_PROCESS,))  # gpufleet/viewsnap.py: its snapshots alone
     for g in groups:
         if len(g) > 1:
             realm.add("service", "-".join(g), tuple(g))

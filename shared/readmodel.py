@@ -33,6 +33,7 @@ import asyncpg
 from nats.aio.msg import Msg
 
 from .bus import Bus, run_until_signal
+from .engine import refusal
 from .events import STREAM, Envelope, parse_envelope
 from .runtime import fetch_batch, open_durable
 from .view import ClusterView, JobRow, NodeRow, apply
@@ -394,10 +395,13 @@ class Projector:
             if seq <= base:
                 continue
             try:
-                items.append((seq, parse_envelope(msg.data)))
+                env = parse_envelope(msg.data)
             except Exception:  # noqa: BLE001 - services dead-letter it; the read model skips it
                 log.warning("projector %s: skipping unparsable message seq %d on %s", self.name, seq, msg.subject)
                 self.stats.unparsable += 1
+                continue
+            if refusal(env, msg.subject, msg.headers) is None:  # what no core folds, no row shows
+                items.append((seq, env))
         applied = await self.model.apply_batch(items, through_seq=top)
         self.stats.stale += sum(1 for m in msgs if int(m.metadata.sequence.stream) <= base)
         self.stats.applied += applied

@@ -38,14 +38,13 @@ from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from . import otel
-from .authz import foreign_author
 from .bus import Bus, Cas
+from .engine import Engine, FoldStats, fold_tail, refusal
 from .errors import CasConflict, RetryableError
 from .events import STREAM, SYS_TENANT, DeadLetter, Envelope, Payload, parse_envelope, subject_for, utc
-from .ids import derive_id, is_token, is_ulid
-from .log import read_stream
-from .snapshots import Snapshot, SnapshotStore, take
-from .subjects import SubjectFilter, consumer_filter
+from .ids import derive_id, is_token
+from .snapshots import Snapshot, SnapshotStore
+from .subjects import consumer_filter
 
 log = logging.getLogger(__name__)
 
@@ -170,53 +169,6 @@ def read_invalid(subject: str, data: bytes, seq: int, errors: list[tuple[str, st
                           tuple(errors))
 
 
-def _refusal(env: Envelope, msg: Msg) -> tuple[str, list[tuple[str, str]]] | None:
-    """Why a parsed message is not taken, with the fields to tell its sender (none: a fact by a
-    foreign author, a service's, answered by nobody); None when it is taken. The live decision
-    and every fold apply the same rules."""
-    if env.subject() != msg.subject:
-        # the subject is what NATS permissions check: an envelope must not claim another
-        # tenant, job or type than the subject it was allowed to publish on
-        why = f"envelope belongs on {env.subject()}, not {msg.subject}"
-        return f"invalid message: {why}", [(_mismatch_field(env.subject(), msg.subject), why)]
-    broken = _command_rules(env, msg) if msg.subject.startswith("fleet.cmd.") else []
-    if broken:
-        # the rules the contract states for a client's command: without them its duplicate
-        # protection is silently lost (docs/schemas, docs/log.md)
-        return "invalid message: " + "; ".join(f"{f}: {m}" for f, m in broken), broken
-    forged = foreign_author(env)
-    if forged is not None:
-        # the server's permissions should have refused it already (shared/authz.py): a second
-        # line of defence, so a misconfigured server cannot make a core act on it
-        return f"foreign author: {forged}", []
-    return None
-
-
-def _command_rules(env: Envelope, msg: Msg) -> list[tuple[str, str]]:
-    """A command's `event_id` is a ULID (time-ordered, 26 Crockford base32 characters) and is
-    also its `Nats-Msg-Id` header (the server's duplicate window drops a re-sent copy by it)."""
-    out: list[tuple[str, str]] = []
-    if not is_ulid(env.event_id):
-        out.append(("event_id", f"must be a ULID (26 characters of 0-9 A-Z without I L O U), got {env.event_id!r}"))
-    sent = (msg.headers or {}).get("Nats-Msg-Id")
-    if sent is None:
-        out.append(("Nats-Msg-Id", "the header is required and must equal event_id"))
-    elif sent != env.event_id:
-        out.append(("Nats-Msg-Id", f"the header {sent!r} must equal event_id {env.event_id!r}"))
-    return out
-
-
-def _mismatch_field(own: str, published: str) -> str:
-    """The envelope field that puts it on another subject than the one it was published on."""
-    a, b = own.split("."), published.split(".")
-    i = next((k for k, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
-    if i == 2:
-        return "tenant"
-    if a[1:2] == ["evt"] and a[3:4] == ["job"] and i == 4:
-        return "payload.job_id"
-    return "type"
-
-
 def validation_errors(exc: BaseException) -> list[tuple[str, str]]:
     """One (field, message) per error of a failed parse (pydantic's, or a plain exception's)."""
     errs = getattr(exc, "errors", None)
@@ -231,16 +183,6 @@ def validation_errors(exc: BaseException) -> list[tuple[str, str]]:
         except Exception:  # noqa: BLE001 - fall back to the text
             pass
     return [("envelope", _short(exc))]
-
-
-@dataclass
-class FoldStats:
-    """The last (re)fold: where it started (0: sequence 1, else a snapshot's), events folded."""
-
-    from_seq: int = 0
-    events: int = 0
-    to_seq: int = 0
-    seconds: float = 0.0
 
 
 @dataclass
@@ -264,12 +206,11 @@ class ServiceRuntime(Generic[S]):
     ack_wait_s: float = 30.0  # an unacked message (a crash before the ack) comes back after this
     clock: Callable[[], float] = time.time
     group: RuntimeGroup | None = None  # set when co-located: the group owns consumer and acks
-    state: S = field(init=False)
     stats: RuntimeStats = field(default_factory=RuntimeStats)
 
     def __post_init__(self) -> None:
-        self.state = self.core.initial_state()
-        self.applied_seq = 0  # every filtered event <= this is folded into state
+        # the state and where it stands in the log, with the delivery rules (shared/engine.py)
+        self.engine: Engine[S] = Engine(self.core)
         # The last committed point (shared/snapshots.py): a refold restores it and folds the tail
         # only. Kept in memory every SNAPSHOT_EVENTS events, stored for restarts every
         # SNAPSHOT_STORE_EVENTS events or SNAPSHOT_STORE_S seconds.
@@ -284,8 +225,6 @@ class ServiceRuntime(Generic[S]):
         self._save_task: asyncio.Task[None] | None = None
         self._stream_created = ""
         self.last_fold = FoldStats()
-        self.last_cas_seq = 0
-        self._own: set[str] = set()  # ids of our outputs already evolved, not yet seen back
         self._decided_cas_seq: int | None = None  # what the batch's first capacity decision saw
         self._stop = asyncio.Event()
         # One writer of the state at a time: the consume loop, ticks, refolds and a shell's local
@@ -296,8 +235,6 @@ class ServiceRuntime(Generic[S]):
         self._psub: Any = None
         self._parsed: dict[int, Envelope] | None = None  # a group's parse cache for one batch
         self._batch_types: dict[str, int] | None = None  # the batch's decided events by type (metrics)
-        self._interest = SubjectFilter(self.core.subjects)
-        self._takes = SubjectFilter([self.core.cas_subject] if self.core.cas_subject else [])
         # one broad server-side filter, the rest in the client (see shared/subjects.py)
         self.filter_subject = consumer_filter(self.core.subjects)
 
@@ -312,12 +249,20 @@ class ServiceRuntime(Generic[S]):
     def ctx(self, cause: Envelope | None = None) -> Ctx:
         return Ctx(now=utc(self.clock()), actor=self.actor, cause=cause)
 
-    # ---------------------------------------------------------------- fold
+    @property
+    def state(self) -> S:
+        return self.engine.state
 
-    def _evolve(self, env: Envelope, seq: int) -> None:
-        self.state = self.core.evolve(self.state, env)
-        if seq > self.last_cas_seq and self._takes(env.subject()):
-            self.last_cas_seq = seq
+    @property
+    def applied_seq(self) -> int:
+        """Every event of the core's subjects up to here is folded into the state."""
+        return self.engine.seq
+
+    @property
+    def last_cas_seq(self) -> int:
+        return self.engine.last_cas_seq
+
+    # ---------------------------------------------------------------- fold
 
     async def refold(self) -> int:
         """Rebuild the state from the stream (the core's subjects) up to its head."""
@@ -333,39 +278,14 @@ class ServiceRuntime(Generic[S]):
         otel.count_refold(self.core.name)
         self._dirty = True  # until this fold completes
         t0 = time.perf_counter()
-        state = self.core.initial_state()  # (also resets a core's caches of derived data)
-        applied = last_cas = 0
-        own: set[str] = set()
         snap = None if full else await self._restore_point()
-        if snap is not None:
-            state, applied, last_cas, own = snap.state(), snap.seq, snap.last_cas_seq, set(snap.own)
-        n = 0
-        async for msgs in read_stream(self.bus, (self.filter_subject,), from_seq=applied + 1):
-            for msg in msgs:
-                seq = msg.metadata.sequence.stream
-                applied = seq
-                if not self._interest(msg.subject):
-                    continue
-                try:
-                    env: Envelope | None = parse_envelope(msg.data)
-                except Exception:  # noqa: BLE001 - dead-lettered when consumed
-                    env = None
-                if env is None or _refusal(env, msg) is not None:
-                    continue  # likewise (the same rules as a delivered message: a fold equals the live state)
-                if env.event_id in own:  # evolved already, before the snapshot was taken
-                    own.discard(env.event_id)
-                    continue
-                try:
-                    state = self.core.evolve(state, env)
-                    if seq > last_cas and self._takes(env.subject()):
-                        last_cas = seq
-                except Exception:
-                    log.exception("%s: evolve failed on seq %d during fold", self.actor, seq)
-                n += 1
-        self.state, self.applied_seq, self.last_cas_seq = state, applied, last_cas
-        self._own = own
+        engine: Engine[S] = Engine(self.core)  # (a new state also resets a core's caches of derived data)
+        engine.restore(snap)
+        # the tail, by the same rules as a delivered message: a fold equals the live state
+        n = await fold_tail(self.bus, engine, subject=self.filter_subject)
+        self.engine = engine
         self._dirty = False
-        self.last_fold = FoldStats(from_seq=snap.seq if snap else 0, events=n, to_seq=applied,
+        self.last_fold = FoldStats(from_seq=snap.seq if snap else 0, events=n, to_seq=engine.seq,
                                    seconds=time.perf_counter() - t0)
         log.info("%s folded %d events up to seq %d (%s)", self.actor, n, self.applied_seq,
                  f"from its snapshot at seq {snap.seq}" if snap else "from seq 1")
@@ -394,8 +314,7 @@ class ServiceRuntime(Generic[S]):
         if self._dirty or not self._stream_created:
             return
         t0 = time.perf_counter()
-        self._snap = take(self.core, self.state, self.applied_seq, self.last_cas_seq, self._own,
-                          self._stream_created)
+        self._snap = self.engine.point(self._stream_created)
         self._snap_cost_s = time.perf_counter() - t0
         self._snap_at = time.monotonic()
         self._since_snap = 0
@@ -444,7 +363,7 @@ class ServiceRuntime(Generic[S]):
         async with self._lock:
             await self._refold()
             await self._open_consumer()
-            await self._publish_and_apply(self.core.on_start(self.state, self.ctx()), evolved=False)
+            await self._publish_and_apply(self.engine.start(self.ctx()), evolved=True)
 
     async def _open_consumer(self) -> None:
         if self.group is not None:
@@ -481,10 +400,7 @@ class ServiceRuntime(Generic[S]):
         if self.core.tick_s is not None and self.clock() >= self._next_tick:
             self._next_tick = self.clock() + self.core.tick_s
             async with self._lock:
-                await self._publish_and_apply(self.core.tick(self.state, self.ctx()), evolved=False)
-
-    def _own_subject(self, subject: str) -> bool:
-        return self._interest(subject)
+                await self._publish_and_apply(self.engine.tick(self.ctx()), evolved=True)
 
     def _says_bad(self, subject: str) -> bool:
         """Who records a message that is not the contract: for a client's command, admission alone
@@ -532,7 +448,7 @@ class ServiceRuntime(Generic[S]):
         types: dict[str, int] | None = {} if otel.METRICS else None
         self._batch_types = types
         for msg in msgs:
-            if not self._interest(msg.subject):
+            if not self.engine.wants(msg.subject):
                 good.append(msg)  # not this service's business; acked with the batch
                 continue
             md = msg.metadata
@@ -551,7 +467,7 @@ class ServiceRuntime(Generic[S]):
                 continue
             if types is not None:
                 types[env.type] = types.get(env.type, 0) + 1
-            refused = _refusal(env, msg)
+            refused = refusal(env, msg.subject, msg.headers)
             if refused is not None:
                 reason, fields = refused
                 if not fields:  # a foreign author: a service's fact, nobody to answer
@@ -566,20 +482,11 @@ class ServiceRuntime(Generic[S]):
                 continue
             t0 = time.time_ns() if spans is not None else 0
             try:
-                if env.event_id in self._own:
-                    self._own.discard(env.event_id)
-                elif seq > self.applied_seq:
-                    self._evolve(env, seq)
-                self.applied_seq = max(self.applied_seq, seq)
-                outs = self.core.decide(self.state, env, self.ctx(env))
-                if self._decided_cas_seq is None and self._takes_capacity(outs):
+                outs = self.engine.deliver(env, seq, self.ctx(env))
+                if self._decided_cas_seq is None and self.engine.takes_capacity(outs):
                     # The guard is what this decision saw: a rival's write consumed later in the
                     # same batch must fail the CAS, not move the guard past itself.
                     self._decided_cas_seq = self.last_cas_seq
-                for out in outs:
-                    if self._own_subject(out.subject()):
-                        self.state = self.core.evolve(self.state, out)
-                        self._own.add(out.event_id)
             except Exception as exc:  # noqa: BLE001 - a core bug must not stop the service
                 log.exception("%s: core failed on seq %d", self.actor, seq)
                 outputs.append(self._dead_letter(msg, f"{type(exc).__name__}: {_short(exc)}"))
@@ -630,9 +537,6 @@ class ServiceRuntime(Generic[S]):
         await asyncio.sleep(NAK_DELAY_S)
         await self._recover_locked(f"{REDECIDE_MAX} compare-and-set conflicts in a row")
 
-    def _takes_capacity(self, outputs: Sequence[Envelope]) -> bool:
-        return any(self._takes(o.subject()) for o in outputs)
-
     async def _commit(self, outputs: list[Envelope], handled: Sequence[Msg], cas_seq: int | None = None) -> None:
         """Publish the outputs, then ack the handled messages (one AckAll for all of them)."""
         if outputs:
@@ -640,15 +544,15 @@ class ServiceRuntime(Generic[S]):
             if spans is not None:
                 spans.emitted(outputs)  # a span for each output of a job no decision span carries
             cas = None
-            if self.core.cas_subject and self._takes_capacity(outputs):
+            if self.core.cas_subject and self.engine.takes_capacity(outputs):
                 cas = Cas(self.core.cas_subject, self.last_cas_seq if cas_seq is None else cas_seq)
             main = [o for o in outputs if not o.subject().startswith("fleet.tel.")]
             seqs = await (self.bus.publish_batch(main, cas=cas) if cas else self.bus.publish_many(main))
             self.stats.published += len(main)
             if cas is not None:
                 for o, seq in zip(main, seqs, strict=True):
-                    if self._takes(o.subject()):
-                        self.last_cas_seq = max(self.last_cas_seq, seq)
+                    if self.engine.takes(o.subject()) and seq > self.engine.last_cas_seq:
+                        self.engine.last_cas_seq = seq
             for o in outputs:
                 if o.subject().startswith("fleet.tel."):
                     await self.bus.publish_telemetry(o.subject(), o.to_json())
@@ -680,10 +584,7 @@ class ServiceRuntime(Generic[S]):
         if not outputs:
             return
         if not evolved:
-            for out in outputs:
-                if self._own_subject(out.subject()):
-                    self.state = self.core.evolve(self.state, out)
-                    self._own.add(out.event_id)
+            self.engine.apply(outputs)
         try:
             await self._commit(outputs, ())
         except Exception as exc:
@@ -801,7 +702,7 @@ class RuntimeGroup:
             await rt.refold()
         await self.reopen()
         for rt in self.runtimes:
-            await rt._publish_and_apply(rt.core.on_start(rt.state, rt.ctx()), evolved=False)
+            await rt._publish_and_apply(rt.engine.start(rt.ctx()), evolved=True)
 
     async def reopen(self) -> None:
         self._generation += 1

@@ -17,7 +17,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, Generic, TypeVar
 
 from gpufleet.shared.authz import owner_actor
-from gpufleet.shared.bus import subject_matches
+from gpufleet.shared.engine import Engine
 from gpufleet.shared.events import (
     SYS_TENANT,
     CancelRequestedCmd,
@@ -267,40 +267,42 @@ def derived(cause: Envelope, key: str | int) -> str:
 
 
 class Harness(Generic[S]):
-    """Given events -> when event -> then events, with the runtime's rules and no NATS.
+    """Given events -> when event -> then events, with the runtime's rules and no NATS: the
+    engine the runtime and the simulator play cores with (shared/engine.py). The input is
+    evolved before the decision, and outputs on the core's own subjects are evolved at once (so
+    the next decision sees them)."""
 
-    As in ServiceRuntime: the input is evolved before the decision, and outputs on the
-    core's own subjects are evolved at once (so the next decision sees them).
-    """
+    actor = "t"  # who its outputs are by
 
     def __init__(self, core: Core[S]) -> None:
         self.core = core
-        self.state: S = core.initial_state()
+        self.engine: Engine[S] = Engine(core)
+
+    @property
+    def state(self) -> S:
+        return self.engine.state
+
+    @state.setter
+    def state(self, state: S) -> None:
+        self.engine.state = state
 
     def given(self, *events: Envelope | Iterable[Envelope]) -> Harness[S]:
         for e in _flatten(events):
-            self.state = self.core.evolve(self.state, e)
+            self.engine.fold(e)
         return self
-
-    def _own(self, outputs: list[Envelope]) -> list[Envelope]:
-        for out in outputs:
-            if any(subject_matches(p, out.subject()) for p in self.core.subjects):
-                self.state = self.core.evolve(self.state, out)
-        return outputs
 
     def decide(self, env: Envelope, now: datetime = T0) -> list[Envelope]:
         """The pure decision on the current state; nothing evolved."""
-        return self.core.decide(self.state, env, ctx(env, now))
+        return self.engine.decide(env, ctx(env, now, self.actor))
 
     def when(self, env: Envelope, now: datetime = T0) -> list[Envelope]:
-        self.state = self.core.evolve(self.state, env)
-        return self._own(self.core.decide(self.state, env, ctx(env, now)))
+        return self.engine.deliver(env, None, ctx(env, now, self.actor))
 
     def tick(self, now: datetime) -> list[Envelope]:
-        return self._own(self.core.tick(self.state, ctx(None, now)))
+        return self.engine.tick(ctx(None, now, self.actor))
 
     def start(self, now: datetime = T0) -> list[Envelope]:
-        return self._own(self.core.on_start(self.state, ctx(None, now)))
+        return self.engine.start(ctx(None, now, self.actor))
 
 
 def _flatten(events: Iterable[Envelope | Iterable[Envelope]]) -> list[Envelope]:

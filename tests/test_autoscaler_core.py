@@ -76,12 +76,7 @@ SVC = "svc1"
 class Play(Harness[Any]):
     """The harness, with the autoscaler's actor on its outputs (it recognises its own commands)."""
 
-    def when(self, env: Envelope, now: datetime = T0) -> list[Envelope]:
-        self.state = self.core.evolve(self.state, env)
-        return self._own(self.core.decide(self.state, env, Ctx(now=now, actor=ACTOR, cause=env)))
-
-    def tick(self, now: datetime) -> list[Envelope]:
-        return self._own(self.core.tick(self.state, Ctx(now=now, actor=ACTOR)))
+    actor = ACTOR
 
 
 def at(s: float) -> datetime:

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import yaml
 
-from gpufleet.shared.subjects import SubjectFilter
+from gpufleet.shared.engine import Engine
 from gpufleet.sim import ScenarioError, Simulation, load_scenario, run_file
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "sim"
@@ -256,8 +256,7 @@ def test_a_decision_loop_is_stopped_and_named() -> None:
             return []
 
     sim = Simulation(load_scenario({"nodes": [{"shape": "h100x8"}], "jobs": [{"name": "a", "spec": {}}]}))
-    sim.members = [m if m.core.name != "placer" else type(m)(Chatty(), SubjectFilter(Chatty.subjects),
-                                                               Chatty().initial_state()) for m in sim.members]
+    sim.members = [m if m.core.name != "placer" else type(m)(Engine(Chatty())) for m in sim.members]
     with pytest.raises(ScenarioError, match="decide in a loop .*job.unschedulable"):
         sim.run()
 

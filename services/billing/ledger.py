@@ -42,6 +42,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from gpufleet.shared.bus import Bus, run_until_signal
 from gpufleet.shared.clusterconfig import ClusterConfig, load_config
+from gpufleet.shared.engine import refusal
 from gpufleet.shared.events import STREAM, parse_envelope
 from gpufleet.shared.subjects import SubjectFilter, consumer_filter
 
@@ -199,7 +200,7 @@ class Ledger:
             await self._open_tail()
             return []
 
-    def fold(self, seq: int, data: bytes, subject: str) -> None:
+    def fold(self, seq: int, data: bytes, subject: str, headers: dict[str, str] | None = None) -> None:
         """Fold one message of the log; the intervals it closes become pending charges. A message
         the core fails on is logged, counted (`stats.skipped`) and skipped alone."""
         if seq <= self.read_seq:
@@ -211,8 +212,8 @@ class Ledger:
             env = parse_envelope(data)
         except Exception:  # noqa: BLE001 - the services dead-letter it; the ledger skips it
             return
-        if env.subject() != subject:
-            return
+        if refusal(env, subject, headers) is not None:
+            return  # what no core folds (shared/engine.py)
         try:
             self.state = self.core.evolve(self.state, env)
             self.stats.folded += 1
@@ -232,7 +233,7 @@ class Ledger:
         if len(self.pending) < self.max_pending:
             msgs = await self._fetch()
             for m in msgs:
-                self.fold(int(m.metadata.sequence.stream), m.data, m.subject)
+                self.fold(int(m.metadata.sequence.stream), m.data, m.subject, m.headers)
             n = len(msgs)
         else:
             await self._sleep(self.fetch_timeout_s)

@@ -23,11 +23,10 @@ from typing import Any
 
 from gpufleet.shared.bus import Bus
 from gpufleet.shared.clusterconfig import ClusterConfig
-from gpufleet.shared.events import parse_envelope
-from gpufleet.shared.log import read_stream
+from gpufleet.shared.engine import Engine, fold_cores
+from gpufleet.shared.events import Envelope
 from gpufleet.shared.runtime import Core
 from gpufleet.shared.spec import JobSpec
-from gpufleet.shared.subjects import SubjectFilter, consumer_filter
 
 from .core import BillingCore, BillingState, Charge
 from .pricing import ZERO, ChargeLine, cost, estimate_cost, money, seconds_between, total
@@ -51,39 +50,27 @@ class Skipped:
 
 
 async def fold(bus: Bus, cores: Sequence[Core[Any]], until_seq: int | None = None, *,
-               skipped: list[Skipped] | None = None) -> list[Any]:
-    """Each core's state folded over the log (read once), in the order of `cores`.
+               skipped: list[Skipped] | None = None, snapshots: bool = False) -> list[Any]:
+    """Each core's state folded over the log (read once), in the order of `cores`, by the
+    engine's rules (shared/engine.py); with `snapshots`, each from its core's newest stored
+    snapshot (the estimate's placer, quota and admission; never a bill's billing core, which keeps
+    every charge, as the service's does not).
 
     An event a core fails on is skipped for that core alone (the rest of the log is folded): each
     is added to `skipped` when given, and their number is said in one warning at the end."""
-    states: list[Any] = [c.initial_state() for c in cores]
     failed: list[Skipped] = [] if skipped is None else skipped
     before = len(failed)
-    interests = [SubjectFilter(c.subjects) for c in cores]
-    server = consumer_filter([p for c in cores for p in c.subjects])
-    async for msgs in read_stream(bus, (server,), until_seq=until_seq):
-        for m in msgs:
-            wanted = [i for i, f in enumerate(interests) if f(m.subject)]
-            if not wanted:
-                continue
-            try:
-                env = parse_envelope(m.data)
-            except Exception:  # noqa: BLE001 - dead-lettered by the services
-                continue
-            if env.subject() != m.subject:
-                continue
-            for i in wanted:
-                try:
-                    states[i] = cores[i].evolve(states[i], env)
-                except Exception as exc:  # noqa: BLE001 - one bad event must not hide the whole bill
-                    seq = int(m.metadata.sequence.stream)
-                    failed.append(Skipped(seq, cores[i].name, env.type, env.event_id, f"{type(exc).__name__}: {exc}"))
-                    log.debug("fold: %s failed on seq %d (%s)", cores[i].name, seq, env.type, exc_info=True)
+
+    def on_error(engine: Engine[Any], seq: int, env: Envelope, exc: Exception) -> None:
+        failed.append(Skipped(seq, engine.core.name, env.type, env.event_id, f"{type(exc).__name__}: {exc}"))
+        log.debug("fold: %s failed on seq %d (%s)", engine.core.name, seq, env.type, exc_info=True)
+
+    engines = await fold_cores(bus, cores, until_seq, snapshots=snapshots, on_error=on_error)
     if len(failed) > before:
         first = failed[before]
         log.warning("skipped %d event(s) a fold failed on (first: seq %d %s %s, in %s: %s)", len(failed) - before,
                     first.seq, first.event_type, first.event_id, first.core, first.error)
-    return states
+    return [e.state for e in engines]
 
 
 # ------------------------------------------------------------------ bill
