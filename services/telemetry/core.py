@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gpufleet.shared.events import (
+    TERMINAL_JOB_TYPES,
     Envelope,
     GpuDevice,
     JobExited,
@@ -155,7 +156,7 @@ class TelemetryCore(BaseCore[TelemetryState]):
         "fleet.evt.*.job.*.exited", "fleet.evt.*.job.*.idle_detected", "fleet.evt.*.job.*.gpu_starved",
         "fleet.evt.*.job.*.idle_ended",
         "fleet.evt.*.job.*.succeeded", "fleet.evt.*.job.*.failed", "fleet.evt.*.job.*.cancelled",
-        "fleet.evt.*.job.*.preempted",
+        "fleet.evt.*.job.*.preempted", "fleet.evt.*.job.*.rejected",
     )
 
     def __init__(self, rules: Rules | None = None) -> None:
@@ -219,12 +220,23 @@ class TelemetryCore(BaseCore[TelemetryState]):
             state.idle_episodes[key] = state.idle_episodes.get(key, 0) + 1
         elif isinstance(p, JobGpuStarved):
             state.starved_said.add((p.job_id, self._attempt(state, p.job_id)))
-        elif env.type in ("job.succeeded", "job.failed", "job.cancelled", "job.preempted") and env.job_id:
-            job_id = env.job_id
-            for i in sorted(state.by_job.get(job_id, ())):
-                state.drop(state.replicas[(job_id, i)])
-            state.sim.pop(job_id, None)
+        elif (env.type in TERMINAL_JOB_TYPES or env.type == "job.preempted") and env.job_id:
+            self._forget(state, env.job_id)
         return state
+
+    @staticmethod
+    def _forget(state: TelemetryState, job_id: str) -> None:
+        """A job that ended (or was preempted: a resume is placed again) holds nothing here any more:
+        its replicas, its sim behaviour and its idle and starvation spells go (the sets of spells hold
+        only jobs in one, so going through them is cheap)."""
+        for i in sorted(state.by_job.get(job_id, ())):
+            state.drop(state.replicas[(job_id, i)])
+        state.sim.pop(job_id, None)
+        for spells in (state.idle_said, state.starved_said):
+            for key in [k for k in spells if k[0] == job_id]:
+                spells.discard(key)
+        for key in [k for k in state.idle_episodes if k[0] == job_id]:
+            del state.idle_episodes[key]
 
     @staticmethod
     def _attempt(state: TelemetryState, job_id: str) -> int:
