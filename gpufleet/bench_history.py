@@ -9,6 +9,11 @@ restart would:
 - `snapshot_start_s`: start again after the first stored its snapshot: restore it, fold the tail;
 - the ratio of the two, the events each start folded, and the snapshot's size.
 
+Then, as the admin: the view process's snapshots are built (`view_snapshots_s`, every
+`--view-every` events), and `replay --seq` (`Fleet.state_at`) is timed at three random points
+(seeded) with them and, at the same points, folding from sequence 1; `explain` of three random
+jobs (it reads only the job's subjects and the commands of its window).
+
 Figures go to docs/benchmarks.md.
 """
 
@@ -83,9 +88,66 @@ async def measure_size(events: int, cores: tuple[str, ...], progress: Callable[[
                 out["cores"][name] = row
                 if progress:
                     progress(f"[{events:,}] {name}: full fold {full_s:.2f}s, from snapshot {snap_s:.3f}s")
+            out["replay"], out["explain"] = await _reads(url, realm.creds_path(ADMIN), realm.creds_path("svc-view"),
+                                                         head, events, progress)
             return out
         finally:
             stop_process(proc)
+
+
+async def _reads(url: str, admin_creds: Path, view_creds: Path, head: int, events: int,
+                 progress: Callable[[str], None] | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """replay at three random points, from view snapshots and from sequence 1; explain of three jobs."""
+    import random
+
+    from gpufleet.dashboard import Board
+    from gpufleet.sdk import Fleet
+    from gpufleet.viewsnap import EVERY, VIEW, ViewSnapshots, catch_up
+
+    view = await Bus.connect(url, name="bench-view", creds=view_creds)
+    every = min(EVERY, max(1000, head // 20))
+    t0 = time.perf_counter()
+    await catch_up(view, ViewSnapshots(view, view.creds.snapshot_key(VIEW) if view.creds else None), Board(), 0, every)
+    built_s = time.perf_counter() - t0
+    fleet = await Fleet.connect(nats_url=url, creds=str(admin_creds))
+    try:
+        rng = random.Random(f"history:{events}")
+        points = sorted(rng.sample(range(1, head + 1), 3))
+        rows = []
+        for seq in points:
+            t1 = time.perf_counter()
+            doc = await fleet.state_at(until_seq=seq)
+            snap_s = time.perf_counter() - t1
+            t1 = time.perf_counter()
+            await _full_state(fleet, seq)
+            full_s = time.perf_counter() - t1
+            rows.append({"seq": seq, "from_snapshot": doc["from_snapshot"], "snapshot_s": round(snap_s, 3),
+                         "full_fold_s": round(full_s, 3), "jobs": len(doc["jobs"])})
+            if progress:
+                progress(f"[{events:,}] replay --seq {seq}: {snap_s:.2f}s from the view snapshot at "
+                         f"{doc['from_snapshot']}, {full_s:.2f}s from seq 1")
+        jobs = [e.job_id for _, e in await fleet.history("fleet.evt.*.job.*.succeeded", until_seq=min(head, 20_000))]
+        explain = []
+        for job_id in rng.sample([j for j in jobs if j], min(3, len(jobs))):
+            t1 = time.perf_counter()
+            ex = await fleet.explain(job_id)
+            explain.append({"job_id": job_id, "s": round(time.perf_counter() - t1, 3),
+                            "events": len(ex.history) if ex is not None else 0})
+        return ({"view_snapshot_every": every, "view_snapshots_s": round(built_s, 2), "points": rows},
+                {"jobs": explain})
+    finally:
+        await fleet.close()
+        await view.close()
+
+
+async def _full_state(fleet: Any, seq: int) -> Any:
+    """The same state_at with no view snapshot (a fold from sequence 1)."""
+    from gpufleet.dashboard import Board
+    from gpufleet.viewsnap import fold_board
+
+    board = Board()
+    await fold_board(fleet.bus, board, until_seq=seq)
+    return board.state()
 
 
 def run(sizes: list[int], cores: tuple[str, ...] = CORES,

@@ -38,6 +38,7 @@ from typing import Any
 from urllib.parse import parse_qs, quote, unquote
 
 from gpufleet.shared.config import write_private
+from gpufleet.shared.engine import refusal
 from gpufleet.shared.events import (
     SYS_TENANT,
     Envelope,
@@ -59,6 +60,7 @@ log = logging.getLogger(__name__)
 ENDED = ("job.succeeded", "job.failed", "job.cancelled", "job.preempted", "job.rejected")
 FEED = 500
 RECENT = 40  # jobs in the page's job table, the most recently active first
+HISTORY_JOBS = 2000  # jobs whose events the board keeps, the most recently active (older: read from the log)
 CLIENT_EVENTS = 1000  # events kept for a page that reads slowly
 STATE_EVERY_S = 0.25  # a page gets the whole state at most this often (it is big at 5,000 nodes)
 OTHER = "other"  # what a tenant's page shows for another tenant's job
@@ -125,7 +127,11 @@ class Board:
             self._release(env.job_id)
             self._unreserve(env.job_id)
         if env.job_id:
-            self.history.setdefault(env.job_id, []).append((seq, env))
+            hist = self.history.pop(env.job_id, None) or []
+            hist.append((seq, env))
+            self.history[env.job_id] = hist  # the most recently active last
+            if len(self.history) > HISTORY_JOBS:
+                del self.history[next(iter(self.history))]
             for recent in (self.recent, self.recent_of.setdefault(self.owner(env.job_id) or env.tenant, {})):
                 recent.pop(env.job_id, None)
                 recent[env.job_id] = None
@@ -172,7 +178,7 @@ class Board:
         of a message: "preempted for job X") replaced by OTHER."""
         def word(m: re.Match[str]) -> str:
             w = m.group()
-            return w if w not in self.history else self._label(w, tenant)
+            return w if w not in self.view.jobs and w not in self.history else self._label(w, tenant)
         if isinstance(doc, str):
             return _WORD.sub(word, doc)
         if isinstance(doc, dict):
@@ -243,9 +249,11 @@ class Board:
                 "queues": [q for q in queues if q["queue"] in its_queues], "jobs": by_status,
                 "recent": self.scrub(recent, tenant)}
 
-    def job(self, job_id: str, tenant: str | None = None) -> dict[str, Any] | None:
-        """The job's page; with `tenant`, None unless it is that tenant's job (as for an unknown id)."""
-        hist = self.history.get(job_id)
+    def job(self, job_id: str, tenant: str | None = None,
+            hist: list[tuple[int, Envelope]] | None = None) -> dict[str, Any] | None:
+        """The job's page (from its events: those the board keeps, else `hist`); with `tenant`,
+        None unless it is that tenant's job (as for an unknown id)."""
+        hist = self.history.get(job_id) or hist
         if tenant is not None and hist:
             hist = [(s, e) for s, e in hist if e.tenant in (tenant, SYS_TENANT)] if self.owner(job_id) == tenant else []
         if not hist:
@@ -527,16 +535,40 @@ class Dashboard:
                 c.events.append(out)  # (the oldest unsent goes when a page falls CLIENT_EVENTS behind)
                 c.wake.set()
 
-    async def follow(self) -> None:
-        """Fold the stream from its start, then live; tell every connected page."""
-        from nats.js.api import DeliverPolicy
+    async def _start_board(self) -> int:
+        """The board from the newest view snapshot (gpufleet/viewsnap.py), when these creds hold the
+        key to check it (the admin's); the sequence it covers (0: fold from the start)."""
+        creds = getattr(self.bus, "creds", None)
+        if creds is None or creds.kind == "tenant":
+            return 0
+        from gpufleet.viewsnap import VIEW, ViewSnapshots
 
-        self._sub = await self.bus.js.subscribe("fleet.evt.>", ordered_consumer=True, deliver_policy=DeliverPolicy.ALL)
+        try:
+            got = await ViewSnapshots(self.bus, creds.snapshot_key(VIEW)).nearest()
+        except Exception as exc:  # noqa: BLE001 - an optimisation: fold from the start
+            log.warning("dashboard: no view snapshot (%s: %s); folding from the start", type(exc).__name__, exc)
+            return 0
+        if got is None:
+            return 0
+        self.board, seq = got
+        log.info("dashboard: from the view snapshot at seq %d", seq)
+        return seq
+
+    async def follow(self) -> None:
+        """Fold the stream from the newest view snapshot (else its start), then live; tell every connected page."""
+        from nats.js.api import ConsumerConfig, DeliverPolicy
+
+        start = await self._start_board()
+        config = (ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start + 1) if start
+                  else ConsumerConfig(deliver_policy=DeliverPolicy.ALL))
+        self._sub = await self.bus.js.subscribe("fleet.evt.>", ordered_consumer=True, config=config)
         async for msg in self._sub.messages:
             try:
                 env = parse_envelope(msg.data)
             except Exception:  # noqa: BLE001 - not the contract: the services dead-letter it
                 continue
+            if refusal(env, msg.subject, msg.headers) is not None:
+                continue  # what no core folds (shared/engine.py), the board does not show
             seq = msg.metadata.sequence.stream
             self.board.fold(seq, env)
             if self.clients:
@@ -576,7 +608,7 @@ class Dashboard:
             elif path == "/state":
                 await respond(writer, 200, "application/json", json.dumps(self.board.state(tenant)).encode(), extra)
             elif path.startswith("/job/"):
-                doc = self.board.job(unquote(path.removeprefix("/job/")), tenant)
+                doc = await self.job_page(unquote(path.removeprefix("/job/")), tenant)
                 await respond(writer, 200 if doc else 404, "application/json",
                               json.dumps(doc or {"error": "no such job"}).encode(), extra)
             else:
@@ -586,6 +618,25 @@ class Dashboard:
         finally:
             with contextlib.suppress(Exception):
                 writer.close()
+
+    async def job_page(self, job_id: str, tenant: str | None) -> dict[str, Any] | None:
+        """A job's page; the events of one the board no longer keeps (or never saw: it started from a
+        view snapshot) are read from the log by the job's own subjects (its id is in them)."""
+        hist = None
+        if job_id not in self.board.history and job_id in self.board.view.jobs:
+            from gpufleet.shared.ids import is_token
+            from gpufleet.shared.log import read_stream
+
+            if is_token(job_id):
+                hist = []
+                async for msgs in read_stream(self.bus, (f"fleet.evt.*.job.{job_id}.>",),
+                                              until_seq=self.board.view.seq):
+                    for msg in msgs:
+                        with contextlib.suppress(Exception):
+                            env = parse_envelope(msg.data)
+                            if refusal(env, msg.subject, msg.headers) is None:
+                                hist.append((int(msg.metadata.sequence.stream), env))
+        return self.board.job(job_id, tenant, hist)
 
     async def _events(self, writer: asyncio.StreamWriter, viewer: Viewer, extra: list[str]) -> None:
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-store\r\n"

@@ -170,7 +170,7 @@ class Supervisor:
         return sorted(load_config(self.opts.config).tenants)
 
     def child_creds(self, services: tuple[str, ...]) -> Path:
-        name = "readmodel" if services == ("readmodel",) else "-".join(services)
+        name = "-".join(services)  # (the read model's and the view's are named after them too)
         assert self.realm is not None, "start_infra makes the realm"
         return self.realm.creds_path(f"svc-{name}")
 
@@ -181,6 +181,8 @@ class Supervisor:
             common += ["--config", str(self.config_path)]
         if services == ("readmodel",):
             return [py, "-m", "gpufleet.shared.readmodel", "--nats", self.nats_url, "--dsn", self.pg_dsn]
+        if services == ("view",):  # view snapshots, at a low priority (gpufleet/viewsnap.py)
+            return [py, "-m", "gpufleet.viewsnap", "--nats-url", self.nats_url, "--log-level", self.opts.log_level]
         if len(services) == 1:
             argv = [py, "-m", f"gpufleet.services.{services[0]}", *common]
         else:
@@ -205,7 +207,7 @@ class Supervisor:
         out.close()
 
     def start_services(self) -> None:
-        groups = [*LAYOUTS[self.opts.layout], *([("readmodel",)] if self.opts.postgres else [])]
+        groups = [*LAYOUTS[self.opts.layout], *([("readmodel",)] if self.opts.postgres else []), ("view",)]
         for services in groups:
             name = "+".join(services)
             child = Child(name, self.child_argv(services), services)

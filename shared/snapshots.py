@@ -118,6 +118,22 @@ def _mac(key: bytes | None, blob: bytes, seq: int) -> str:
     return "hmac:" + hmac.new(key, msg, hashlib.sha256).hexdigest()
 
 
+async def open_bucket(bus: Any, bucket: str, create: bool, description: str) -> Any:
+    """A snapshot bucket (JetStream object store, file storage); None when it is not there and
+    `create` is false."""
+    import nats.js.errors
+
+    try:
+        return await bus.js.object_store(bucket)
+    except (nats.js.errors.NotFoundError, nats.js.errors.BucketNotFoundError):
+        if not create:
+            return None
+        from nats.js.api import ObjectStoreConfig, StorageType
+
+        return await bus.js.create_object_store(bucket, ObjectStoreConfig(
+            description=description, storage=StorageType.FILE, replicas=bus.replicas))
+
+
 class SnapshotStore:
     """A core's snapshots in its JetStream object store bucket."""
 
@@ -127,19 +143,8 @@ class SnapshotStore:
 
     async def _store(self, create: bool) -> Any:
         if self._obs is None:
-            import nats.js.errors
-
-            try:
-                self._obs = await self.bus.js.object_store(bucket_for(self.core.name))
-            except (nats.js.errors.NotFoundError, nats.js.errors.BucketNotFoundError):
-                if not create:
-                    return None
-                from nats.js.api import ObjectStoreConfig, StorageType
-
-                self._obs = await self.bus.js.create_object_store(
-                    bucket_for(self.core.name), ObjectStoreConfig(
-                        description=f"snapshots of the {self.core.name} core's state (shared/snapshots.py)",
-                        storage=StorageType.FILE, replicas=self.bus.replicas))
+            self._obs = await open_bucket(self.bus, bucket_for(self.core.name), create,
+                                          f"snapshots of the {self.core.name} core's state (shared/snapshots.py)")
         return self._obs
 
     async def save(self, snap: Snapshot) -> None:

@@ -60,7 +60,7 @@ def test_a_training_job_runs_end_to_end_and_replay_equals_the_read_model(mesh: P
     st = json.loads(cli(mesh, "status", "--json").stdout)
     assert st["running"] and all(p["alive"] for p in st["parts"].values()), st
     assert {"nats", "postgres", "admission", "quota", "placer", "executor", "telemetry", "guardian",
-            "billing", "autoscaler", "readmodel"} <= set(st["parts"])
+            "billing", "autoscaler", "readmodel", "view"} <= set(st["parts"])
 
     again = cli(mesh, "up", "--detach", check=False)
     assert again.returncode != 0 and "already running" in again.stderr
@@ -112,8 +112,9 @@ def test_down_stops_every_part(tmp_path: Path) -> None:
     data_dir = tmp_path / "m2"
     cli(data_dir, "up", "--detach", "--sim-nodes", "2", "--no-postgres", "--layout", "separate")
     parts = json.loads((data_dir / "mesh.json").read_text())["parts"]
-    # every service as its own process: `python -m gpufleet.services.<name>` each
-    assert len({p["pid"] for name, p in parts.items() if name not in ("nats",)}) == 8
+    # every service as its own process: `python -m gpufleet.services.<name>` each, and the view's
+    assert len({p["pid"] for name, p in parts.items() if name not in ("nats", "view")}) == 8
+    assert parts["view"]["pid"] not in {p["pid"] for name, p in parts.items() if name != "view"}
     pids = [int(p["pid"]) for p in parts.values() if p["pid"]]
     pids.append(int(json.loads((data_dir / "mesh.json").read_text())["supervisor_pid"]))
     cli(data_dir, "down")

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import nats
 from nats.js.api import ConsumerConfig, DeliverPolicy
@@ -40,7 +40,10 @@ from gpufleet.shared.events import (
 from gpufleet.shared.ids import check_token, derive_id, ulid, ulid_time_ms
 from gpufleet.shared.log import read_stream
 from gpufleet.shared.spec import parse_spec
-from gpufleet.shared.view import ClusterView, apply
+from gpufleet.shared.view import ClusterView
+
+if TYPE_CHECKING:
+    from gpufleet.dashboard import Board
 
 
 def new_job_id() -> str:
@@ -181,41 +184,42 @@ class Fleet:
         await self.bus.publish(env)
         return env
 
-    async def fold(self, until_seq: int | None = None, until_time: float | None = None,
-                   also: Callable[[int, Envelope], None] | None = None) -> ClusterView:
-        """The cluster state after `until_seq` (default: the head), or as it was at `until_time`
-        (the last event that occurred by then), folded from the log; `also` is given each event
-        folded (another fold of the same events)."""
-        view = ClusterView()
-        last = 0
-        async for batch in read_stream(self.bus, ("fleet.evt.>",), until_seq=until_seq):
-            for msg in batch:
-                try:
-                    env = parse_envelope(msg.data)
-                except Exception:  # noqa: BLE001 - dead letters are the services' business
-                    continue
-                stored = msg.metadata.timestamp  # the server's clock, as `watch --since` uses
-                if until_time is not None and stored is not None and stored.timestamp() > until_time:
-                    view.seq = max(view.seq, last)
-                    return view
-                last = msg.metadata.sequence.stream
-                apply(view, env, last)
-                if also is not None:
-                    also(last, env)
-        head = last if until_time is not None or self.tenant is not None else await self.bus.last_seq()
-        view.seq = max(view.seq, until_seq or head)
-        return view
+    async def board_at(self, until_seq: int | None = None, until_time: float | None = None) -> tuple[Board, int]:
+        """The cluster's board (the view's jobs and nodes, every GPU's cell, queue usage) after
+        `until_seq` (default: the head), or as it was at `until_time` (the last event stored by
+        then), with the sequence of the view snapshot it started from (0: sequence 1). The admin
+        starts from the nearest snapshot at or before that point (gpufleet/viewsnap.py) and folds
+        only the tail; a tenant folds its own events."""
+        from gpufleet.dashboard import Board
+        from gpufleet.viewsnap import VIEW, ViewSnapshots, fold_board
+
+        until_ms = int(until_time * 1000) if until_time is not None else None
+        start = None
+        if self.tenant is None and self.bus.creds is not None:
+            start = await ViewSnapshots(self.bus, self.bus.creds.snapshot_key(VIEW)).nearest(until_seq, until_ms)
+        board, from_seq = start if start is not None else (Board(), 0)
+        await fold_board(self.bus, board, until_seq, until_ms)
+        if until_time is None and self.tenant is None:
+            board.view.seq = max(board.view.seq, until_seq or await self.bus.last_seq())
+        elif until_seq is not None:
+            board.view.seq = max(board.view.seq, until_seq)
+        return board, from_seq
+
+    async def fold(self, until_seq: int | None = None, until_time: float | None = None) -> ClusterView:
+        """The cluster view (jobs and nodes, what the read model holds) after `until_seq` (default:
+        the head), or as it was at `until_time`: `board_at`'s, from the nearest view snapshot."""
+        board, _ = await self.board_at(until_seq, until_time)
+        return board.view
 
     async def state_at(self, until_seq: int | None = None, until_time: float | None = None) -> dict[str, Any]:
         """What `gpufleet replay --json` prints: the fold (`seq`, `jobs`, `nodes`: what the read
         model holds), each node's GPUs (free, allocated or shared to which jobs, unhealthy,
-        quarantined) and each queue's usage and waiting jobs, as the dashboard shows them."""
-        from gpufleet.dashboard import Board
-
-        board = Board()
-        board.view = await self.fold(until_seq, until_time, also=board.fold_extra)
+        quarantined), each queue's usage and waiting jobs, as the dashboard shows them, and
+        `from_snapshot`: the sequence of the view snapshot the fold started from (0: none)."""
+        board, from_seq = await self.board_at(until_seq, until_time)
         extra = board.state()
-        return {**board.view.as_json(), "gpus": {n["node_id"]: n["gpus"] for n in extra["nodes"]}, "queues": extra["queues"]}
+        return {**board.view.as_json(), "gpus": {n["node_id"]: n["gpus"] for n in extra["nodes"]},
+                "queues": extra["queues"], "from_snapshot": from_seq}
 
     async def history(self, subject: str | Sequence[str] = "fleet.>", until_seq: int | None = None,
                       from_time: datetime | None = None, seen: Callable[[Any], None] | None = None,
