@@ -358,6 +358,13 @@ class JobSpec(_Spec):
             raise ValueError(f"only for type: inference (this job is {info.data.get('type')})")
         return v
 
+    @model_validator(mode="after")
+    def _compact(self) -> JobSpec:
+        """Share what equals another spec's (shared/spec.py `compact`): a backlog of jobs of a few
+        shapes holds each shape once."""
+        compact(self)
+        return self
+
     @property
     def gpus_total(self) -> int:
         return self.resources.gpu * self.replicas
@@ -366,6 +373,65 @@ class JobSpec(_Spec):
     def mig_total(self) -> dict[str, int]:
         """MIG instances by profile, all replicas together."""
         return {p: n * self.replicas for p, n in self.resources.mig.items()}
+
+
+# ---------------------------------------------------------------- compact specs
+#
+# A pending job's spec is most of what a core keeps of it: 4 KB as parsed, of which the
+# resources and the sim behaviour are 1.1 KB each and the set of fields given 0.7 KB. Jobs of a
+# backlog share a few shapes, so equal parts are shared: a frozen model never changes, and its
+# set of given fields is copied (not shared) by `model_copy`. Bounded: past INTERN_MAX distinct
+# parts of a kind the table starts again (what was shared stays shared).
+
+INTERN_MAX = 4096
+_INTERNED: dict[type, dict[Any, Any]] = {}
+_FIELDS_SETS: dict[frozenset[str], set[str]] = {}
+
+
+def _key(v: Any) -> Any:
+    if isinstance(v, BaseModel):
+        return (type(v), frozenset(v.__pydantic_fields_set__), tuple(_key(x) for x in v.__dict__.values()))
+    if isinstance(v, dict):
+        return ("dict", tuple((k, _key(x)) for k, x in v.items()))
+    if isinstance(v, list | tuple):
+        return (type(v).__name__, tuple(_key(x) for x in v))
+    return v
+
+
+def _shared(v: Any) -> Any:
+    table = _INTERNED.setdefault(type(v), {})
+    k = _key(v)
+    try:
+        got = table.get(k)
+    except TypeError:  # a value that does not hash: kept as it is
+        return v
+    if got is not None:
+        return got
+    if len(table) >= INTERN_MAX:
+        table.clear()
+    table[k] = v
+    return v
+
+
+def _shared_fields_set(m: BaseModel) -> None:
+    fs = frozenset(m.__pydantic_fields_set__)
+    got = _FIELDS_SETS.get(fs)
+    if got is None:
+        if len(_FIELDS_SETS) >= INTERN_MAX:
+            _FIELDS_SETS.clear()
+        got = _FIELDS_SETS[fs] = set(fs)
+    object.__setattr__(m, "__pydantic_fields_set__", got)
+
+
+def compact(spec: JobSpec) -> None:
+    """Share the spec's resources, sim behaviour, checkpoint and autoscale settings, and its set
+    of given fields, with equal ones of other specs (they are frozen)."""
+    for name in ("resources", "sim", "checkpoint", "autoscale"):
+        part = spec.__dict__.get(name)
+        if isinstance(part, BaseModel):
+            _shared_fields_set(part)
+            object.__setattr__(spec, name, _shared(part))
+    _shared_fields_set(spec)
 
 
 def _field_path(loc: tuple[int | str, ...]) -> str:

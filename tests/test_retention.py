@@ -108,3 +108,62 @@ def test_a_forgotten_ulid_job_id_is_refused_by_its_time() -> None:
     assert out[0].payload.reasons[0].code == "job_id_expired"  # type: ignore[union-attr]
     fresh = ulid(int(T0.timestamp() * 1000), b"\x02" * 10)
     assert [e.type for e in Harness(AdmissionCore()).when(submit(make_job(), fresh), now=T0)][0] != "job.request_refused"
+
+
+@pytest.mark.parametrize("names", [("admission",), ("quota",), ("placer",), ("guardian",), ("executor",),
+                                   ("telemetry",), ("autoscaler",), ("billing",),
+                                   ("admission", "quota", "guardian", "telemetry", "billing", "autoscaler")])
+def test_a_pending_job_costs_each_core_under_2_kb(names: tuple[str, ...]) -> None:
+    """A backlog: 3,000 jobs admitted and waiting (each with its own name, of a few shapes), parsed
+    from the wire as a service receives them; what the cores keep per job, one process together."""
+    import gc
+    import tracemalloc
+
+    from gpufleet.shared.events import parse_envelope
+
+    from .builders import admitted, node, submitted
+
+    jobs = 3000
+    raw = [node(f"n{i}").to_json() for i in range(4)]
+    for i in range(jobs):
+        raw += [submitted(make_job(f"train-{i}").gpus(1 + i % 4).cpu(2 + i % 3), f"p{i:06d}").to_json(),
+                admitted(f"p{i:06d}").to_json()]
+    engines = [Engine(make_core(n, argparse.Namespace(config=None, sim_nodes=0))) for n in names]
+    tracemalloc.start()
+    try:
+        gc.collect()
+        before = tracemalloc.get_traced_memory()[0]
+        for seq, data in enumerate(raw, 1):
+            env = parse_envelope(data)
+            for e in engines:
+                if e.wants(env.subject()):
+                    e.fold(env, seq)
+        del env
+        gc.collect()
+        per_job = (tracemalloc.get_traced_memory()[0] - before) / jobs
+    finally:
+        tracemalloc.stop()
+    assert per_job <= 2048, f"{'+'.join(names)}: {per_job:.0f} bytes per pending job"
+
+
+def test_compact_specs_share_equal_parts_and_serialise_as_before(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpufleet.shared import spec as spec_module
+    from gpufleet.shared.spec import parse_spec
+
+    docs = [{"name": f"j{i}", "tenant": "acme", "resources": {"gpu": 2, "cpu": "4", "mig": {}},
+             "sim": {"duration": "1m"}} for i in range(3)]
+    docs.append({"name": "other", "tenant": "acme", "resources": {"cpu": "4", "mig": {"1g.10gb": 1}}})
+    specs = [parse_spec(d) for d in docs]
+    assert specs[0].resources is specs[1].resources is specs[2].resources  # one copy of the shape
+    assert specs[0].sim is specs[2].sim
+    assert specs[3].resources is not specs[0].resources and specs[3].resources.mig == {"1g.10gb": 1}
+    with monkeypatch.context() as m:
+        m.setattr(spec_module, "compact", lambda spec: None)  # as parsed before specs were compacted
+        plain = [parse_spec(d) for d in docs]
+    assert plain[0].resources is not plain[1].resources
+    for p, s in zip(plain, specs, strict=True):
+        assert s == p and s.model_fields_set == p.model_fields_set
+        assert s.model_dump(exclude_unset=True) == p.model_dump(exclude_unset=True)
+        assert s.model_dump_json(by_alias=True) == p.model_dump_json(by_alias=True)
+    changed = specs[0].model_copy(update={"priority": 5})
+    assert "priority" in changed.model_fields_set and "priority" not in specs[1].model_fields_set
