@@ -162,3 +162,106 @@ def run(sizes: list[int], cores: tuple[str, ...] = CORES,
                                     / max(first["cores"][name]["snapshot_start_s"], 1e-6), 2)}
             for name in cores}
     return doc
+
+
+# ---------------------------------------------------------------- a deep backlog
+
+
+def pending(sizes: list[int], cores: tuple[str, ...] = ("admission", "quota", "placer", "guardian", "executor",
+                                                        "telemetry", "autoscaler", "billing"),
+            progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """`bench history --pending 1000000`: a backlog of that many admitted jobs that wait for
+    quota (a queue whose nominal quota is 8 GPUs, full), folded from the wire format by every core
+    in one process, as a grouped service process receives them. Per size: the process's resident
+    memory per pending job, each core's snapshot (pickled) bytes per job, and the cost of one
+    delivered submit (admission, quota and placer deciding on it) at that backlog against 1,000
+    (median of 200)."""
+    import argparse
+    import gc
+    import pickle
+    import statistics
+
+    from gpufleet.services.registry import make_core
+    from gpufleet.shared.engine import Engine
+    from gpufleet.shared.events import parse_envelope, utc
+    from gpufleet.shared.runtime import Ctx
+
+    out: dict[str, Any] = {"sizes": []}
+    tmp = tempfile.TemporaryDirectory(prefix="gpufleet-bench-pending-")
+    conf = Path(tmp.name) / "cluster.yaml"
+    conf.write_text("queues:\n  default: {nominal: {gpu: 8}}\n")  # full after one 8-GPU job: the rest wait
+    for n in sorted({1000, *sizes}):
+        gc.collect()
+        rss0 = _rss()
+        engines = [Engine(make_core(name, argparse.Namespace(config=str(conf), sim_nodes=0))) for name in cores]
+        seq = 0
+        for i, data in enumerate(_backlog(n)):
+            env = parse_envelope(data)
+            seq += 1
+            for e in engines:
+                if e.wants(env.subject()):
+                    e.fold(env, seq)
+            if progress and i and i % 200_000 == 0:
+                progress(f"[{n:,} pending] {i:,} events folded")
+        del env
+        gc.collect()
+        rss = _rss() - rss0
+        costs = []
+        for data in _probe(200):
+            env = parse_envelope(data)
+            seq += 1
+            t0 = time.perf_counter()
+            for e in engines:
+                if e.wants(env.subject()):
+                    e.deliver(env, seq, Ctx(now=utc(env.occurred_at.timestamp()), actor=f"{e.core.name}/0", cause=env))
+            costs.append(time.perf_counter() - t0)
+        row = {"pending": n, "rss_bytes_per_job": round(rss / n), "decide_us": round(1e6 * statistics.median(costs), 1),
+               "snapshot_bytes_per_job": {e.core.name: round(len(pickle.dumps(e.state, protocol=5)) / n)
+                                          for e in engines}}
+        out["sizes"].append(row)
+        if progress:
+            progress(f"[{n:,} pending] {row['rss_bytes_per_job']:,} bytes of memory per job, "
+                     f"a delivered event {row['decide_us']} us")
+        del engines
+    tmp.cleanup()
+    base = out["sizes"][0]["decide_us"]
+    for row in out["sizes"]:
+        row["decide_vs_1000"] = round(row["decide_us"] / max(base, 1e-9), 2)
+    return out
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def _backlog(n: int) -> Any:
+    """n jobs of a few shapes, each with its own name, submitted and admitted (wire format)."""
+    from gpufleet.shared.events import Envelope, JobAdmitted, JobSubmitted, utc
+    from gpufleet.shared.ids import derive_id
+    from gpufleet.shared.spec import parse_spec
+
+    t0 = 1_767_268_800.0
+    shapes = [parse_spec({"name": "x", "tenant": "acme", "resources": {"gpu": g, "cpu": c}})
+              for g in (1, 2, 4, 8) for c in (2, 8)]
+    for i in range(n):
+        job = f"p{i:07d}"
+        spec = shapes[i % len(shapes)].model_copy(update={"name": f"train-{i}"})
+        at = utc(t0 + i * 0.001)
+        sub = Envelope(event_id=derive_id(job, "submitted", time_ms=int(at.timestamp() * 1000)), type="job.submitted",
+                       occurred_at=at, tenant="acme", correlation_id=job, actor="admission/0",
+                       payload=JobSubmitted(job_id=job, spec=spec))
+        yield sub.to_json()
+        yield Envelope(event_id=derive_id(job, "admitted"), type="job.admitted", occurred_at=at, tenant="acme",
+                       correlation_id=job, actor="admission/0", payload=JobAdmitted(job_id=job)).to_json()
+
+
+def _probe(n: int) -> Any:
+    from gpufleet.shared.events import Envelope, SubmitRequested, utc
+    from gpufleet.shared.ids import ulid
+
+    for i in range(n):
+        at = utc(1_767_268_800.0 + 10_000 + i)
+        doc = {"name": f"probe-{i}", "tenant": "acme", "resources": {"gpu": 1}}
+        yield Envelope(event_id=ulid(int(at.timestamp() * 1000), i.to_bytes(10, "big")), type="cmd.submit", occurred_at=at, tenant="acme",
+                       actor="acme/cli", payload=SubmitRequested(job_id=f"probe{i:04d}", spec=doc)).to_json()

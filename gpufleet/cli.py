@@ -784,16 +784,33 @@ def bench_placement(
 def bench_history(
     events: Annotated[str, typer.Option(help="log sizes, comma-separated (100000,1000000)")] = "100000",
     services: Annotated[str, typer.Option(help="the service cores to restart")] = "admission,quota,placer,guardian,billing,telemetry",
+    pending: Annotated[str | None, typer.Option(
+        help="instead: a backlog of this many waiting jobs (1000000), folded by every core in one process: "
+             "memory per job and the cost of a decision against 1,000")] = None,
     as_json: JsonOut = False,
 ) -> None:
-    """Restart cost as the log grows: each core's full fold beside its start from a snapshot (+ tail)."""
+    """Restart cost as the log grows: each core's full fold beside its start from a snapshot (+ tail),
+    replay at three points from view snapshots, explain; or, with --pending, a deep backlog."""
     from gpufleet.bench_history import run as run_history
 
     try:
-        sizes = [int(x.replace("_", "")) for x in events.split(",") if x.strip()]
+        sizes = [int(x.replace("_", "")) for x in (pending or events).split(",") if x.strip()]
     except ValueError:
-        typer.echo("error: --events: comma-separated counts, e.g. 100000,1000000", err=True)
+        typer.echo("error: --events / --pending: comma-separated counts, e.g. 100000,1000000", err=True)
         raise typer.Exit(2) from None
+    if pending is not None:
+        from gpufleet.bench_history import pending as run_pending
+
+        doc = run_pending(sizes, progress=None if as_json else (lambda s: typer.echo(s, err=True)))
+        if as_json:
+            _print_json(doc)
+            return
+        for row in doc["sizes"]:
+            per_core = ", ".join(f"{k} {v}" for k, v in row["snapshot_bytes_per_job"].items())
+            typer.echo(f"{row['pending']:>9,} pending: {row['rss_bytes_per_job']:,} bytes of memory per job "
+                       f"(all eight cores), a delivered submit {row['decide_us']} us ({row['decide_vs_1000']}x 1,000); "
+                       f"snapshot bytes per job: {per_core}")
+        return
     doc = run_history(sizes, tuple(x.strip() for x in services.split(",") if x.strip()),
                       progress=None if as_json else (lambda s: typer.echo(s, err=True)))
     if as_json:
