@@ -285,7 +285,7 @@ def cancel(job_id: str, data_dir: DataDir = None,
     typer.echo(f"cancel requested for {job_id}")
 
 
-def _rows(kind: str, data_dir: str | None) -> list[dict[str, Any]]:
+def _rows(kind: str, data_dir: str | None, **page: Any) -> list[dict[str, Any]]:
     """The live read model (PostgreSQL), or the fold of the log when the mesh has none. A tenant
     (its --creds) reads only its own events: the fold of them, never the shared read model."""
     from gpufleet.shared.authz import find_creds
@@ -300,21 +300,33 @@ def _rows(kind: str, data_dir: str | None) -> list[dict[str, Any]]:
         from gpufleet.shared.readmodel import query_rows
 
         try:
-            return asyncio.run(asyncio.wait_for(query_rows(dsn, kind), 5))
+            return asyncio.run(asyncio.wait_for(query_rows(dsn, kind, **page), 5))
         except Exception as exc:  # noqa: BLE001 - PostgreSQL down or stopped: the log still answers
             typer.echo(f"warning: the read model (PostgreSQL) does not answer ({type(exc).__name__}: {exc}); "
                        "folding the log instead", err=True)
     view = _run(_with_fleet(data_dir, lambda f: f.fold()))
-    return list(view.as_json()[kind])
+    rows = list(view.as_json()[kind])
+    if kind == "jobs":  # the same filter and page as the read model's query
+        rows = [r for r in rows if (page.get("tenant") is None or r["tenant"] == page["tenant"])
+                and (page.get("status") is None or r["status"] == page["status"])
+                and (page.get("after") is None or r["job_id"] > page["after"])]
+        rows = rows[:page["limit"]] if page.get("limit") is not None else rows
+    return rows
 
 
 @app.command()
 def jobs(data_dir: DataDir = None, as_json: JsonOut = False,
          tenant: Annotated[str | None, typer.Option()] = None,
-         state: Annotated[str | None, typer.Option("--status", help="only jobs in this status")] = None) -> None:
-    """Jobs and their status, from the live read model."""
-    rows = _rows("jobs", data_dir)
-    rows = [r for r in rows if (tenant is None or r["tenant"] == tenant) and (state is None or r["status"] == state)]
+         state: Annotated[str | None, typer.Option("--status", help="only jobs in this status")] = None,
+         limit: Annotated[int, typer.Option(help="at most this many rows (0: all)", min=0)] = 1000,
+         after: Annotated[str | None, typer.Option(help="the page after this job id (the last one shown)")] = None,
+         ) -> None:
+    """Jobs and their status, from the live read model, by job id, a page at a time."""
+    rows = _rows("jobs", data_dir, tenant=tenant, status=state, after=after, limit=limit + 1 if limit else None)
+    more = bool(limit) and len(rows) > limit
+    rows = rows[:limit] if limit else rows
+    if more:
+        typer.echo(f"(the first {limit:,} rows; the next page: --after {rows[-1]['job_id']})", err=True)
     if as_json:
         _print_json(rows)
         return

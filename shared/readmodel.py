@@ -236,11 +236,20 @@ class ReadModel:
 
     # ---------------------------------------------------------------- queries
 
-    async def jobs(self, *, tenant: str | None = None, status: str | None = None) -> list[dict[str, Any]]:
-        """Job rows as `ClusterView.as_json()["jobs"]` has them (same keys and types, by job id)."""
+    async def jobs(self, *, tenant: str | None = None, status: str | None = None, after: str | None = None,
+                   limit: int | None = None) -> list[dict[str, Any]]:
+        """Job rows as `ClusterView.as_json()["jobs"]` has them (same keys and types, by job id);
+        a page of them with `after` (the last job id of the previous page) and `limit`."""
         where, args = _filters(tenant=tenant, status=status)
+        if after is not None:
+            args.append(after)
+            where += (" AND " if where else " WHERE ") + f'job_id COLLATE "C" > ${len(args)}'
+        page = ""
+        if limit is not None:
+            args.append(limit)
+            page = f" LIMIT ${len(args)}"
         async with _acquire(self.pool) as conn:
-            rows = await conn.fetch(f'{_SELECT_JOBS}{where} ORDER BY job_id COLLATE "C"', *args)
+            rows = await conn.fetch(f'{_SELECT_JOBS}{where} ORDER BY job_id COLLATE "C"{page}', *args)
         return [dict(r) for r in rows]
 
     async def job(self, job_id: str) -> dict[str, Any] | None:
@@ -468,12 +477,13 @@ class Projector:
             await asyncio.wait_for(self._stop.wait(), timeout=delay)
 
 
-async def query_rows(dsn: str, kind: str) -> list[dict[str, Any]]:
-    """`jobs` or `nodes` rows of the live read model (for the CLI)."""
+async def query_rows(dsn: str, kind: str, **page: Any) -> list[dict[str, Any]]:
+    """`jobs` (filtered and paged by `page`: tenant, status, after, limit) or `nodes` rows of the
+    live read model (for the CLI)."""
     conn = await asyncpg.connect(dsn)
     try:
         model = ReadModel(conn)
-        return await (model.jobs() if kind == "jobs" else model.nodes())
+        return await (model.jobs(**page) if kind == "jobs" else model.nodes())
     finally:
         await conn.close()
 

@@ -408,3 +408,20 @@ async def test_projector_replaces_an_incompatible_consumer(bus: Bus) -> None:
         assert info.config.filter_subject == "fleet.evt.>"
     finally:
         await projector.close()
+
+
+async def test_jobs_come_a_page_at_a_time_by_job_id(pg_pool: asyncpg.Pool) -> None:
+    """`jobs --limit N --after J`: the read model pages by job id in SQL, filters included."""
+    ev = Events()
+    part1 = [(i + 1, e) for i, e in enumerate(scenario_part1(ev))]
+    rm = ReadModel(pg_pool)
+    await rm.ensure_schema()
+    await rm.load()
+    await rm.apply_batch(part1)
+    every = [r["job_id"] for r in await rm.jobs()]
+    assert every == ["job-1", "job-2", "job-3"]
+    first = await rm.jobs(limit=2)
+    assert [r["job_id"] for r in first] == ["job-1", "job-2"]
+    assert [r["job_id"] for r in await rm.jobs(after=first[-1]["job_id"], limit=2)] == ["job-3"]
+    assert await rm.jobs(after="job-3") == []
+    assert [r["job_id"] for r in await rm.jobs(status="rejected", after="job-1")] == ["job-3"]
