@@ -21,6 +21,12 @@ a service shows up here instead of being agreed with:
 
 The last three need the stream's own facts (`LogFacts`); without them only `author` is checked
 (on the envelopes).
+
+`Auditor` is the fold as one that can stop and go on; `audit_log` (`gpufleet audit`) stores its
+books at the sequence it checked (`SNAP_audit`, HMAC-signed with the admin's audit key) and next
+time reads only the log after them: the report is the whole log's either way (a violation found
+before the record is still reported), `--full` reads it all. Ended jobs leave the books, so the
+record does not grow with every job ever run.
 """
 
 from __future__ import annotations
@@ -114,8 +120,8 @@ class Report:
                                for name in INVARIANTS}}
 
 
-def _log_integrity(rep: Report, log: LogFacts) -> None:
-    """gap and head: what is missing from the stream itself."""
+def _log_integrity(rep: Report, log: LogFacts, verified_to: int = 0) -> None:
+    """gap and head: what is missing from the stream itself (gaps after `verified_to`, checked before)."""
     if not log.exists:
         rep.violations.append(Violation("head", 0, "", "", "the FLEET stream does not exist: the log is gone"))
         return
@@ -126,7 +132,7 @@ def _log_integrity(rep: Report, log: LogFacts) -> None:
             f"the log starts at seq {log.first_seq}: seqs {lost} are gone (purged or dropped by a limit) "
             f"and no archive holds them" if log.last_seq >= log.first_seq else
             f"the log is empty after seq {log.last_seq}: seqs {lost} were purged and no archive holds them"))
-    start = max(log.first_seq, 1)
+    start = max(log.first_seq, 1, verified_to + 1)
     run_from = None
     for seq in range(start, log.last_seq + 1):
         if seq not in log.subjects:
@@ -144,32 +150,47 @@ def _gap(rep: Report, a: int, b: int) -> None:
                                     if b > a else f"seq {a} is missing from the stream (deleted)"))
 
 
-def audit(history: Iterable[tuple[int, Envelope]], config: ClusterConfig | None = None,
-          pending_grace_s: float = 10.0, log: LogFacts | None = None) -> Report:
-    """Fold the log once and report every broken invariant (the first of each is what to read)."""
-    tree = QuotaTree(config or ClusterConfig())
-    b = _Books()
-    rep = Report()
-    head_at = 0.0
+@dataclass
+class AuditState:
+    """Where an audit stands: its books, what it found, and the sequence every event up to which
+    it has checked (`gpufleet audit` stores it and goes on from there next time)."""
 
-    def bad(name: str, seq: int, env: Envelope, message: str, node: str | None = None) -> None:
-        rep.violations.append(Violation(name, seq, env.event_id, env.type, message, env.job_id, node))
+    books: _Books = field(default_factory=_Books)
+    violations: list[Violation] = field(default_factory=list)  # found in the events (not the head checks)
+    events: int = 0
+    head_at: float = 0.0
+    verified_to: int = 0
 
-    if log is not None:
-        _log_integrity(rep, log)
-        rep.head_seq = log.last_seq
-    for seq, env in history:
-        rep.events += 1
-        rep.head_seq = max(rep.head_seq, seq)
-        head_at = max(head_at, env.occurred_at.timestamp())
+
+class Auditor:
+    """The audit as a fold that can stop and go on: `feed` events in order, `report` at any point."""
+
+    def __init__(self, config: ClusterConfig | None = None, pending_grace_s: float = 10.0,
+                 state: AuditState | None = None) -> None:
+        self.tree = QuotaTree(config or ClusterConfig())
+        self.grace = pending_grace_s
+        self.st = state or AuditState()
+
+    def feed(self, seq: int, env: Envelope, subject: str | None = None) -> None:
+        """One event of the log (`subject`: what it was published on, when known)."""
+        st, b = self.st, self.st.books
+        if seq <= st.verified_to:
+            return
+        st.verified_to = seq
+        st.events += 1
+        st.head_at = max(st.head_at, env.occurred_at.timestamp())
+
+        def bad(name: str, seq: int, env: Envelope, message: str, node: str | None = None) -> None:
+            st.violations.append(Violation(name, seq, env.event_id, env.type, message, env.job_id, node))
+
         forged = foreign_author(env)
         if forged is not None:
             bad("author", seq, env, forged)
-            continue  # not folded: the services dead-letter it too
-        subject = log.subjects.get(seq) if log is not None else None
+            return  # not folded: the services dead-letter it too
         if subject is not None and subject != env.subject():
             bad("author", seq, env, f"published on {subject}, but the envelope belongs on {env.subject()}")
-            continue
+            return
+        tree = self.tree
         p = env.payload
         job = env.job_id
         if isinstance(p, NodeRegistered):
@@ -242,22 +263,44 @@ def audit(history: Iterable[tuple[int, Envelope]], config: ClusterConfig | None 
             for held_job, replica in [k for k in b.held if k[0] == job]:
                 _free(b, held_job, replica)
         if job is not None and env.type.startswith("job."):
-            if env.type in TOLD:
+            if env.type in ENDED:  # nothing to wait for: forgotten (the books do not grow with every job run)
+                b.last.pop(job, None)
+                b.told_since.pop(job, None)
+            elif env.type in TOLD:
                 b.told_since[job] = True
             elif isinstance(p, JobSubmitted) or env.type in (
                     "job.admitted", "job.quota_reserved", "job.placed", "job.started", "job.resume_requested",
-                    "job.exited", "job.scaled") or env.type in ENDED:
+                    "job.exited", "job.scaled"):
                 b.last[job] = (seq, env)
                 b.told_since[job] = False
-    for job, (seq, env) in sorted(b.last.items(), key=lambda kv: kv[1][0]):
-        if (env.type in ENDED or env.type in ("job.placed", "job.started", "job.exited", "job.scaled")
-                or b.told_since.get(job)):
-            continue  # ended, running (an inference service: serving), or just ended a run (the guardian decides)
-        if head_at - env.occurred_at.timestamp() < pending_grace_s:
-            continue  # just happened: its answer may be on its way
-        bad("pending_reason", seq, env, f"waiting since {env.type} (seq {seq}) and never told why")
-    rep.violations.sort(key=lambda v: v.seq)
-    return rep
+
+    def report(self, log: LogFacts | None = None, checked_to: int = 0) -> Report:
+        """What the audit found so far, with the log's own checks (`log`: gaps after `checked_to`)
+        and, at the head, every job waiting with no reason it was told."""
+        st, b = self.st, self.st.books
+        rep = Report(events=st.events, head_seq=st.verified_to, violations=list(st.violations))
+        if log is not None:
+            _log_integrity(rep, log, checked_to)
+            rep.head_seq = max(rep.head_seq, log.last_seq)
+        for job, (seq, env) in sorted(b.last.items(), key=lambda kv: kv[1][0]):
+            if (env.type in ENDED or env.type in ("job.placed", "job.started", "job.exited", "job.scaled")
+                    or b.told_since.get(job)):
+                continue  # ended, running (an inference service: serving), or just ended a run (the guardian decides)
+            if st.head_at - env.occurred_at.timestamp() < self.grace:
+                continue  # just happened: its answer may be on its way
+            rep.violations.append(Violation("pending_reason", seq, env.event_id, env.type,
+                                            f"waiting since {env.type} (seq {seq}) and never told why", env.job_id))
+        rep.violations.sort(key=lambda v: v.seq)
+        return rep
+
+
+def audit(history: Iterable[tuple[int, Envelope]], config: ClusterConfig | None = None,
+          pending_grace_s: float = 10.0, log: LogFacts | None = None) -> Report:
+    """Fold the log once and report every broken invariant (the first of each is what to read)."""
+    a = Auditor(config, pending_grace_s)
+    for seq, env in history:
+        a.feed(seq, env, log.subjects.get(seq) if log is not None else None)
+    return a.report(log)
 
 
 def _free(b: _Books, job: str, replica: int) -> None:
@@ -300,3 +343,68 @@ def _over_quota(tree: QuotaTree, b: _Books, queue: str) -> list[str]:
                 if u > cap:
                     out.append(f"{node.label} uses {u} {r}, over its quota + borrowing limit ({cap})")
     return out
+
+
+# ---------------------------------------------------------------- gpufleet audit, incremental
+
+AUDIT = "audit"  # its record's bucket (SNAP_audit) and key (in the admin's creds)
+
+
+class _AuditKind:
+    """What the snapshot container needs: a name and a state format."""
+
+    name = AUDIT
+    state_format = 1
+
+
+async def audit_log(bus: Any, config: ClusterConfig | None = None, pending_grace_s: float = 10.0,
+                    full: bool = False) -> tuple[Report, int]:
+    """`gpufleet audit`: go on from the audit's stored record (its books at the sequence it had
+    checked, in `SNAP_audit`, HMAC-signed with the admin's audit key), read only the log after it,
+    and store the new record; `full` (or no record that checks out) reads the log from sequence 1.
+    The report covers the whole log either way. Returns it and the sequence it went on from (0: from 1)."""
+    import nats.js.errors
+
+    from gpufleet.shared.events import STREAM, parse_envelope
+    from gpufleet.shared.log import read_stream
+    from gpufleet.shared.snapshots import SnapshotRefused, bucket_for, decode, open_bucket, take
+
+    try:
+        info = await bus.js.stream_info(STREAM)
+    except nats.js.errors.NotFoundError:
+        return Auditor(config, pending_grace_s).report(LogFacts(0, 0, exists=False)), 0
+    facts = LogFacts(int(info.state.first_seq), int(info.state.last_seq))
+    created = str(info.created or "")
+    creds = getattr(bus, "creds", None)
+    key = creds.snapshot_key(AUDIT) if creds is not None else None
+    state, from_seq, obs = None, 0, None
+    if key is not None:
+        obs = await open_bucket(bus, bucket_for(AUDIT), True, "the audit's record (gpufleet/audit.py)")
+        if not full:
+            try:
+                res = await obs.get(AUDIT)
+                snap = decode(res.data or b"", key, _AuditKind(), AuditState(), created)
+                if snap.seq <= facts.last_seq:
+                    state, from_seq = snap.state(), snap.seq
+            except (nats.js.errors.NotFoundError, nats.js.errors.ObjectNotFoundError):
+                pass
+            except SnapshotRefused as exc:
+                import logging
+
+                logging.getLogger(__name__).warning("audit: its record refused (%s); auditing the whole log", exc)
+    auditor = Auditor(config, pending_grace_s, state)
+    async for msgs in read_stream(bus, ("fleet.>",), from_seq=from_seq + 1, until_seq=facts.last_seq):
+        for msg in msgs:
+            seq = int(msg.metadata.sequence.stream)
+            facts.subjects[seq] = msg.subject
+            try:
+                env = parse_envelope(msg.data)
+            except Exception:  # noqa: BLE001 - dead-lettered by the services; its seq still counts
+                continue
+            auditor.feed(seq, env, msg.subject)
+    report = auditor.report(facts, checked_to=from_seq)
+    auditor.st.verified_to = max(auditor.st.verified_to, facts.last_seq)
+    if obs is not None and key is not None:
+        snap = take(_AuditKind(), auditor.st, auditor.st.verified_to, 0, set(), created)
+        await obs.put(AUDIT, snap.encode(key))
+    return report, from_seq

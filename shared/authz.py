@@ -382,6 +382,7 @@ def ensure_realm(d: Path, tenants: Iterable[str] = ()) -> Realm:
             realm.add("service", "-".join(g), tuple(g))
     for t in tenants:
         realm.add("tenant", t)
+    realm.snapshot_keys.setdefault("audit", secrets.token_hex(32))  # the audit's record (the admin's alone)
     realm.ensure_snapshot_keys()
     return realm
 

@@ -167,3 +167,33 @@ async def test_the_test_log_audit_checks_quota_with_the_services_config(bus: Bus
         await bus.publish(e.model_copy(update={"event_id": e.event_id[:-2] + job[-1] + "Z"}))
     with pytest.raises(AssertionError, match="quota_limit"):
         await audit_test_log(bus, request)
+
+
+@pytest.mark.no_audit  # it forges a fact on purpose
+async def test_audit_goes_on_from_its_record_and_reports_what_a_full_audit_does(bus: Bus, realm: Any) -> None:
+    """`gpufleet audit` stores its books at the sequence it checked and reads only the log after
+    them next time; the report is the full audit's, a violation before the record included, and a
+    tampered record makes a full audit."""
+    from gpufleet.audit import AUDIT, audit_log
+    from gpufleet.bench_replay import synthetic_log
+    from gpufleet.shared.snapshots import bucket_for
+
+    first = synthetic_log(700)
+    await bus.publish_batch(first[:400])
+    # a foreign author: the admin (who may publish anything) says a placer's fact
+    forged = first[400].model_copy(update={"actor": "admin/cli"})
+    await bus.publish(forged)
+    r1, from1 = await audit_log(bus, None, 0)
+    assert from1 == 0 and [v.invariant for v in r1.violations] == ["author"]
+    await bus.publish_batch(first[401:])
+    r2, from2 = await audit_log(bus, None, 0)
+    full, from_full = await audit_log(bus, None, 0, full=True)
+    assert from2 == r1.head_seq and from_full == 0
+    assert r2.as_json() == full.as_json() and r2.events == full.events == len(first)
+    assert [v.invariant for v in r2.violations] == ["author"]  # the one found before the record, still said
+    obs = await bus.js.object_store(bucket_for(AUDIT))
+    data = bytearray((await obs.get(AUDIT)).data or b"")
+    data[-1] ^= 0xFF
+    await obs.put(AUDIT, bytes(data))
+    r3, from3 = await audit_log(bus, None, 0)
+    assert from3 == 0 and r3.as_json() == full.as_json()

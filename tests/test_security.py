@@ -367,11 +367,9 @@ def test_audit_fails_on_a_gap_and_on_a_missing_head() -> None:
 
 
 async def test_gpufleet_audit_reads_the_streams_own_facts(bus: Bus) -> None:
-    from gpufleet.sdk import Fleet
+    from gpufleet.audit import audit_log
 
     await bus.publish(submit_cmd(make_job("a").dict(), "a"))
-    fleet = Fleet(bus)
-    hist, facts = await fleet.audit_input()
-    assert facts.first_seq == 1 and facts.last_seq == 1 and list(facts.subjects) == [1]
-    assert [s for s, _ in hist] == [1]
+    report, from_seq = await audit_log(bus, full=True)
+    assert from_seq == 0 and report.events == 1 and report.head_seq == 1 and report.ok
 

@@ -27,7 +27,6 @@ from gpufleet.shared.config import data_dir as resolve_data_dir
 from gpufleet.shared.config import resolve_nats_url
 from gpufleet.shared.errors import GpufleetError, MeshNotRunning
 from gpufleet.shared.events import (
-    STREAM,
     SYS_TENANT,
     TERMINAL_JOB_TYPES,
     CancelRequestedCmd,
@@ -237,22 +236,6 @@ class Fleet:
                 except Exception:  # noqa: BLE001 - a bad message is dead-lettered; its seq still counts
                     continue
         return out
-
-    async def audit_input(self) -> tuple[list[tuple[int, Envelope]], Any]:
-        """The whole log as `gpufleet audit` reads it: the parsed events, and the stream's own
-        facts (first and last sequence, the subject of every sequence read, parsed or not)."""
-        from gpufleet.audit import LogFacts
-
-        try:
-            info = await self.bus.js.stream_info(STREAM)
-        except nats.js.errors.NotFoundError:
-            return [], LogFacts(0, 0, exists=False)
-        facts = LogFacts(int(info.state.first_seq), int(info.state.last_seq))
-
-        def note(msg: Any) -> None:
-            facts.subjects[msg.metadata.sequence.stream] = msg.subject
-
-        return await self.history(until_seq=facts.last_seq, seen=note), facts
 
     async def _commands_of(self, job_id: str, events: list[tuple[int, Envelope]]) -> list[tuple[int, Envelope]]:
         """The client commands that may name the job: its tenant's (and the admin's), sent during
