@@ -375,6 +375,11 @@ async def audit_log(bus: Any, config: ClusterConfig | None = None, pending_grace
         return Auditor(config, pending_grace_s).report(LogFacts(0, 0, exists=False)), 0
     facts = LogFacts(int(info.state.first_seq), int(info.state.last_seq))
     created = str(info.created or "")
+    from gpufleet.shared.archive import Archive, archive_dir
+
+    root = archive_dir()
+    archive = Archive(root) if root is not None and root.is_dir() else None
+    facts.archived_to = archive.archived_to if archive is not None else 0
     creds = getattr(bus, "creds", None)
     key = creds.snapshot_key(AUDIT) if creds is not None else None
     state, from_seq, obs = None, 0, None
@@ -403,6 +408,8 @@ async def audit_log(bus: Any, config: ClusterConfig | None = None, pending_grace
                 continue
             auditor.feed(seq, env, msg.subject)
     report = auditor.report(facts, checked_to=from_seq)
+    for problem in archive.verify() if archive is not None else []:
+        report.violations.insert(0, Violation("head", 0, "", "", f"the archive: {problem}"))
     auditor.st.verified_to = max(auditor.st.verified_to, facts.last_seq)
     if obs is not None and key is not None:
         snap = take(_AuditKind(), auditor.st, auditor.st.verified_to, 0, set(), created)

@@ -66,7 +66,11 @@ def _print_json(obj: Any) -> None:
 
 async def _with_fleet(data_dir: str | None, fn: Callable[[Any], Awaitable[T]]) -> T:
     from gpufleet.sdk import Fleet
+    from gpufleet.shared.archive import ARCHIVE_DIR_ENV
 
+    archive = resolve_data_dir(data_dir) / "archive"
+    if ARCHIVE_DIR_ENV not in os.environ and archive.is_dir():
+        os.environ[ARCHIVE_DIR_ENV] = str(archive)  # what left the stream is read back from its archive
     fleet = await Fleet.connect(data_dir=data_dir)
     try:
         return await fn(fleet)
@@ -91,6 +95,8 @@ def up(
                                               "(default: h100x8/a100x8/a10x4/cpu64 4:3:2:1)")] = "",
     driver: Annotated[str, typer.Option(help="sim: N simulated nodes; process / docker: run jobs for real on "
                                              "this machine, as one node with its own GPUs (NVML)")] = "sim",
+    retention: Annotated[str, typer.Option(help="keep this long in the stream (30d); older events are archived "
+                                                "under the data dir first, then purged ('': keep everything)")] = "",
 ) -> None:
     """Start nats-server, PostgreSQL, the eight services and N simulated nodes (or this machine as a node)."""
     from gpufleet.mesh import MeshOptions, Supervisor, running_supervisor, up_detached
@@ -118,8 +124,16 @@ def up(
     if driver not in ("sim", "process", "docker"):
         typer.echo(f"error: --driver must be sim, process or docker, not {driver!r}", err=True)
         raise typer.Exit(2)
+    if retention:
+        from gpufleet.shared.archive import retention_s
+
+        try:
+            retention_s(retention)
+        except (SpecError, ValueError) as exc:
+            typer.echo(f"error: --retention: {exc}", err=True)
+            raise typer.Exit(2) from None
     opts = MeshOptions(ddir, sim_nodes, nats_port, pg_port, postgres, layout=layout, config=config, sim_mix=sim_mix,
-                       driver=driver)
+                       driver=driver, retention=retention)
     if detach:
         doc = up_detached(opts)
         typer.echo(f"gpufleet running in {ddir}: NATS {doc['nats_url']}, PostgreSQL {doc['pg_dsn'] or '-'}, "
@@ -195,8 +209,13 @@ def status(data_dir: DataDir = None, as_json: JsonOut = False) -> None:
     typer.echo(f"running in {ddir}  NATS {out['nats_url']}  log seq {out.get('stream_seq')}")
     st = out.get("stream")
     if st:
+        arch = st.get("archive") or {}
+        covered = arch.get("archived_to", 0) >= st["first_seq"] - 1
         typer.echo(f"  log: seqs {st['first_seq']}..{st['last_seq']}, {st['bytes'] / 1e6:.1f} MB; limits: {st['limits']}"
-                   + ("" if st["first_seq"] <= 1 else "  (the head is gone: see `gpufleet audit`)"))
+                   + ("" if st["first_seq"] <= 1 or covered else "  (the head is gone: see `gpufleet audit`)"))
+        if arch.get("segments"):
+            typer.echo(f"  archive: seqs 1..{arch['archived_to']} in {arch['segments']} segments under {arch['dir']}"
+                       + (f" (retention {arch['retention_s']:.0f} s)" if arch.get("retention_s") else ""))
     elif "stream_error" in out:
         typer.echo(f"  log: cannot read it ({out['stream_error']})")
     for name, p in out["parts"].items():
@@ -216,9 +235,16 @@ async def _stream_status(fleet: Any) -> dict[str, Any]:
               if v not in (None, -1, 0)}
     desc = ", ".join(f"{k} {v}" for k, v in limits.items()) or "none (keeps everything)"
     discard = getattr(c.discard, "value", c.discard)
+    from gpufleet.shared.archive import Archive, archive_dir, retention_s
+
+    root = archive_dir()
+    segs = Archive(root).segments() if root is not None and root.is_dir() else []
+    keep = retention_s()
     return {"first_seq": st.first_seq, "last_seq": st.last_seq, "messages": st.messages, "bytes": st.bytes,
             "limits": f"{desc}; at a limit: {'refuse new events' if discard == 'new' else 'drop the oldest'}",
-            "deny_purge": bool(c.deny_purge), "deny_delete": bool(c.deny_delete)}
+            "deny_purge": bool(c.deny_purge), "deny_delete": bool(c.deny_delete),
+            "archive": {"retention_s": keep, "segments": len(segs), "archived_to": segs[-1].last if segs else 0,
+                        "dir": str(root) if root is not None else None}}
 
 
 @app.command()

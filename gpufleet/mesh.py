@@ -68,6 +68,7 @@ class MeshOptions:
     config: Path | None = None  # cluster config (tenants, policies); copied into the data dir
     sim_mix: str = ""  # node shapes cycled over the sim nodes; '' = the default mix
     driver: str = "sim"  # process / docker: the executor runs jobs for real on this machine (one node)
+    retention: str = ""  # FLEET's retention ('' keeps everything): older events are archived, then purged
 
 
 @dataclass
@@ -129,6 +130,15 @@ class Supervisor:
 
     def start_infra(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
+        from gpufleet.shared.archive import ARCHIVE_DIR_ENV, RETENTION_ENV
+
+        # the stream's config (no purge unless a retention is set), every reader and the archive
+        # process read these; the children inherit them
+        os.environ[ARCHIVE_DIR_ENV] = str(self.dir / "archive")
+        if self.opts.retention:
+            os.environ[RETENTION_ENV] = self.opts.retention
+        else:
+            os.environ.pop(RETENTION_ENV, None)
         if self.opts.config is not None:
             from gpufleet.shared.clusterconfig import load_config
 
@@ -181,6 +191,8 @@ class Supervisor:
             common += ["--config", str(self.config_path)]
         if services == ("readmodel",):
             return [py, "-m", "gpufleet.shared.readmodel", "--nats", self.nats_url, "--dsn", self.pg_dsn]
+        if services == ("archive",):  # with a retention: archive, then purge (shared/archive.py)
+            return [py, "-m", "gpufleet.shared.archive", "--nats-url", self.nats_url, "--log-level", self.opts.log_level]
         if services == ("view",):  # view snapshots, at a low priority (gpufleet/viewsnap.py)
             return [py, "-m", "gpufleet.viewsnap", "--nats-url", self.nats_url, "--log-level", self.opts.log_level]
         if len(services) == 1:
@@ -207,7 +219,8 @@ class Supervisor:
         out.close()
 
     def start_services(self) -> None:
-        groups = [*LAYOUTS[self.opts.layout], *([("readmodel",)] if self.opts.postgres else []), ("view",)]
+        groups = [*LAYOUTS[self.opts.layout], *([("readmodel",)] if self.opts.postgres else []), ("view",),
+                  *([("archive",)] if self.opts.retention else [])]
         for services in groups:
             name = "+".join(services)
             child = Child(name, self.child_argv(services), services)
@@ -356,6 +369,7 @@ def up_detached(opts: MeshOptions, timeout_s: float = 90.0) -> dict[str, Any]:
         sys.executable, "-m", "gpufleet.mesh", "supervise", "--data-dir", str(opts.data_dir),
         "--sim-nodes", str(opts.sim_nodes), "--nats-port", str(opts.nats_port), "--pg-port", str(opts.pg_port),
         "--log-level", opts.log_level, "--layout", opts.layout, "--sim-mix", opts.sim_mix, "--driver", opts.driver,
+        "--retention", opts.retention,
         *(["--config", str(Path(opts.config).resolve())] if opts.config else []), *([] if opts.postgres else ["--no-postgres"]),
     ]
     (opts.data_dir / "logs").mkdir(exist_ok=True)
@@ -430,11 +444,12 @@ def main(argv: list[str] | None = None) -> None:
     sp.add_argument("--config", default=None)
     sp.add_argument("--sim-mix", default="")
     sp.add_argument("--driver", default="sim", choices=("sim", "process", "docker"))
+    sp.add_argument("--retention", default="")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     opts = MeshOptions(Path(args.data_dir), args.sim_nodes, args.nats_port, args.pg_port,
                        not args.no_postgres, args.log_level, args.layout,
-                       Path(args.config) if args.config else None, args.sim_mix, args.driver)
+                       Path(args.config) if args.config else None, args.sim_mix, args.driver, args.retention)
     Supervisor(opts).run()
 
 

@@ -23,7 +23,6 @@ import argparse
 import asyncio
 import logging
 import os
-import signal
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -219,21 +218,17 @@ async def keep(bus: Any, key: bytes | None, stop: asyncio.Event, every: int = EV
     start = await snaps.nearest()
     board, last = start if start is not None else (Board(), 0)
     log.info("view: from %s", f"its snapshot at seq {last}" if last else "seq 1")
-    while not stop.is_set():
-        try:
-            last = await catch_up(bus, snaps, board, last, every, stop)
-        except asyncio.CancelledError:
-            raise
-        except Exception:  # noqa: BLE001 - NATS away or a bad moment: the next round tries again
-            log.exception("view: a snapshot round failed")
-        try:
-            await asyncio.wait_for(stop.wait(), poll_s)
-        except TimeoutError:
-            pass
+    from gpufleet.shared.runtime import every as every_period
+
+    async def snapshot_round() -> None:
+        nonlocal last
+        last = await catch_up(bus, snaps, board, last, every, stop)
+
+    await every_period(stop, poll_s, snapshot_round, "view")
 
 
 def main(argv: list[str] | None = None) -> None:
-    from gpufleet.shared.bus import Bus
+    from gpufleet.shared.bus import Bus, Looping, run_until_signal
 
     ap = argparse.ArgumentParser(prog="gpufleet.viewsnap", description=__doc__.splitlines()[0])
     ap.add_argument("--nats-url", default=os.environ.get("GPUFLEET_NATS_URL", "nats://127.0.0.1:4222"))
@@ -246,21 +241,12 @@ def main(argv: list[str] | None = None) -> None:
     except OSError:
         pass
 
-    async def run() -> None:
-        bus = await Bus.connect(args.nats_url, name="gpufleet-view")
+    def worker(bus: Bus) -> Looping:
         key = bus.creds.snapshot_key(VIEW) if bus.creds is not None else None
-        await bus._wait_for_stream(STREAM)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        try:
-            await keep(bus, key, stop, every=args.every)
-        finally:
-            await bus.close()
+        return Looping(bus, lambda stop: keep(bus, key, stop, every=args.every))
 
     t0 = time.monotonic()
-    asyncio.run(run())
+    asyncio.run(run_until_signal(args.nats_url, "gpufleet-view", worker))
     log.info("view: stopped after %.0f s", time.monotonic() - t0)
 
 

@@ -210,10 +210,14 @@ def service_permissions(services: Sequence[str], inbox_prefix: str) -> dict[str,
         pub += snapshot_subjects(svc)
         if svc == "telemetry":
             pub.append("fleet.tel.node.*.gpu")  # GPU samples (its own; heartbeats are the executor's)
+        if svc == ARCHIVE_PROCESS:  # it purges what it has archived first (shared/archive.py), nothing else
+            pub.append(f"$JS.API.STREAM.PURGE.{STREAM}")
     sub = [f"{inbox_prefix}.>"]
     if "telemetry" in services:
         sub.append("fleet.tel.node.*.heartbeat")  # heartbeats feed its leases
-    return {"publish": {"allow": sorted(set(pub)), "deny": list(_ERASE)}, "subscribe": {"allow": sub}}
+    # deny wins over allow in the server: the archive process's purge is not denied to it
+    deny = [d for d in _ERASE if not (ARCHIVE_PROCESS in services and d == f"$JS.API.STREAM.PURGE.{STREAM}")]
+    return {"publish": {"allow": sorted(set(pub)), "deny": deny}, "subscribe": {"allow": sub}}
 
 
 def tenant_permissions(tenant: str, inbox_prefix: str, durables: Iterable[str] = ()) -> dict[str, Any]:
@@ -363,6 +367,7 @@ class Realm:
 
 
 VIEW_PROCESS = "view"  # the mesh's process that stores snapshots of the cluster view (gpufleet/viewsnap.py)
+ARCHIVE_PROCESS = "archive"  # with a retention: archives FLEET's oldest events, then purges them (shared/archive.py)
 
 
 def ensure_realm(d: Path, tenants: Iterable[str] = ()) -> Realm:
@@ -377,6 +382,7 @@ def ensure_realm(d: Path, tenants: Iterable[str] = ()) -> Realm:
         realm.add("service", svc, (svc,))
     realm.add("service", "readmodel", ())
     realm.add("service", VIEW_PROCESS, (VIEW_PROCESS,))  # gpufleet/viewsnap.py: its snapshots alone
+    realm.add("service", ARCHIVE_PROCESS, (ARCHIVE_PROCESS,))  # shared/archive.py: a purge of what it archived
     for g in groups:
         if len(g) > 1:
             realm.add("service", "-".join(g), tuple(g))

@@ -18,7 +18,7 @@ import contextlib
 import json
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,7 +30,7 @@ from nats.js.client import JetStreamContext
 
 from . import otel
 from .authz import Creds, find_creds
-from .errors import CasConflict, PermanentError, RetryableError
+from .errors import CasConflict, GpufleetError, PermanentError, RetryableError
 from .events import STREAM, TELEMETRY_STREAM, Envelope
 
 log = logging.getLogger(__name__)
@@ -45,6 +45,9 @@ STREAM_WAIT_S = 300.0
 
 
 def fleet_stream_config(replicas: int = 1) -> StreamConfig:
+    from .archive import retention_s
+
+    archived = retention_s() is not None  # with a retention the archive process purges what it archived
     return StreamConfig(
         name=STREAM,
         subjects=["fleet.cmd.>", "fleet.evt.>"],
@@ -55,9 +58,10 @@ def fleet_stream_config(replicas: int = 1) -> StreamConfig:
         allow_atomic=True,
         allow_direct=True,
         max_msg_size=1024 * 1024,
-        # the log cannot be erased through the API: no purge, no deletion of a message
+        # the log cannot be erased through the API: no deletion of a message, and no purge but the
+        # archive process's of what it has archived first (shared/archive.py), when a retention is set
         deny_delete=True,
-        deny_purge=True,
+        deny_purge=not archived,
         # at a limit (the server's max_file_store, a max_bytes) refuse new writes, loudly, instead
         # of dropping the oldest events: a fold from sequence 1 of a log without its head is wrong
         discard=DiscardPolicy.NEW,
@@ -167,6 +171,11 @@ class Bus:
                     cfg.num_replicas = info.config.num_replicas
                 if _covers(info.config, cfg) or (self.creds is not None and not self.creds.is_admin):
                     continue  # (a service or tenant may not change it: the admin's config holds)
+                if name == STREAM and info.config.deny_purge and not cfg.deny_purge:
+                    raise GpufleetError(
+                        "retention: this log was created to keep everything (the server forbids purging it for "
+                        "good), so a retention cannot be added to it; keep it without --retention, or start a "
+                        "new data dir with one")
                 await self.js.update_stream(cfg)
             except nats.js.errors.NotFoundError:
                 if self.creds is not None and not self.creds.is_admin:
@@ -333,4 +342,19 @@ async def run_until_signal(nats_url: str, name: str, make: Callable[[Bus], Any])
         await worker.run()
     finally:
         await bus.close()
+
+
+class Looping:
+    """A worker for `run_until_signal`: waits for FLEET (the admin creates it), then runs
+    `body(stop)` until SIGINT / SIGTERM sets `stop` (the view and archive processes)."""
+
+    def __init__(self, bus: Bus, body: Callable[[asyncio.Event], Awaitable[None]]) -> None:
+        self.bus, self.body, self._stop = bus, body, asyncio.Event()
+
+    async def run(self) -> None:
+        await self.bus._wait_for_stream(STREAM)
+        await self.body(self._stop)
+
+    def stop(self) -> None:
+        self._stop.set()
 

@@ -1,0 +1,134 @@
+"""Retention with an archive (shared/archive.py): what leaves FLEET is archived first, only the
+archive process may purge, and replay, audit and every fold read archive + stream as one log."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpufleet.audit import audit_log
+from gpufleet.bench_replay import synthetic_log
+from gpufleet.sdk import Fleet
+from gpufleet.shared.archive import ARCHIVE_DIR_ENV, MANIFEST, RETENTION_ENV, Archive, archive_round
+from gpufleet.shared.bus import Bus
+from gpufleet.shared.events import STREAM
+from gpufleet.shared.log import read_stream
+
+from .helpers import wait_until
+
+
+@pytest.fixture
+def archive(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Archive:
+    monkeypatch.setenv(RETENTION_ENV, "1s")
+    monkeypatch.setenv(ARCHIVE_DIR_ENV, str(tmp_path / "archive"))
+    return Archive(tmp_path / "archive")
+
+
+async def test_archived_events_leave_the_stream_and_are_read_back_as_one_log(
+        archive: Archive, bus: Bus, nats_url: str, realm: Any) -> None:
+    # (`archive` first: the stream is made with a retention, so the archive process may purge it)
+    assert (await bus.js.stream_info(STREAM)).config.deny_purge is False
+    log = synthetic_log(3100)
+    await bus.publish_batch(log[:1500])
+    await bus.publish_batch(log[1500:3000])
+    fleet = await Fleet.connect(nats_url=nats_url)
+    try:
+        before = await fleet.state_at(until_seq=3000)
+        arch_bus = await Bus.connect(nats_url, name="archive", creds=realm.creds_path("svc-archive"))
+        try:
+            n = await archive_round(arch_bus, archive, retention=1.0, segment=1000, now=time.time() + 60)
+        finally:
+            await arch_bus.close()
+        assert n == 3000 and [(s.first, s.last) for s in archive.segments()] == [(1, 1000), (1001, 2000), (2001, 3000)]
+        info = await bus.js.stream_info(STREAM)
+        assert info.state.first_seq == 3001 and info.state.messages == 0  # gone from the stream, kept in the archive
+        await bus.publish_batch(log[3000:])
+
+        seqs = [m.metadata.sequence.stream async for batch in read_stream(bus) for m in batch]
+        assert seqs == list(range(1, 3101))  # one log, in order
+        again = await fleet.state_at(until_seq=3000)
+        assert {k: v for k, v in again.items() if k != "from_snapshot"} == \
+               {k: v for k, v in before.items() if k != "from_snapshot"}
+        report, _ = await audit_log(bus, full=True)
+        assert report.ok, report.violations
+        assert report.events == 3100 and report.head_seq == 3100
+    finally:
+        await fleet.close()
+
+    # a segment altered after the fact (its digest in the manifest no longer matches): the audit says so
+    doc = json.loads((archive.root / MANIFEST).read_text())
+    good = doc["segments"][1]["sha256"]
+    doc["segments"][1]["sha256"] = "0" * 64
+    (archive.root / MANIFEST).write_text(json.dumps(doc))
+    report, _ = await audit_log(bus, full=True)
+    assert [v.invariant for v in report.violations][:1] == ["head"]
+    assert any("does not match its digest" in v.message for v in report.violations)
+    doc["segments"][1]["sha256"] = good
+    (archive.root / MANIFEST).write_text(json.dumps(doc))
+
+
+async def test_only_the_archive_identity_purges_and_only_what_is_old_enough(
+        archive: Archive, bus: Bus, nats_url: str, realm: Any) -> None:
+    import nats
+
+    await bus.publish_batch(synthetic_log(300))
+    errors: list[str] = []
+
+    async def on_error(exc: Exception) -> None:
+        errors.append(str(exc).lower())
+
+    placer = await Bus.connect(nats_url, name="p", creds=realm.creds_path("svc-placer"), error_cb=on_error)
+    try:
+        with pytest.raises((nats.errors.TimeoutError, TimeoutError)):
+            await placer.nc.request(f"$JS.API.STREAM.PURGE.{STREAM}", b"{}", timeout=2)
+        await wait_until(lambda: any("purge" in e for e in errors), timeout_s=10)
+    finally:
+        await placer.close()
+    with pytest.raises(Exception, match="(?i)permission|denied|violation|timeout"):
+        await bus.js.purge_stream(STREAM)  # the admin may not purge either
+    arch_bus = await Bus.connect(nats_url, name="archive", creds=realm.creds_path("svc-archive"))
+    try:
+        assert await archive_round(arch_bus, archive, retention=3600.0, segment=100) == 0  # nothing that old
+        assert (await bus.js.stream_info(STREAM)).state.first_seq == 1
+        # it cannot publish a fact either
+        await arch_bus.nc.publish("fleet.evt.acme.job.j1.placed", b"{}")
+        await arch_bus.nc.flush()
+    finally:
+        await arch_bus.close()
+
+
+@pytest.mark.slow
+def test_a_mesh_with_a_retention_archives_and_still_replays_and_audits_its_whole_history(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`gpufleet up --retention 1s`: the archive process moves old events out of the stream; the
+    jobs still replay and audit from sequence 1 (archive + stream), and status shows both."""
+    from .test_mesh_cli import cli, wait_jobs
+
+    monkeypatch.setenv("GPUFLEET_ARCHIVE_EVERY_S", "0.5")
+    monkeypatch.setenv("GPUFLEET_ARCHIVE_SEGMENT", "20")
+    d = tmp_path / "m"
+    cli(d, "up", "--detach", "--sim-nodes", "2", "--no-postgres", "--retention", "1s")
+    try:
+        spec = tmp_path / "j.yaml"
+        spec.write_text("name: tiny\ntenant: acme\nresources: {gpu: 1}\nsim: {duration: 1s}\n")
+        ids = {json.loads(cli(d, "submit", str(spec), "--json", "--yes").stdout)["job_id"] for _ in range(3)}
+        wait_jobs(d, ids, "succeeded", timeout_s=60)
+
+        def archived() -> bool:
+            st = json.loads(cli(d, "status", "--json").stdout)["stream"]
+            return bool(st["first_seq"] > 1 and st["archive"]["archived_to"] >= st["first_seq"] - 1)
+        deadline = time.monotonic() + 60
+        while not archived():
+            assert time.monotonic() < deadline, "nothing archived"
+            time.sleep(0.5)
+        replay = json.loads(cli(d, "replay", "--json").stdout)
+        assert {j["job_id"]: j["status"] for j in replay["jobs"] if j["job_id"] in ids} == {i: "succeeded" for i in ids}
+        audit = json.loads(cli(d, "audit", "--json", "--full", check=False).stdout)
+        assert audit["ok"], audit
+        assert "archive: seqs 1.." in cli(d, "status").stdout
+    finally:
+        cli(d, "down", check=False)
