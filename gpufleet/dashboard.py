@@ -84,9 +84,24 @@ class Board:
     feed: list[dict[str, Any]] = field(default_factory=list)
     recent: dict[str, None] = field(default_factory=dict)  # job ids, least recently active first
     recent_of: dict[str, dict[str, None]] = field(default_factory=dict)  # the same, per tenant
+    # (tenant, queue, status) -> jobs: what the page counts, kept as the jobs move (no scan of every
+    # job ever at each state push)
+    counts: dict[tuple[str, str, str], int] = field(default_factory=dict)
 
     def fold(self, seq: int, env: Envelope) -> None:
+        row = self.view.jobs.get(env.job_id) if env.job_id else None
+        before = (row.tenant, row.queue, row.status) if row is not None else None
         apply(self.view, env, seq)
+        if env.job_id:
+            row = self.view.jobs.get(env.job_id)
+            after = (row.tenant, row.queue, row.status) if row is not None else None
+            if after != before:
+                if before is not None:
+                    self.counts[before] -= 1
+                    if not self.counts[before]:
+                        del self.counts[before]
+                if after is not None:
+                    self.counts[after] = self.counts.get(after, 0) + 1
         self.fold_extra(seq, env)
 
     def fold_extra(self, seq: int, env: Envelope) -> None:
@@ -210,12 +225,12 @@ class Board:
         pending: dict[str, int] = {}
         by_status: dict[str, int] = {}
         its_queues: set[str] = set()
-        for j in self.view.jobs.values():
-            if tenant is None or j.tenant == tenant:
-                by_status[j.status] = by_status.get(j.status, 0) + 1
-                its_queues.add(j.queue)
-            if j.status in ("submitted", "admitted", "queued", "reserved"):
-                pending[j.queue] = pending.get(j.queue, 0) + 1
+        for (t, queue, status), n in self.counts.items():
+            if tenant is None or t == tenant:
+                by_status[status] = by_status.get(status, 0) + n
+                its_queues.add(queue)
+            if status in ("submitted", "admitted", "queued", "reserved"):
+                pending[queue] = pending.get(queue, 0) + n
         nodes = []
         for node_id in sorted(self.view.nodes):
             row = self.view.nodes[node_id]

@@ -71,7 +71,7 @@ def parse_name(name: str) -> Point | None:
 def stripped(board: Board) -> Board:
     """The board as a snapshot keeps it: the view and the cells, not what a live page shows."""
     return Board(view=board.view, gpus=board.gpus, held=board.held, placed=board.placed, attempt=board.attempt,
-                 bad=board.bad, queues=board.queues, reserved=board.reserved)
+                 bad=board.bad, queues=board.queues, reserved=board.reserved, counts=board.counts)
 
 
 class ViewSnapshots:

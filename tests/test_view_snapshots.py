@@ -128,3 +128,17 @@ async def test_the_view_identity_writes_its_own_bucket_and_nothing_else(nats_url
         assert not any("$o.snap_view" in e for e in errors)
     finally:
         await view.close()
+
+
+def test_the_boards_counts_follow_the_jobs_as_a_recount_does() -> None:
+    """The page's counts (jobs by status, pending per queue) are kept as jobs move, not recounted
+    over every job ever at each state push: they equal a recount at every point of a log."""
+    board = Board()
+    for seq, env in enumerate(synthetic_log(3000), 1):
+        board.fold(seq, env)
+        if seq % 250 == 0:
+            recount: dict[tuple[str, str, str], int] = {}
+            for j in board.view.jobs.values():
+                recount[(j.tenant, j.queue, j.status)] = recount.get((j.tenant, j.queue, j.status), 0) + 1
+            assert board.counts == recount
+    assert sum(board.state()["jobs"].values()) == len(board.view.jobs)
