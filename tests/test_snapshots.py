@@ -190,3 +190,26 @@ async def test_only_a_cores_own_identity_writes_its_snapshots(nats_url: str, rea
             await placer.nc.request("$JS.API.STREAM.PURGE.OBJ_SNAP_admission", b"", timeout=2)
     finally:
         await placer.close()
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.sampled_from([5, 1, 7]), cut=st.floats(0.05, 0.95))
+def test_a_view_snapshot_at_any_point_plus_the_tail_is_the_full_fold(seed: int, cut: float) -> None:
+    """The view (gpufleet/viewsnap.py: the board's rows, GPU cells, queue usage and counts) stored
+    at a random point of a stress log and folded on equals the view folded from sequence 1."""
+    from gpufleet.dashboard import Board
+    from gpufleet.viewsnap import KIND, stripped
+
+    log = _sim(seed).log
+    k = int(len(log) * cut)
+    full, part = Board(), Board()
+    for seq, env in enumerate(log, 1):
+        full.fold(seq, env)
+        if seq <= k:
+            part.fold(seq, env)
+    snap = take(KIND, stripped(part), seq=k, last_cas_seq=0, own=set(), stream_created="t")
+    back: Board = decode(snap.encode(b"v" * 32), b"v" * 32, KIND, Board(), "t").state()
+    for seq, env in enumerate(log[k:], k + 1):
+        back.fold(seq, env)
+    assert stripped(back) == stripped(full), f"view snapshot at {k} of {len(log)} + tail != full fold"
+    assert back.state() == {**full.state(), "recent": back.state()["recent"]}  # (recent: what a live page saw)
