@@ -39,6 +39,7 @@ from gpufleet.services.quota.tree import QuotaTree
 from gpufleet.shared.authz import foreign_author
 from gpufleet.shared.clusterconfig import ClusterConfig
 from gpufleet.shared.events import (
+    RUN_ENDED_JOB_TYPES,
     Envelope,
     JobExited,
     JobPlaced,
@@ -55,7 +56,7 @@ from gpufleet.shared.events import (
 MILLI = 1000
 INVARIANTS = ("gpu_capacity", "quota_limit", "pending_reason", "lost_node", "preemption_request",
               "author", "gap", "head")
-ENDED = frozenset({"job.succeeded", "job.failed", "job.cancelled", "job.preempted", "job.rejected"})
+ENDED = RUN_ENDED_JOB_TYPES
 TOLD = frozenset({"job.queued", "job.unschedulable", "job.backfill_reserved", "job.rejected"})
 
 

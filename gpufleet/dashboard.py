@@ -40,6 +40,7 @@ from urllib.parse import parse_qs, quote, unquote
 from gpufleet.shared.config import write_private
 from gpufleet.shared.engine import refusal
 from gpufleet.shared.events import (
+    RUN_ENDED_JOB_TYPES,
     SYS_TENANT,
     Envelope,
     JobExited,
@@ -57,7 +58,7 @@ from gpufleet.shared.ids import check_token
 from gpufleet.shared.view import ClusterView, apply, interruptions, pending_reasons
 
 log = logging.getLogger(__name__)
-ENDED = ("job.succeeded", "job.failed", "job.cancelled", "job.preempted", "job.rejected")
+ENDED = RUN_ENDED_JOB_TYPES
 FEED = 500
 RECENT = 40  # jobs in the page's job table, the most recently active first
 HISTORY_JOBS = 2000  # jobs whose events the board keeps, the most recently active (older: read from the log)

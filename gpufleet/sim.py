@@ -68,8 +68,8 @@ from gpufleet.shared.cluster import SHAPES, shape_inventory
 from gpufleet.shared.clusterconfig import ClusterConfig, parse_config
 from gpufleet.shared.engine import Engine
 from gpufleet.shared.events import (
+    RUN_ENDED_JOB_TYPES,
     SYS_TENANT,
-    TERMINAL_JOB_TYPES,
     CancelRequestedCmd,
     Envelope,
     NodeCordoned,
@@ -482,7 +482,7 @@ class Simulation:
 
     def all_ended(self) -> bool:
         jobs = {e.job_id for e in self.log if e.type == "job.submitted"}
-        done = {e.job_id for e in self.log if e.type in TERMINAL_JOB_TYPES or e.type == "job.preempted"}
+        done = {e.job_id for e in self.log if e.type in RUN_ENDED_JOB_TYPES}
         return bool(jobs) and jobs <= done
 
     # ------------------------------------------------------------ what it did
@@ -513,7 +513,7 @@ class Simulation:
                 start = running_gpus.pop((j, getattr(e.payload, "replica", 0)), None)
                 if start is not None:
                     alloc_gpu_s += (t - start[0]) * start[1]
-            elif e.type in TERMINAL_JOB_TYPES or e.type == "job.preempted":
+            elif e.type in RUN_ENDED_JOB_TYPES:
                 status[j] = e.type.removeprefix("job.")
         waits = sorted(first_place[j] - first_submit[j] for j in first_place if j in first_submit)
         span = max(1.0, self.now - EPOCH)
@@ -663,7 +663,7 @@ def what_if(history: list[tuple[int, Envelope]], base: ClusterConfig, other: Clu
         sim.run()
         runs[name] = sim.report()
         ends[name] = {e.job_id: (e.type.removeprefix("job."), e.occurred_at.timestamp()) for e in sim.log
-                      if e.job_id and (e.type in TERMINAL_JOB_TYPES or e.type == "job.preempted")}
+                      if e.job_id and e.type in RUN_ENDED_JOB_TYPES}
     a, b = runs["recorded"], runs["what_if"]
     common = set(ends["recorded"]) & set(ends["what_if"])
     earlier = sorted(j for j in common if ends["what_if"][j][1] < ends["recorded"][j][1] - 1)

@@ -589,7 +589,10 @@ PAYLOAD_TYPES: dict[str, type[Payload]] = {
     for cls in get_args(get_args(Payload)[0])  # Annotated[Union[...], Field] -> the payload classes
 }
 EVENT_TYPES: tuple[str, ...] = tuple(PAYLOAD_TYPES)
+# The contract's one definition of a job's ends. Terminal: the job is over, only late copies follow.
 TERMINAL_JOB_TYPES = frozenset({"job.succeeded", "job.failed", "job.cancelled", "job.rejected"})
+# A run that ended: the job holds nothing now (a preempted job may be resumed: placed again later).
+RUN_ENDED_JOB_TYPES = TERMINAL_JOB_TYPES | {"job.preempted"}
 
 
 class Envelope(BaseModel):

@@ -112,9 +112,13 @@ def test_down_stops_every_part(tmp_path: Path) -> None:
     data_dir = tmp_path / "m2"
     cli(data_dir, "up", "--detach", "--sim-nodes", "2", "--no-postgres", "--layout", "separate")
     parts = json.loads((data_dir / "mesh.json").read_text())["parts"]
-    # every service as its own process: `python -m gpufleet.services.<name>` each, and the view's
-    assert len({p["pid"] for name, p in parts.items() if name not in ("nats", "view")}) == 8
-    assert parts["view"]["pid"] not in {p["pid"] for name, p in parts.items() if name != "view"}
+    try:
+        # every service as its own process: `python -m gpufleet.services.<name>` each, and the view's
+        assert len({p["pid"] for name, p in parts.items() if name not in ("nats", "view")}) == 8
+        assert parts["view"]["pid"] not in {p["pid"] for name, p in parts.items() if name != "view"}
+    except AssertionError:
+        cli(data_dir, "down", check=False)  # not left running for the rest of the suite
+        raise
     pids = [int(p["pid"]) for p in parts.values() if p["pid"]]
     pids.append(int(json.loads((data_dir / "mesh.json").read_text())["supervisor_pid"]))
     cli(data_dir, "down")

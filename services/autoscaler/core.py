@@ -33,8 +33,8 @@ from typing import Any
 from gpufleet.shared.clusterconfig import ClusterConfig, NodePoolConfig
 from gpufleet.shared.errors import SpecError
 from gpufleet.shared.events import (
+    RUN_ENDED_JOB_TYPES,
     SYS_TENANT,
-    TERMINAL_JOB_TYPES,
     CancelRequestedCmd,
     Envelope,
     JobExited,
@@ -71,7 +71,7 @@ RECOMMENDATIONS_MAX = 1024  # per service: the scale-down window's history is bo
 REPLACE_BACKOFF_S = (2.0, 5.0, 15.0, 60.0, 300.0)  # a replica that keeps failing is replaced ever slower
 DRAIN_SETTLE_S = 2.0  # after a cordon, a placement decided before the placer saw it may still land
 PROVIDERS = ("sim",)  # built in (providers.py: the interface, and where a cloud provider is added)
-ENDED = TERMINAL_JOB_TYPES | {"job.preempted"}
+ENDED = RUN_ENDED_JOB_TYPES
 
 
 # ---------------------------------------------------------------- state

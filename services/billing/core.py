@@ -45,6 +45,7 @@ from decimal import Decimal
 
 from gpufleet.shared.clusterconfig import BudgetConfig, ClusterConfig
 from gpufleet.shared.events import (
+    RUN_ENDED_JOB_TYPES,
     SYS_TENANT,
     BudgetExceeded,
     BudgetThresholdReached,
@@ -81,7 +82,7 @@ from .pricing import (
     usage,
 )
 
-JOB_ENDS = ("job.succeeded", "job.failed", "job.cancelled", "job.preempted", "job.rejected")
+JOB_ENDS = RUN_ENDED_JOB_TYPES  # (shared/events.py: the contract's one definition)
 Scope = tuple[str, str]  # ("tenant" | "queue", name)
 ENDED_KEPT_S = 3600.0  # log seconds an ended job's id is kept to ignore its late duplicates
 

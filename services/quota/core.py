@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 from gpufleet.shared.clusterconfig import ClusterConfig, QueueConfig
 from gpufleet.shared.events import (
+    RUN_ENDED_JOB_TYPES,
     Envelope,
     JobPreemptionRequested,
     JobQueued,
@@ -51,7 +52,7 @@ from .tree import QuotaTree
 CYCLE_JOBS_MAX = 512  # pending jobs looked at per cycle: bound the work of one decision
 PREEMPT_GRACE_S = 30.0
 CYCLE_ON_EVENT_MAX = 64  # pending jobs up to which every admission or release runs a cycle
-ENDED_TYPES = ("job.succeeded", "job.failed", "job.cancelled", "job.preempted", "job.rejected")
+ENDED_TYPES = RUN_ENDED_JOB_TYPES  # (shared/events.py: the contract's one definition)
 
 
 @dataclass

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gpufleet.shared.events import (
-    TERMINAL_JOB_TYPES,
+    RUN_ENDED_JOB_TYPES,
     Envelope,
     GpuDevice,
     JobExited,
@@ -220,7 +220,7 @@ class TelemetryCore(BaseCore[TelemetryState]):
             state.idle_episodes[key] = state.idle_episodes.get(key, 0) + 1
         elif isinstance(p, JobGpuStarved):
             state.starved_said.add((p.job_id, self._attempt(state, p.job_id)))
-        elif (env.type in TERMINAL_JOB_TYPES or env.type == "job.preempted") and env.job_id:
+        elif env.type in RUN_ENDED_JOB_TYPES and env.job_id:
             self._forget(state, env.job_id)
         return state
 
