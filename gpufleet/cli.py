@@ -97,6 +97,8 @@ def up(
                                              "this machine, as one node with its own GPUs (NVML)")] = "sim",
     retention: Annotated[str, typer.Option(help="keep this long in the stream (30d); older events are archived "
                                                 "under the data dir first, then purged ('': keep everything)")] = "",
+    nats_cluster: Annotated[int, typer.Option(help="nats-servers: 1, or a JetStream cluster of 3 (or 5) on this "
+                                                   "machine's loopback with FLEET replicated 3 times")] = 1,
 ) -> None:
     """Start nats-server, PostgreSQL, the eight services and N simulated nodes (or this machine as a node)."""
     from gpufleet.mesh import MeshOptions, Supervisor, running_supervisor, up_detached
@@ -132,8 +134,11 @@ def up(
         except (SpecError, ValueError) as exc:
             typer.echo(f"error: --retention: {exc}", err=True)
             raise typer.Exit(2) from None
+    if nats_cluster not in (1, 3, 5):
+        typer.echo(f"error: --nats-cluster: 1, 3 or 5 servers (a quorum needs an odd number), not {nats_cluster}", err=True)
+        raise typer.Exit(2)
     opts = MeshOptions(ddir, sim_nodes, nats_port, pg_port, postgres, layout=layout, config=config, sim_mix=sim_mix,
-                       driver=driver, retention=retention)
+                       driver=driver, retention=retention, nats_cluster=nats_cluster)
     if detach:
         doc = up_detached(opts)
         typer.echo(f"gpufleet running in {ddir}: NATS {doc['nats_url']}, PostgreSQL {doc['pg_dsn'] or '-'}, "

@@ -69,6 +69,7 @@ class MeshOptions:
     sim_mix: str = ""  # node shapes cycled over the sim nodes; '' = the default mix
     driver: str = "sim"  # process / docker: the executor runs jobs for real on this machine (one node)
     retention: str = ""  # FLEET's retention ('' keeps everything): older events are archived, then purged
+    nats_cluster: int = 1  # nats-servers: 1, or a JetStream cluster of 3 (or 5) on loopback, FLEET at R3
 
 
 @dataclass
@@ -90,6 +91,7 @@ class Supervisor:
         self.dir = self.opts.data_dir
         self.logs = self.dir / "logs"
         self.nats_proc: subprocess.Popen[bytes] | None = None
+        self.cluster: list[dict[str, Any]] = []  # with --nats-cluster: each node's name, ports, config, process
         self.pg: Any = None
         self.nats_url = ""
         self.pg_dsn = ""
@@ -115,6 +117,9 @@ class Supervisor:
             "parts": {
                 "nats": {"pid": self.nats_proc.pid if self.nats_proc else None,
                          "restarts": self.infra_restarts.get("nats", 0)},
+                **{n["name"]: {"pid": n["proc"].pid, "restarts": self.infra_restarts.get(n["name"], 0),
+                               "port": n["port"], "server_name": n["server_name"]}
+                   for n in self.cluster[1:]},
                 **({"postgres": {"pid": self.pg.running_pid(), "restarts": self.infra_restarts.get("postgres", 0)}}
                    if self.pg is not None else {}),
                 **{
@@ -157,10 +162,13 @@ class Supervisor:
         # identities for every service process, the admin and the configured tenants; the server
         # admits only them, each with the permissions shared/authz.py generates (docs/security.md)
         self.realm = ensure_realm(self.dir, tenants=self._config_tenants())
-        conf = write_nats_config(self.dir / NATS_CONF, nats_config(self.dir / "nats", port, self.realm))
-        self._nats_conf = conf
-        self.nats_proc = start_nats(self.dir / "nats", port, log_file=self.logs / "nats.log", config=conf)
-        self.nats_url = f"nats://127.0.0.1:{port}"
+        if self.opts.nats_cluster > 1:
+            self._start_cluster()
+        else:
+            conf = write_nats_config(self.dir / NATS_CONF, nats_config(self.dir / "nats", port, self.realm))
+            self._nats_conf = conf
+            self.nats_proc = start_nats(self.dir / "nats", port, log_file=self.logs / "nats.log", config=conf)
+            self.nats_url = f"nats://127.0.0.1:{port}"
         log.info("nats-server up at %s (auth: %d identities, creds in %s)", self.nats_url,
                  len(self.realm.identities), self.realm.creds_dir)
         asyncio.run(_create_streams(self.nats_url, self.realm.creds_path(ADMIN)))
@@ -178,6 +186,26 @@ class Supervisor:
         from gpufleet.shared.clusterconfig import load_config
 
         return sorted(load_config(self.opts.config).tenants)
+
+    def _start_cluster(self) -> None:
+        """A JetStream cluster of `nats_cluster` servers on loopback (routes between them on
+        127.0.0.1: no TLS, the traffic never leaves the machine), FLEET and every bucket at R3."""
+        from gpufleet.shared.authz import cluster_nats_config
+
+        assert self.realm is not None
+        n = self.opts.nats_cluster
+        ports = [(self.opts.nats_port + i if self.opts.nats_port else free_port(), free_port()) for i in range(n)]
+        routes = [f"nats://127.0.0.1:{rp}" for _, rp in ports]
+        for i, (cp, rp) in enumerate(ports):
+            name = "nats" if i == 0 else f"nats-{i + 1}"
+            store = self.dir / "nats-cluster" / f"nats-{i + 1}"
+            conf = write_nats_config(self.dir / f"nats-{i + 1}.conf", cluster_nats_config(
+                self.realm, f"nats-{i + 1}", store, cp, rp, routes, None))
+            self.cluster.append({"name": name, "server_name": f"nats-{i + 1}", "port": cp, "conf": conf, "store": store,
+                                 "proc": start_nats(store, cp, log_file=self.logs / f"nats-{i + 1}.log", config=conf)})
+        self.nats_proc = self.cluster[0]["proc"]
+        self.nats_url = ",".join(f"nats://127.0.0.1:{c['port']}" for c in self.cluster)
+        os.environ["GPUFLEET_STREAM_REPLICAS"] = str(min(n, 3))  # the supervisor's streams and every child's buckets
 
     def child_creds(self, services: tuple[str, ...]) -> Path:
         name = "-".join(services)  # (the read model's and the view's are named after them too)
@@ -232,6 +260,15 @@ class Supervisor:
         (the services reconnect by themselves); counted in mesh.json."""
         if self._stopping:
             return
+        for node in self.cluster:  # a clustered node: the same port and store, it rejoins
+            if node["proc"].poll() is not None:
+                log.warning("%s exited with %s; restarting it", node["server_name"], node["proc"].returncode)
+                self.infra_restarts[node["name"]] = self.infra_restarts.get(node["name"], 0) + 1
+                node["proc"] = start_nats(node["store"], node["port"], log_file=self.logs / f"{node['server_name']}.log",
+                                          config=node["conf"])
+                if node["name"] == "nats":
+                    self.nats_proc = node["proc"]
+                self.write_mesh("running")
         if self.nats_proc is not None and self.nats_proc.poll() is not None and self._nats_conf is not None:
             log.warning("nats-server exited with %s; restarting it", self.nats_proc.returncode)
             self.infra_restarts["nats"] = self.infra_restarts.get("nats", 0) + 1
@@ -277,6 +314,8 @@ class Supervisor:
                 log.exception("stopping postgres")
         if self.nats_proc is not None:
             stop_process(self.nats_proc)
+        for node in self.cluster[1:]:
+            stop_process(node["proc"])
         try:
             (self.dir / MESH_FILE).unlink()
         except FileNotFoundError:
@@ -311,7 +350,16 @@ async def _create_streams(nats_url: str, admin_creds: Path) -> None:
 
     bus = await Bus.connect(nats_url, name="gpufleet-supervisor", creds=admin_creds)
     try:
-        await bus.ensure_streams()
+        deadline = time.monotonic() + 90
+        while True:  # a fresh cluster elects its JetStream leader first: wait for it, saying so
+            try:
+                await bus.ensure_streams()
+                return
+            except Exception as exc:  # noqa: BLE001 - no quorum yet: "insufficient resources", timeouts
+                if time.monotonic() > deadline:
+                    raise
+                log.info("creating the streams: %s (the cluster may not have its leader yet); again", exc)
+                await asyncio.sleep(0.5)
     finally:
         await bus.close()
 
@@ -331,7 +379,7 @@ def wait_services_ready(nats_url: str, timeout_s: float, layout: str = "grouped"
         deadline = time.monotonic() + timeout_s
         admin = Realm(data_dir).creds_path(ADMIN) if data_dir is not None else None
         ident = load_creds(admin) if admin is not None and admin.exists() else find_creds()
-        nc = await nats.connect(nats_url, **(ident.connect_options() if ident else {}))
+        nc = await nats.connect([u for u in nats_url.split(",") if u], **(ident.connect_options() if ident else {}))
         try:
             js = nc.jetstream()
             while True:
@@ -369,7 +417,7 @@ def up_detached(opts: MeshOptions, timeout_s: float = 90.0) -> dict[str, Any]:
         sys.executable, "-m", "gpufleet.mesh", "supervise", "--data-dir", str(opts.data_dir),
         "--sim-nodes", str(opts.sim_nodes), "--nats-port", str(opts.nats_port), "--pg-port", str(opts.pg_port),
         "--log-level", opts.log_level, "--layout", opts.layout, "--sim-mix", opts.sim_mix, "--driver", opts.driver,
-        "--retention", opts.retention,
+        "--retention", opts.retention, "--nats-cluster", str(opts.nats_cluster),
         *(["--config", str(Path(opts.config).resolve())] if opts.config else []), *([] if opts.postgres else ["--no-postgres"]),
     ]
     (opts.data_dir / "logs").mkdir(exist_ok=True)
@@ -445,11 +493,13 @@ def main(argv: list[str] | None = None) -> None:
     sp.add_argument("--sim-mix", default="")
     sp.add_argument("--driver", default="sim", choices=("sim", "process", "docker"))
     sp.add_argument("--retention", default="")
+    sp.add_argument("--nats-cluster", type=int, default=1)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     opts = MeshOptions(Path(args.data_dir), args.sim_nodes, args.nats_port, args.pg_port,
                        not args.no_postgres, args.log_level, args.layout,
-                       Path(args.config) if args.config else None, args.sim_mix, args.driver, args.retention)
+                       Path(args.config) if args.config else None, args.sim_mix, args.driver, args.retention,
+                       args.nats_cluster)
     Supervisor(opts).run()
 
 

@@ -424,7 +424,7 @@ def write_nats_config(path: Path, conf: dict[str, Any]) -> Path:
 
 
 def cluster_nats_config(realm: Realm | None, server_name: str, store_dir: Path, client_port: int,
-                        cluster_port: int, routes: Sequence[str], tls: ServerTls, *, host: str = "127.0.0.1",
+                        cluster_port: int, routes: Sequence[str], tls: ServerTls | None, *, host: str = "127.0.0.1",
                         cluster_host: str | None = None, cluster_name: str = "gpufleet",
                         sync_interval: str = DEFAULT_SYNC, tls_timeout: float = TLS_TIMEOUT_S,
                         http_port: int | None = None) -> dict[str, Any]:
@@ -433,16 +433,22 @@ def cluster_nats_config(realm: Realm | None, server_name: str, store_dir: Path, 
     every write, TLS for clients (the server's certificate; clients authenticate with their
     nkey, so no client certificate: `verify: false`) and mutual TLS between the nodes (`cluster.tls`,
     `verify: true`: each route presents its certificate, signed by the same CA). `routes`: every
-    node's route URL, `nats://host:port` (a node skips the one to itself)."""
+    node's route URL, `nats://host:port` (a node skips the one to itself). `tls` None: a cluster
+    on this machine's loopback only (`gpufleet up --nats-cluster 3`), whose traffic never leaves it."""
     conf = nats_config(store_dir, client_port, realm, host=host, sync_interval=sync_interval)
     conf["server_name"] = server_name
-    conf["tls"] = tls_block(tls, verify=False, timeout=tls_timeout)
     conf["cluster"] = {
         "name": cluster_name,
         "listen": f"{cluster_host or host}:{cluster_port}",
         "routes": list(routes),
-        "tls": tls_block(tls, verify=True, timeout=tls_timeout),
     }
+    if tls is None:
+        loopback = {host, cluster_host or host} <= {"127.0.0.1", "localhost", "::1"}
+        if not loopback:
+            raise ValueError("a cluster without TLS listens on loopback only (127.0.0.1): give it certificates")
+        return conf
+    conf["tls"] = tls_block(tls, verify=False, timeout=tls_timeout)
+    conf["cluster"]["tls"] = tls_block(tls, verify=True, timeout=tls_timeout)
     if http_port is not None:
         conf["http"] = f"{host}:{http_port}"
     return conf

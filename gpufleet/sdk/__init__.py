@@ -25,7 +25,7 @@ from gpufleet.shared.authz import ADMIN, find_creds
 from gpufleet.shared.bus import Bus
 from gpufleet.shared.config import data_dir as resolve_data_dir
 from gpufleet.shared.config import resolve_nats_url
-from gpufleet.shared.errors import GpufleetError, MeshNotRunning
+from gpufleet.shared.errors import GpufleetError, MeshNotRunning, RetryableError
 from gpufleet.shared.events import (
     SYS_TENANT,
     TERMINAL_JOB_TYPES,
@@ -40,6 +40,8 @@ from gpufleet.shared.ids import check_token, derive_id, ulid, ulid_time_ms
 from gpufleet.shared.log import read_stream
 from gpufleet.shared.spec import parse_spec
 from gpufleet.shared.view import ClusterView
+
+COMMAND_RETRY_S = 10.0  # how long a command is sent again while the stream does not answer
 
 if TYPE_CHECKING:
     from gpufleet.dashboard import Board
@@ -135,6 +137,22 @@ class Fleet:
     async def close(self) -> None:
         await self.bus.close()
 
+    async def _send(self, env: Envelope, within_s: float = COMMAND_RETRY_S) -> None:
+        """Publish a command and wait for the stream's ack, again for `within_s` while the stream
+        does not answer (a cluster electing a new leader, a server restarting): the same command,
+        the same Nats-Msg-Id, so the server keeps it once however often it is sent."""
+        deadline = time.monotonic() + within_s
+        wait = 0.2
+        while True:
+            try:
+                await self.bus.publish(env)
+                return
+            except RetryableError:
+                if time.monotonic() + wait > deadline:
+                    raise
+                await asyncio.sleep(wait)
+                wait = min(wait * 2, 2.0)
+
     async def submit(self, spec: dict[str, Any], job_id: str | None = None, validate: bool = True) -> str:
         """Publish a submit command; returns the job id. Raises SpecError on a bad spec. A tenant's
         credentials submit for that tenant only (a spec without `tenant` gets it)."""
@@ -148,7 +166,7 @@ class Fleet:
         if validate:
             parse_spec(spec)
         job_id = job_id or new_job_id()
-        await self.bus.publish(submit_envelope(spec, job_id))
+        await self._send(submit_envelope(spec, job_id))
         return job_id
 
     async def cancel(self, job_id: str, tenant: str | None = None, reason: str = "cancelled by user") -> None:
@@ -168,7 +186,7 @@ class Fleet:
             event_id=derive_id(job_id, f"cancel:{time.time_ns()}"), type="cmd.cancel", occurred_at=utc(time.time()),
             tenant=tenant, actor=actor, correlation_id=job_id, payload=CancelRequestedCmd(job_id=job_id, reason=reason),
         )
-        await self.bus.publish(env)
+        await self._send(env)
 
     async def report_load(self, job_id: str, tenant: str, rps: float, p99_ms: float | None = None,
                           window_s: float = 10.0, actor: str = "sdk") -> Envelope:
@@ -180,7 +198,7 @@ class Fleet:
             event_id=derive_id(job_id, f"load:{time.time_ns()}"), type=payload.type, occurred_at=utc(time.time()),
             tenant=tenant, actor=actor, correlation_id=job_id, payload=payload,
         )
-        await self.bus.publish(env)
+        await self._send(env)
         return env
 
     async def board_at(self, until_seq: int | None = None, until_time: float | None = None) -> tuple[Board, int]:
