@@ -199,6 +199,13 @@ def snapshot_subjects(core: str) -> list[str]:
             f"$JS.API.DIRECT.GET.{stream}.>"]
 
 
+def lease_subjects(core: str) -> list[str]:
+    """What a service's identity needs to hold its lease (shared/lease.py): its own key of the
+    bucket `LEASES` (reading the bucket's messages shows only which instance holds which lease)."""
+    return [f"$KV.LEASES.{core}", "$JS.API.STREAM.INFO.KV_LEASES", f"$JS.API.DIRECT.GET.KV_LEASES.$KV.LEASES.{core}",
+            "$JS.API.STREAM.MSG.GET.KV_LEASES"]
+
+
 def admin_permissions() -> dict[str, Any]:
     return {"publish": {"allow": [">"], "deny": list(_ERASE)}, "subscribe": {"allow": [">"]}}
 
@@ -208,6 +215,7 @@ def service_permissions(services: Sequence[str], inbox_prefix: str) -> dict[str,
     for svc in services:
         pub += [subject_pattern(t, svc) for t, owners in OWNERS.items() if svc in owners]
         pub += snapshot_subjects(svc)
+        pub += lease_subjects(svc)
         if svc == "telemetry":
             pub.append("fleet.tel.node.*.gpu")  # GPU samples (its own; heartbeats are the executor's)
         if svc == ARCHIVE_PROCESS:  # it purges what it has archived first (shared/archive.py), nothing else

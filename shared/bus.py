@@ -162,6 +162,10 @@ class Bus:
         """Create or update FLEET and FLEET_TELEMETRY; safe to call from every service at start.
         A stream already as configured is left alone (only the admin may create or update one:
         a service with the mesh's permissions just checks)."""
+        if self.creds is None or self.creds.is_admin:
+            from .lease import ensure_bucket
+
+            await ensure_bucket(self)  # one active instance of a leased service (shared/lease.py)
         for name, cfg in ((STREAM, fleet_stream_config(self.replicas)),
                           (TELEMETRY_STREAM, telemetry_stream_config(self.replicas))):
             try:

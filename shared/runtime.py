@@ -206,6 +206,10 @@ class ServiceRuntime(Generic[S]):
     ack_wait_s: float = 30.0  # an unacked message (a crash before the ack) comes back after this
     clock: Callable[[], float] = time.time
     group: RuntimeGroup | None = None  # set when co-located: the group owns consumer and acks
+    # one active instance (shared/lease.py): the consumer is the service's, shared by its instances,
+    # and nothing is committed unless `fence()` says the lease is still held
+    shared_durable: bool = False
+    fence: Callable[[], bool] | None = None
     stats: RuntimeStats = field(default_factory=RuntimeStats)
 
     def __post_init__(self) -> None:
@@ -244,7 +248,7 @@ class ServiceRuntime(Generic[S]):
 
     @property
     def durable(self) -> str:
-        return f"{self.core.name}-{self.instance}" if self.instance != "0" else self.core.name
+        return f"{self.core.name}-{self.instance}" if self.instance != "0" and not self.shared_durable else self.core.name
 
     def ctx(self, cause: Envelope | None = None) -> Ctx:
         return Ctx(now=utc(self.clock()), actor=self.actor, cause=cause)
@@ -539,6 +543,9 @@ class ServiceRuntime(Generic[S]):
 
     async def _commit(self, outputs: list[Envelope], handled: Sequence[Msg], cas_seq: int | None = None) -> None:
         """Publish the outputs, then ack the handled messages (one AckAll for all of them)."""
+        if self.fence is not None and not self.fence():
+            self.stop()
+            raise LeaseLost(f"{self.actor}: its lease is not held: nothing more is committed")
         if outputs:
             spans = otel.decisions(self.core.name)  # None unless tracing is set up
             if spans is not None:
@@ -735,6 +742,10 @@ class RuntimeGroup:
         for rt in self.runtimes:
             await rt.tick_if_due()
         return len(msgs)
+
+
+class LeaseLost(RuntimeError):
+    """The instance no longer holds its service's lease (shared/lease.py): it stops."""
 
 
 class _CoreFailed(Exception):

@@ -31,6 +31,9 @@ def base_parser(name: str) -> argparse.ArgumentParser:
     ap.add_argument("--config", default=os.environ.get("GPUFLEET_CONFIG"),
                     help="cluster config YAML: tenants and policies (default: GPUFLEET_CONFIG; none: open)")
     ap.add_argument("--batch", type=int, default=int(os.environ.get("GPUFLEET_BATCH", "256")), help="messages per fetch")
+    ap.add_argument("--lease", action="store_true", default=os.environ.get("GPUFLEET_LEASE") == "1",
+                    help="run as one of several instances: decide only while holding the service's lease "
+                         "(shared/lease.py; default: GPUFLEET_LEASE=1)")
     ap.add_argument("--log-level", default=os.environ.get("GPUFLEET_LOG_LEVEL", "INFO"))
     ap.add_argument("--metrics-port", type=int, default=int(os.environ.get("GPUFLEET_METRICS_PORT") or 0),
                     help="serve Prometheus metrics on http://0.0.0.0:PORT/metrics (default: GPUFLEET_METRICS_PORT; 0: off)")
@@ -77,19 +80,50 @@ def _stop_all(loop: ServiceRuntime[Any] | RuntimeGroup, sidecars: list[Any]) -> 
 
 
 async def run_core(core: Core[Any], nats_url: str, instance: str = "0", batch: int = 256,
-                   ready: Callable[[ServiceRuntime[Any]], None] | None = None) -> None:
+                   ready: Callable[[ServiceRuntime[Any]], None] | None = None, lease: bool = False) -> bool:
+    """Run the service until stopped. With `lease`: wait to hold the service's lease, decide while
+    it is held; returns False when it was lost (the process exits non-zero: started again, it waits
+    as a standby)."""
+    from .lease import Lease
+
     bus = await Bus.connect(nats_url, name=f"gpufleet-{core.name}-{instance}")
-    rt: ServiceRuntime[Any] = ServiceRuntime(core, bus, instance=instance, batch=batch)
+    rt: ServiceRuntime[Any] = ServiceRuntime(core, bus, instance=instance, batch=batch, shared_durable=lease)
     sidecars: list[Any] = []
-    _stop_on_signals(lambda: _stop_all(rt, sidecars))
+    stopped = asyncio.Event()
+    held: Lease | None = Lease(bus, core.name, rt.actor) if lease else None
+    lost = False
+
+    def stop() -> None:
+        stopped.set()
+        _stop_all(rt, sidecars)
+
+    def on_lost() -> None:
+        nonlocal lost
+        lost = True
+        stop()
+
+    _stop_on_signals(stop)
     try:
+        if held is not None:
+            if not await held.acquire(stopped):
+                return True
+            rt.fence = held.valid
         await rt.start()
         await _start_sidecars([rt], bus, sidecars)
         log.info("%s ready (folded to seq %d)", rt.actor, rt.applied_seq)
         if ready:
             ready(rt)
-        await asyncio.gather(rt.run(), *(s.run() for s in sidecars))
-        await _flush_snapshots([rt])
+        async def decide() -> None:
+            await rt.run()
+            stop()  # (stopped by a signal, or by its fence: the sidecars and the lease go with it)
+            if held is not None and not held.valid():
+                on_lost()
+
+        await asyncio.gather(decide(), *(s.run() for s in sidecars),
+                             *([held.hold(stopped, on_lost)] if held is not None else []))
+        if not lost:
+            await _flush_snapshots([rt])
+        return not lost
     finally:
         await bus.close()
         log.info("%s stopped: %s", rt.actor, rt.stats)
@@ -118,7 +152,8 @@ def serve(name: str, make_core: Callable[[argparse.Namespace], Core[Any]],
     except ImportError:  # pragma: no cover - uvloop is a dependency; plain asyncio still works
         pass
     try:
-        asyncio.run(run_core(core, url, args.instance, args.batch))
+        if not asyncio.run(run_core(core, url, args.instance, args.batch, lease=args.lease)):
+            raise SystemExit(3)  # the lease was lost: started again, it waits as a standby
     finally:
         otel.shutdown()  # flush the spans and metrics not exported yet
 
