@@ -53,10 +53,18 @@ ConfigOpt = Annotated[Path | None, typer.Option(
 
 
 def _run(coro: Coroutine[Any, Any, T]) -> T:
+    import nats.errors
+    import nats.js.errors
+
     try:
         return asyncio.run(coro)
     except GpufleetError as exc:
         typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+    except (nats.js.errors.ServiceUnavailableError, nats.errors.TimeoutError, nats.errors.NoRespondersError) as exc:
+        # connected, but JetStream does not answer: a cluster electing its leader, a server restarting
+        typer.echo(f"error: JetStream does not answer ({type(exc).__name__}): the stream may have no leader "
+                   "yet or its server is restarting; try again in a few seconds (`gpufleet status`)", err=True)
         raise typer.Exit(1) from None
 
 
@@ -99,6 +107,9 @@ def up(
                                                 "under the data dir first, then purged ('': keep everything)")] = "",
     nats_cluster: Annotated[int, typer.Option(help="nats-servers: 1, or a JetStream cluster of 3 (or 5) on this "
                                                    "machine's loopback with FLEET replicated 3 times")] = 1,
+    instances: Annotated[int, typer.Option(help="2: every service twice (with --layout separate): one instance of "
+                                                "each decides while holding its lease, the other waits; two placers "
+                                                "decide side by side (compare-and-set); one executor per node")] = 1,
 ) -> None:
     """Start nats-server, PostgreSQL, the eight services and N simulated nodes (or this machine as a node)."""
     from gpufleet.mesh import MeshOptions, Supervisor, running_supervisor, up_detached
@@ -134,11 +145,14 @@ def up(
         except (SpecError, ValueError) as exc:
             typer.echo(f"error: --retention: {exc}", err=True)
             raise typer.Exit(2) from None
+    if instances not in (1, 2) or (instances == 2 and layout != "separate"):
+        typer.echo("error: --instances: 1, or 2 with --layout separate (each service its own processes)", err=True)
+        raise typer.Exit(2)
     if nats_cluster not in (1, 3, 5):
         typer.echo(f"error: --nats-cluster: 1, 3 or 5 servers (a quorum needs an odd number), not {nats_cluster}", err=True)
         raise typer.Exit(2)
     opts = MeshOptions(ddir, sim_nodes, nats_port, pg_port, postgres, layout=layout, config=config, sim_mix=sim_mix,
-                       driver=driver, retention=retention, nats_cluster=nats_cluster)
+                       driver=driver, retention=retention, nats_cluster=nats_cluster, instances=instances)
     if detach:
         doc = up_detached(opts)
         typer.echo(f"gpufleet running in {ddir}: NATS {doc['nats_url']}, PostgreSQL {doc['pg_dsn'] or '-'}, "

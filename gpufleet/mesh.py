@@ -70,6 +70,7 @@ class MeshOptions:
     driver: str = "sim"  # process / docker: the executor runs jobs for real on this machine (one node)
     retention: str = ""  # FLEET's retention ('' keeps everything): older events are archived, then purged
     nats_cluster: int = 1  # nats-servers: 1, or a JetStream cluster of 3 (or 5) on loopback, FLEET at R3
+    instances: int = 1  # 2: each service twice (separate layout): leased ones active/passive, placers side by side
 
 
 @dataclass
@@ -123,7 +124,8 @@ class Supervisor:
                 **({"postgres": {"pid": self.pg.running_pid(), "restarts": self.infra_restarts.get("postgres", 0)}}
                    if self.pg is not None else {}),
                 **{
-                    svc: {"pid": c.proc.pid if c.proc else None, "restarts": c.restarts, "process": c.name}
+                    svc + (c.name[c.name.index("@"):] if "@" in c.name else ""):
+                        {"pid": c.proc.pid if c.proc else None, "restarts": c.restarts, "process": c.name}
                     for c in self.children.values() for svc in (c.services or (c.name,))
                 },
             },
@@ -249,11 +251,21 @@ class Supervisor:
     def start_services(self) -> None:
         groups = [*LAYOUTS[self.opts.layout], *([("readmodel",)] if self.opts.postgres else []), ("view",),
                   *([("archive",)] if self.opts.retention else [])]
+        from gpufleet.shared.lease import LEASED
+
         for services in groups:
             name = "+".join(services)
-            child = Child(name, self.child_argv(services), services)
-            self.children[name] = child
-            self.spawn(child)
+            twice = self.opts.instances > 1 and len(services) == 1 and (
+                services[0] in LEASED or services[0] in ("placer", "telemetry"))
+            for i in range(2 if twice else 1):
+                argv = self.child_argv(services)
+                if twice:
+                    # a leased service: one decides, one waits (shared/lease.py); placers: side by side,
+                    # each with its own consumer, their capacity decisions compare-and-set
+                    argv += ["--instance", str(i), *(["--lease"] if services[0] in LEASED else [])]
+                child = Child(name if i == 0 else f"{name}@{i}", argv, services)
+                self.children[child.name] = child
+                self.spawn(child)
 
     def check_infra(self) -> None:
         """nats-server or PostgreSQL died: start it again, on the same port with the same store
@@ -417,7 +429,7 @@ def up_detached(opts: MeshOptions, timeout_s: float = 90.0) -> dict[str, Any]:
         sys.executable, "-m", "gpufleet.mesh", "supervise", "--data-dir", str(opts.data_dir),
         "--sim-nodes", str(opts.sim_nodes), "--nats-port", str(opts.nats_port), "--pg-port", str(opts.pg_port),
         "--log-level", opts.log_level, "--layout", opts.layout, "--sim-mix", opts.sim_mix, "--driver", opts.driver,
-        "--retention", opts.retention, "--nats-cluster", str(opts.nats_cluster),
+        "--retention", opts.retention, "--nats-cluster", str(opts.nats_cluster), "--instances", str(opts.instances),
         *(["--config", str(Path(opts.config).resolve())] if opts.config else []), *([] if opts.postgres else ["--no-postgres"]),
     ]
     (opts.data_dir / "logs").mkdir(exist_ok=True)
@@ -494,12 +506,13 @@ def main(argv: list[str] | None = None) -> None:
     sp.add_argument("--driver", default="sim", choices=("sim", "process", "docker"))
     sp.add_argument("--retention", default="")
     sp.add_argument("--nats-cluster", type=int, default=1)
+    sp.add_argument("--instances", type=int, default=1)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     opts = MeshOptions(Path(args.data_dir), args.sim_nodes, args.nats_port, args.pg_port,
                        not args.no_postgres, args.log_level, args.layout,
                        Path(args.config) if args.config else None, args.sim_mix, args.driver, args.retention,
-                       args.nats_cluster)
+                       args.nats_cluster, args.instances)
     Supervisor(opts).run()
 
 

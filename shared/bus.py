@@ -229,7 +229,8 @@ class Bus:
             if exc.err_code == ERR_WRONG_LAST_SEQ:
                 raise CasConflict(str(exc)) from None
             raise PermanentError(str(exc)) from None
-        except (nats.errors.TimeoutError, nats.js.errors.NoStreamResponseError, nats.errors.NoRespondersError) as exc:
+        except (nats.errors.TimeoutError, nats.js.errors.NoStreamResponseError, nats.errors.NoRespondersError,
+                nats.js.errors.ServiceUnavailableError) as exc:
             raise RetryableError(f"publish {env.type}: {exc!r}") from None
         return int(ack.seq)
 

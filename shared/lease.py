@@ -1,13 +1,16 @@
 """One active instance of a service at a time: a lease in the JetStream KV bucket `LEASES`.
 
-Two instances of a service that decides on its own clock (admission's rate limits, the guardian's
-backoffs and checkpoint deadlines, billing's periods, the autoscaler's cooldowns, telemetry's
-heartbeat leases) would each decide the same event with the same derived id but possibly another
-payload: the server keeps the first, and the second instance's state would hold its own version.
-So such a service runs active/passive: the instance that holds the lease consumes and decides
-(through the service's one shared durable consumer, so a successor goes on from its ack floor),
-the other waits. The placer needs no lease: its capacity decisions are compare-and-set, so two
-placers decide side by side and the loser re-decides.
+Two instances of a service that decides on its own clock (admission's rate limits, quota's
+order of admission, the guardian's backoffs and checkpoint deadlines, billing's periods, the
+autoscaler's cooldowns) would each decide the same event with the same derived id but possibly
+another payload: the server keeps the first, and the second instance's state would hold its own
+version. So such a service runs active/passive: the instance that holds the lease consumes and
+decides (through the service's one shared durable consumer, so a successor goes on from its ack
+floor), the other waits. Two placers decide side by side: their capacity decisions are
+compare-and-set, the loser re-decides. Two telemetry instances too: a node's loss and a replica's
+exit take their ids from their cause (the registration, the placement) and change every state the
+same way whatever the reason's wording, so the second copy is dropped and harmless. An executor
+is its node's agent: one per node.
 
 - The lease is the key `<service>`, created only if absent (`kv.create`) and renewed with the
   revision it holds (`kv.update(last=revision)`) every TTL/3; the bucket's max age (`TTL`,
@@ -33,7 +36,7 @@ log = logging.getLogger(__name__)
 
 BUCKET = "LEASES"
 TTL_S = float(os.environ.get("GPUFLEET_LEASE_TTL_S", "10"))
-LEASED = ("admission", "quota", "guardian", "telemetry", "billing", "autoscaler")  # one active instance each
+LEASED = ("admission", "quota", "guardian", "billing", "autoscaler")  # one active instance each
 
 
 async def ensure_bucket(bus: Any) -> Any:

@@ -68,3 +68,45 @@ def test_a_three_node_cluster_runs_jobs_through_the_loss_of_the_streams_leader(t
         assert audit["ok"], audit
     finally:
         cli(d, "down", check=False, timeout=120)
+
+
+def test_two_instances_of_every_service_on_the_cluster_lose_nothing_when_one_of_each_kind_dies(tmp_path: Path) -> None:
+    """`--instances 2`: a leased service's active instance and one placer killed mid-run; the
+    standby takes over, the other placer goes on: every job ends once, the audit passes."""
+    d = tmp_path / "c2"
+    cli(d, "up", "--detach", "--nats-cluster", "3", "--layout", "separate", "--instances", "2", "--sim-nodes", "2",
+        "--no-postgres", timeout=180)
+    try:
+        parts = json.loads((d / "mesh.json").read_text())["parts"]
+        for svc in ("admission", "quota", "guardian", "billing", "autoscaler", "placer", "telemetry"):
+            assert f"{svc}@1" in parts, sorted(parts)
+        assert "executor@1" not in parts  # one agent per node
+        spec = tmp_path / "j.yaml"
+        spec.write_text("name: tiny\ntenant: acme\nresources: {gpu: 1}\nsim: {duration: 1s}\n")
+        ids = _submit(d, spec, 3)
+        wait_jobs(d, ids, "succeeded", timeout_s=90)
+        holder = asyncio.run(_lease_holder(d, "admission"))
+        victim = "admission" if holder.endswith("/0") else "admission@1"
+        os.kill(int(parts[victim]["pid"]), signal.SIGKILL)
+        os.kill(int(parts["placer"]["pid"]), signal.SIGKILL)
+        more = _submit(d, spec, 4)
+        rows = wait_jobs(d, ids | more, "succeeded", timeout_s=120)
+        assert len(rows) == len(ids | more)
+        audit = json.loads(cli(d, "audit", "--json", "--full", check=False).stdout)
+        assert audit["ok"], audit
+    finally:
+        cli(d, "down", check=False, timeout=120)
+
+
+async def _lease_holder(d: Path, svc: str) -> str:
+    from gpufleet.sdk import Fleet
+    from gpufleet.shared.lease import BUCKET
+
+    fleet = await Fleet.connect(data_dir=str(d))
+    try:
+        kv = await fleet.bus.js.key_value(BUCKET)
+        entry = await kv.get(svc)
+        return (entry.value or b"").decode()
+    finally:
+        await fleet.close()
+
