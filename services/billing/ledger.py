@@ -42,9 +42,9 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from gpufleet.shared.bus import Bus, run_until_signal
 from gpufleet.shared.clusterconfig import ClusterConfig, load_config
-from gpufleet.shared.engine import refusal
-from gpufleet.shared.events import STREAM, parse_envelope
-from gpufleet.shared.subjects import SubjectFilter, consumer_filter
+from gpufleet.shared.engine import Engine
+from gpufleet.shared.events import STREAM
+from gpufleet.shared.subjects import consumer_filter
 
 from .core import BillingCore, BillingState, Charge
 
@@ -112,18 +112,16 @@ class Ledger:
         self.bus = bus
         self.dsn = dsn
         self.name = name
-        self.core = BillingCore(config, keep_charges=True)
-        self.state: BillingState = self.core.initial_state()
+        # the fold, by the engine's rules (shared/engine.py)
+        self.engine: Engine[BillingState] = Engine(BillingCore(config, keep_charges=True))
         self.batch, self.fetch_timeout_s = batch, fetch_timeout_s
         self.min_backoff_s, self.max_backoff_s = min_backoff_s, max_backoff_s
         self.max_pending = max_pending
         self.check_s = check_s  # how often an idle ledger checks PostgreSQL still holds what it wrote
         self._next_check = 0.0
         self.stats = LedgerStats()
-        self.read_seq = 0  # the fold covers the log up to here
         self.stored: int | None = None  # the offset in PostgreSQL (None: not known yet)
         self.pending: list[tuple[int, Charge]] = []  # closed in the fold, not stored yet
-        self._interest = SubjectFilter(self.core.subjects)
         self._filter = consumer_filter(self.core.subjects)
         self._pool: asyncpg.Pool | None = None
         self._psub: Any = None
@@ -200,27 +198,35 @@ class Ledger:
             await self._open_tail()
             return []
 
+    @property
+    def core(self) -> BillingCore:
+        return self.engine.core  # type: ignore[return-value]
+
+    @core.setter
+    def core(self, core: BillingCore) -> None:  # (a fold from the start with another core)
+        self.engine = Engine(core)
+
+    @property
+    def state(self) -> BillingState:
+        return self.engine.state
+
+    @property
+    def read_seq(self) -> int:
+        """The fold covers the log up to here."""
+        return self.engine.seq
+
     def fold(self, seq: int, data: bytes, subject: str, headers: dict[str, str] | None = None) -> None:
-        """Fold one message of the log; the intervals it closes become pending charges. A message
-        the core fails on is logged, counted (`stats.skipped`) and skipped alone."""
-        if seq <= self.read_seq:
-            return  # redelivered: folded already
-        self.read_seq = seq
-        if not self._interest(subject):
-            return
+        """Fold one message of the log (a redelivered one, a refused one or one of another subject
+        changes nothing: the engine's rules); the intervals it closes become pending charges. A
+        message the core fails on is logged, counted (`stats.skipped`) and skipped alone."""
         try:
-            env = parse_envelope(data)
-        except Exception:  # noqa: BLE001 - the services dead-letter it; the ledger skips it
-            return
-        if refusal(env, subject, headers) is not None:
-            return  # what no core folds (shared/engine.py)
-        try:
-            self.state = self.core.evolve(self.state, env)
-            self.stats.folded += 1
+            if self.engine.fold_message(subject, data, headers, seq):
+                self.stats.folded += 1
         except Exception:  # noqa: BLE001 - one event the core fails on must not stop the ledger
+            self.engine.passed(seq)
             self.stats.skipped += 1
-            log.exception("ledger %s: the billing fold failed on seq %d (%s %s): skipped (%d so far)",
-                          self.name, seq, env.type, env.event_id, self.stats.skipped)
+            log.exception("ledger %s: the billing fold failed on seq %d (%s): skipped (%d so far)",
+                          self.name, seq, subject, self.stats.skipped)
         finally:
             if self.state.charges:  # closed before it failed: charged all the same
                 self.pending.extend((seq, c) for c in self.state.charges)
@@ -342,9 +348,8 @@ class Ledger:
         self.stats.refolds += 1
         self.stored = stored
         self.stats.offset = stored
-        self.state = self.core.initial_state()
+        self.engine = Engine(self.core)
         self.pending.clear()
-        self.read_seq = 0
         await self._drop_tail()
         await self._open_tail()
 
