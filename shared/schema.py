@@ -230,19 +230,114 @@ def _refs(node: Any) -> Iterator[str]:
 
 
 def _with_defs(root: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
-    """`root` with exactly the $defs it reaches, so the file stands alone."""
+    """`root` with exactly the $defs it reaches, so the file stands alone (but for a reference to
+    another file beside it: cmd.submit's spec, jobspec.schema.json)."""
     needed: set[str] = set()
-    todo = [_def_name(r) for r in _refs(root)]
+    todo = [_def_name(r) for r in _refs(root) if r.startswith("#/")]
     while todo:
         name = todo.pop()
         if name in needed:
             continue
         needed.add(name)
-        todo.extend(_def_name(r) for r in _refs(defs[name]))
+        todo.extend(_def_name(r) for r in _refs(defs[name]) if r.startswith("#/"))
     out = dict(root)
     if needed:
         out["$defs"] = {n: defs[n] for n in sorted(needed)}
     return out
+
+
+JOBSPEC_FILE = "jobspec.schema.json"
+_QUANTITIES = {
+    "parse_cpu_milli": ({"type": "number", "minimum": 0}, r"^[0-9]+(\.[0-9]+)?m?$",
+                        "CPUs: a number (2, 0.5) or millicores ('500m')"),
+    "parse_memory_mib": ({"type": "integer", "minimum": 0}, r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|k|M|G|T)?$",
+                         "bytes: a number of bytes, or a quantity with a unit ('512Mi', '16Gi', '1Ti')"),
+    "parse_duration_s": ({"type": "number", "minimum": 0}, r"^[0-9]+(\.[0-9]+)?(ms|s|m|h|d)?$",
+                         "a duration: seconds (90), or with a unit ('500ms', '90s', '30m', '2h', '1d')"),
+}
+
+
+def spec_schema() -> dict[str, Any]:
+    """The job spec a person writes (YAML or JSON; `cmd.submit`'s `payload.spec`): the user-facing
+    spelling of every field (`cpu`, `memory`, `maxRuntime`, `sim.duration`), quantities as
+    Kubernetes writes them, `name` and `tenant` required, no other field. The normalised form
+    (`cpu_milli`, `duration_s`) is what the events carry (`job.submitted`)."""
+    from .spec import JobSpec
+
+    schema = JobSpec.model_json_schema(by_alias=True, mode="validation")
+    models: list[Any] = [JobSpec]
+    seen: set[Any] = set()
+    while models:
+        m = models.pop()
+        if m in seen:
+            continue
+        seen.add(m)
+        target = schema if m is JobSpec else schema["$defs"][m.__name__]
+        for name, f in m.model_fields.items():
+            ann = f.annotation
+            for arg in (*getattr(ann, "__args__", ()), ann):
+                if isinstance(arg, type) and hasattr(arg, "model_fields"):
+                    models.append(arg)
+            metas = [*f.metadata, *(m for a in getattr(ann, "__args__", ()) for m in getattr(a, "__metadata__", ()))]
+            for meta in metas:
+                func = getattr(getattr(meta, "func", None), "__name__", "")
+                if func in _QUANTITIES:
+                    number, pattern, desc = _QUANTITIES[func]
+                    prop = target["properties"][f.alias or name]
+                    keep = {k: v for k, v in prop.items() if k in ("default", "title")}
+                    if keep.get("default") is not None and func != "parse_duration_s":  # in the user's units
+                        keep["default"] = f"{keep['default']}{'m' if func == 'parse_cpu_milli' else 'Mi'}"
+                    alts = [dict(number), {"type": "string", "pattern": pattern}]
+                    if "anyOf" in prop and any(a.get("type") == "null" for a in prop["anyOf"]):
+                        alts.append({"type": "null"})
+                    target["properties"][f.alias or name] = {**keep, "anyOf": alts, "description": desc}
+    props = schema["properties"]
+    for name in ("name", "queue"):
+        props[name].update(_token())
+    props["tenant"].update(_token({"not": {"const": SYS_TENANT}}))
+    # the rules across fields the models check, as far as JSON Schema says them
+    props["priorityClass"]["anyOf"] = [_token(), {"type": "null"}]
+    res = schema["$defs"]["Resources"]
+    from .spec import MIG_PROFILE
+
+    res["properties"]["mig"]["propertyNames"] = {"pattern": f"^{MIG_PROFILE.pattern}$"}
+    res["properties"]["gpuModel"] = {"type": "string", "minLength": 1,
+                                     "description": "one GPU model: the same as gpuModels: [that model]"}
+    res["allOf"] = [
+        {"not": {"required": ["gpuModel", "gpuModels"]}, "description": "gpuModel or gpuModels, not both"},
+        {"if": {"required": ["gpuModel"]}, "then": {"required": ["gpu"], "properties": {"gpu": {"minimum": 1}}},
+         "description": "gpuModel needs whole GPUs (gpu >= 1)"},
+        {"if": {"required": ["mig"], "properties": {"mig": {"minProperties": 1}}},
+         "then": {"properties": {"gpu": {"const": 0}}},
+         "description": "MIG instances, or whole GPUs: not both"},
+        {"if": {"required": ["gpuModels"], "properties": {"gpuModels": {"minItems": 1}}},
+         "then": {"required": ["gpu"], "properties": {"gpu": {"minimum": 1}}},
+         "description": "gpuModels needs whole GPUs (gpu >= 1)"},
+    ]
+    schema["allOf"] = [
+        {"not": {"required": ["priority", "priorityClass"]}, "description": "priority or priorityClass, not both"},
+        {"if": {"required": ["autoscale"], "properties": {"autoscale": {"type": "object"}}},
+         "then": {"required": ["type"], "properties": {"type": {"const": "inference"}}},
+         "description": "autoscale is for type: inference only"},
+    ]
+    schema["$comment"] = ""  # (set below)
+    examples = []
+    for path in sorted((Path(__file__).resolve().parent.parent / "examples").glob("*.yaml")):
+        doc = yaml.safe_load(path.read_text())
+        if isinstance(doc, dict) and "name" in doc and "tenant" in doc and path.stem != "bad-spec":
+            examples.append(doc)
+    schema.update({
+        "$schema": DRAFT, "$id": JOBSPEC_FILE,
+        "$comment": (f"{GENERATED_BY} The job spec of cmd.submit, as a person writes it. Beyond this schema "
+                     "admission checks the tenant's policy, the cluster's capacity and a payload of at most "
+                     "64 KiB (job.rejected names the field and the code)."),
+        "title": "JobSpec",
+        "description": ("A job: what it needs per replica, how many replicas (a gang: all or none), its queue, "
+                        "priority and limits, and for the sim driver how it behaves. `name` and `tenant` are "
+                        "required (a tenant's credentials fill `tenant` in the CLI and SDK)."),
+        "examples": examples,
+    })
+    return schema
 
 
 def type_schema(type_name: str) -> dict[str, Any]:
@@ -254,6 +349,11 @@ def type_schema(type_name: str) -> dict[str, Any]:
     root = copy.deepcopy(base)
     root["properties"]["type"] = {"const": type_name, "title": "Type", "type": "string"}
     root["properties"]["payload"] = {"$ref": ref}
+    if type_name == "cmd.submit":  # the raw spec: the user-facing schema, in its own file
+        defs = copy.deepcopy(defs)
+        defs[_def_name(ref)]["properties"]["spec"] = {"$ref": JOBSPEC_FILE, "description": (
+            "the job spec as a person writes it (jobspec.schema.json); admission answers a bad one on the "
+            "job's own subject with job.rejected, one reason per field")}
     root.update({
         "$schema": DRAFT,
         "$comment": f"{GENERATED_BY} Subject: {subject_template(type_name)}",
@@ -481,6 +581,7 @@ def render() -> dict[str, str]:
     """Every file export writes: name -> text."""
     files = {schema_file(t): _json(type_schema(t)) for t in sorted(PAYLOAD_TYPES)}
     files[ENVELOPE_FILE] = _json(envelope_schema())
+    files[JOBSPEC_FILE] = _json(spec_schema())
     files[ASYNCAPI_FILE] = _yaml(asyncapi())
     files[README_FILE] = readme()
     return dict(sorted(files.items()))
