@@ -218,6 +218,8 @@ def service_permissions(services: Sequence[str], inbox_prefix: str) -> dict[str,
         pub += lease_subjects(svc)
         if svc == "telemetry":
             pub.append("fleet.tel.node.*.gpu")  # GPU samples (its own; heartbeats are the executor's)
+        if svc == "admission":  # a command's verdict, on the sender's own inbox (shared/runtime.py REPLY_HEADER)
+            pub += ["_INBOX.tenant.*.>", "_INBOX.admin.>"]
         if svc == ARCHIVE_PROCESS:  # it purges what it has archived first (shared/archive.py), nothing else
             pub.append(f"$JS.API.STREAM.PURGE.{STREAM}")
     sub = [f"{inbox_prefix}.>"]

@@ -215,9 +215,9 @@ class Bus:
         info = await self.js.stream_info(stream)
         return int(info.state.last_seq)
 
-    async def publish(self, env: Envelope, cas: Cas | None = None) -> int:
+    async def publish(self, env: Envelope, cas: Cas | None = None, headers_extra: dict[str, str] | None = None) -> int:
         """Publish one event and wait for its ack; returns the stream sequence."""
-        headers = {"Nats-Msg-Id": env.event_id}
+        headers = {**(headers_extra or {}), "Nats-Msg-Id": env.event_id}
         if otel.TRACING:
             headers.update(otel.inject_headers(env))
         if cas is not None:

@@ -58,6 +58,11 @@ SNAPSHOT_STORE_EVENTS = int(os.environ.get("GPUFLEET_SNAPSHOT_STORE_EVENTS", "20
 SNAPSHOT_STORE_S = float(os.environ.get("GPUFLEET_SNAPSHOT_STORE_S", "60"))
 SNAPSHOT_MIN_S = float(os.environ.get("GPUFLEET_SNAPSHOT_MIN_S", "5"))
 SNAPSHOT_CPU_SHARE = 0.02  # of the wall time, at most, spent taking rollback points
+# A client that wants its command's verdict at once names an inbox of its own in this header; once
+# the verdict is in the log, admission answers there too (docs/clients.md). Best effort: the log
+# is the truth, and a redelivered command may be answered twice.
+REPLY_HEADER = "Gpufleet-Reply"
+_VERDICTS = ("job.admitted", "job.rejected", "job.request_refused", "job.cancel_requested")
 
 
 @dataclass
@@ -230,6 +235,7 @@ class ServiceRuntime(Generic[S]):
         self._stream_created = ""
         self.last_fold = FoldStats()
         self._decided_cas_seq: int | None = None  # what the batch's first capacity decision saw
+        self._replies: list[tuple[str, list[Envelope]]] = []  # (inbox, verdicts) of the batch's commands
         self._stop = asyncio.Event()
         # One writer of the state at a time: the consume loop, ticks, refolds and a shell's local
         # outputs (an agent's reconcile or sampling round) take turns.
@@ -443,8 +449,32 @@ class ServiceRuntime(Generic[S]):
             occurred_at=utc(self.clock()), tenant=SYS_TENANT, actor=self.actor, payload=payload,
         )
 
+    def _reply_to(self, msg: Msg) -> str | None:
+        """The inbox a command asks its verdict on, when admission answers it and the inbox is the
+        sender's own (a tenant's `_INBOX.tenant.<t>.`, the admin's `_INBOX.admin.`): never another's."""
+        reply = (msg.headers or {}).get(REPLY_HEADER)
+        if not reply or self.core.name != "admission" or not msg.subject.startswith("fleet.cmd."):
+            return None
+        if self.bus.creds is None:
+            return reply  # a server without identities: nobody to tell apart
+        tenant = msg.subject.split(".")[2]
+        own = "_INBOX.admin." if tenant == SYS_TENANT else f"_INBOX.tenant.{tenant}."
+        return reply if reply.startswith(own) and ">" not in reply and "*" not in reply else None
+
+    async def _send_replies(self) -> None:
+        for reply, answers in self._replies:
+            doc = {"accepted": bool(answers) and all(a.type != "job.rejected" and a.type != "job.request_refused"
+                                                     for a in answers),
+                   "events": [json.loads(a.to_json()) for a in answers]}
+            try:
+                await self.bus.nc.publish(reply, json.dumps(doc).encode())
+            except Exception as exc:  # noqa: BLE001 - best effort: the verdict is in the log
+                log.debug("%s: reply to %s failed (%s)", self.actor, reply, exc)
+        self._replies = []
+
     def _decide_batch(self, msgs: Sequence[Msg]) -> tuple[list[Envelope], list[Msg], list[Msg]]:
         self._decided_cas_seq = None
+        self._replies = []
         outputs: list[Envelope] = []
         good: list[Msg] = []
         bad: list[Msg] = []
@@ -464,7 +494,10 @@ class ServiceRuntime(Generic[S]):
                     self._parsed[seq] = env
             except Exception as exc:  # noqa: BLE001 - any parse failure is a bad message
                 if self._says_bad(msg.subject):
-                    outputs.extend(self._invalid(msg, f"invalid message: {_short(exc)}", validation_errors(exc)))
+                    said = self._invalid(msg, f"invalid message: {_short(exc)}", validation_errors(exc))
+                    outputs.extend(said)
+                    if (reply := self._reply_to(msg)) is not None:
+                        self._replies.append((reply, [e for e in said if e.type in _VERDICTS]))
                 bad.append(msg)
                 if types is not None:
                     types["invalid"] = types.get("invalid", 0) + 1
@@ -477,7 +510,10 @@ class ServiceRuntime(Generic[S]):
                 if not fields:  # a foreign author: a service's fact, nobody to answer
                     outputs.append(self._dead_letter(msg, reason))
                 elif self._says_bad(msg.subject):
-                    outputs.extend(self._invalid(msg, reason, fields))
+                    said = self._invalid(msg, reason, fields)
+                    outputs.extend(said)
+                    if (reply := self._reply_to(msg)) is not None:
+                        self._replies.append((reply, [e for e in said if e.type in _VERDICTS]))
                 bad.append(msg)
                 continue
             if md.num_delivered > MAX_DELIVER:
@@ -487,6 +523,8 @@ class ServiceRuntime(Generic[S]):
             t0 = time.time_ns() if spans is not None else 0
             try:
                 outs = self.engine.deliver(env, seq, self.ctx(env))
+                if (reply := self._reply_to(msg)) is not None:
+                    self._replies.append((reply, [o for o in outs if o.type in _VERDICTS]))
                 if self._decided_cas_seq is None and self.engine.takes_capacity(outs):
                     # The guard is what this decision saw: a rival's write consumed later in the
                     # same batch must fail the CAS, not move the guard past itself.
@@ -530,6 +568,8 @@ class ServiceRuntime(Generic[S]):
                 await asyncio.sleep(NAK_DELAY_S)
                 await self._recover_locked(f"publish failed ({type(exc).__name__}: {exc})")
                 return
+            if self._replies:
+                await self._send_replies()  # (the verdicts are in the log now)
             self.stats.batches += 1
             self.stats.consumed += len(msgs)
             self._committed(len(msgs))

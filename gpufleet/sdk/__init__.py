@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -137,7 +138,7 @@ class Fleet:
     async def close(self) -> None:
         await self.bus.close()
 
-    async def _send(self, env: Envelope, within_s: float = COMMAND_RETRY_S) -> None:
+    async def _send(self, env: Envelope, within_s: float = COMMAND_RETRY_S, headers: dict[str, str] | None = None) -> None:
         """Publish a command and wait for the stream's ack, again for `within_s` while the stream
         does not answer (a cluster electing a new leader, a server restarting): the same command,
         the same Nats-Msg-Id, so the server keeps it once however often it is sent."""
@@ -145,7 +146,7 @@ class Fleet:
         wait = 0.2
         while True:
             try:
-                await self.bus.publish(env)
+                await self.bus.publish(env, headers_extra=headers)
                 return
             except RetryableError:
                 if time.monotonic() + wait > deadline:
@@ -168,6 +169,32 @@ class Fleet:
         job_id = job_id or new_job_id()
         await self._send(submit_envelope(spec, job_id))
         return job_id
+
+    async def submit_for_verdict(self, spec: dict[str, Any], job_id: str | None = None,
+                                 timeout_s: float = 10.0) -> dict[str, Any]:
+        """Submit and wait for admission's verdict on this connection's own inbox (request/reply,
+        header `Gpufleet-Reply`): `{"job_id", "accepted", "events": [job.admitted | job.rejected with
+        its reasons | job.request_refused]}`. The verdict is in the log first; on a timeout the job's
+        events say it (`watch --job`). Raises TimeoutError when no verdict came in `timeout_s`."""
+        from gpufleet.shared.runtime import REPLY_HEADER
+
+        inbox = self.bus.nc.new_inbox()
+        sub = await self.bus.nc.subscribe(inbox, max_msgs=1)
+        try:
+            if self.tenant is not None and spec.get("tenant") is None:
+                spec = {**spec, "tenant": self.tenant}
+            job_id = job_id or new_job_id()
+            if self.tenant is not None and spec.get("tenant") != self.tenant:
+                raise GpufleetError(f"tenant: these credentials are tenant {self.tenant}'s; the spec names "
+                                    f"tenant {spec.get('tenant')!r}")
+            await self._send(submit_envelope(spec, job_id), headers={REPLY_HEADER: inbox})
+            msg = await sub.next_msg(timeout=timeout_s)
+            return {"job_id": job_id, **json.loads(msg.data)}
+        except nats.errors.TimeoutError:
+            raise TimeoutError(f"no verdict on {job_id} within {timeout_s:g}s (the log has it: watch --job)") from None
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
 
     async def cancel(self, job_id: str, tenant: str | None = None, reason: str = "cancelled by user") -> None:
         """Ask to cancel a job, as the caller's own identity: a tenant's credentials cancel on its
