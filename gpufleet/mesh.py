@@ -345,7 +345,8 @@ class Supervisor:
             self.start_infra()
             self.start_services()
             self.write_mesh("starting")
-            wait_services_ready(self.nats_url, timeout_s=60, layout=self.opts.layout, data_dir=self.dir)
+            wait_services_ready(self.nats_url, timeout_s=90, layout=self.opts.layout, data_dir=self.dir,
+                                meanwhile=self.check_children)
             self.write_mesh("running")
             if on_ready:
                 on_ready(self)
@@ -382,8 +383,9 @@ def durables(layout: str) -> set[str]:
 
 
 def wait_services_ready(nats_url: str, timeout_s: float, layout: str = "grouped",
-                        data_dir: Path | None = None) -> None:
-    """Ready = every process's durable consumer exists (each creates it after folding)."""
+                        data_dir: Path | None = None, meanwhile: Any = None) -> None:
+    """Ready = every process's durable consumer exists (each creates it after folding).
+    `meanwhile` runs at each look (the supervisor restarts a service that died starting)."""
     expected = durables(layout)
     import nats
 
@@ -401,6 +403,8 @@ def wait_services_ready(nats_url: str, timeout_s: float, layout: str = "grouped"
                     names = set()
                 if expected <= names:
                     return
+                if meanwhile is not None:
+                    meanwhile()
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"services not ready after {timeout_s}s: missing {expected - names}")
                 await asyncio.sleep(0.2)

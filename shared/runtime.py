@@ -368,10 +368,23 @@ class ServiceRuntime(Generic[S]):
 
     # ---------------------------------------------------------------- consume
 
+    async def _first_fold(self, within_s: float = 60.0) -> int:
+        """The fold on start, again while JetStream does not answer (a cluster still electing the
+        stream's leader, a server restarting), saying so."""
+        deadline = time.monotonic() + within_s
+        while True:
+            try:
+                return await self._refold()
+            except (nats.js.errors.ServiceUnavailableError, nats.errors.TimeoutError) as exc:
+                if time.monotonic() > deadline:
+                    raise
+                log.warning("%s: JetStream does not answer yet (%s); folding again", self.actor, type(exc).__name__)
+                await asyncio.sleep(0.5)
+
     async def start(self) -> None:
         await self.bus.ensure_streams()
         async with self._lock:
-            await self._refold()
+            await self._first_fold()
             await self._open_consumer()
             await self._publish_and_apply(self.engine.start(self.ctx()), evolved=True)
 
@@ -746,7 +759,8 @@ class RuntimeGroup:
     async def start(self) -> None:
         await self.bus.ensure_streams()
         for rt in self.runtimes:
-            await rt.refold()
+            async with rt._lock:
+                await rt._first_fold()
         await self.reopen()
         for rt in self.runtimes:
             await rt._publish_and_apply(rt.engine.start(rt.ctx()), evolved=True)
