@@ -86,6 +86,22 @@ async def _with_fleet(data_dir: str | None, fn: Callable[[Any], Awaitable[T]]) -
         await fleet.close()
 
 
+async def _reading(data_dir: str | None, fn: Callable[[Any], Awaitable[T]], within_s: float = 10.0) -> T:
+    """`_with_fleet` for a command that only reads: again while JetStream does not answer (a
+    cluster electing a leader, a server restarting), for up to `within_s`."""
+    import nats.errors
+    import nats.js.errors
+
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            return await _with_fleet(data_dir, fn)
+        except (nats.js.errors.ServiceUnavailableError, nats.errors.TimeoutError):
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.5)
+
+
 # ------------------------------------------------------------------ the mesh
 
 
@@ -349,7 +365,7 @@ def _rows(kind: str, data_dir: str | None, **page: Any) -> list[dict[str, Any]]:
         except Exception as exc:  # noqa: BLE001 - PostgreSQL down or stopped: the log still answers
             typer.echo(f"warning: the read model (PostgreSQL) does not answer ({type(exc).__name__}: {exc}); "
                        "folding the log instead", err=True)
-    view = _run(_with_fleet(data_dir, lambda f: f.fold()))
+    view = _run(_reading(data_dir, lambda f: f.fold()))
     rows = list(view.as_json()[kind])
     if kind == "jobs":  # the same filter and page as the read model's query
         rows = [r for r in rows if (page.get("tenant") is None or r["tenant"] == page["tenant"])
@@ -444,7 +460,7 @@ def replay(data_dir: DataDir = None, as_json: JsonOut = False,
         _what_if(data_dir, what_if, as_json)
         return
     at = _parse_time(until) if until else None
-    doc = _run(_with_fleet(data_dir, lambda f: f.state_at(until_seq=seq, until_time=at)))
+    doc = _run(_reading(data_dir, lambda f: f.state_at(until_seq=seq, until_time=at)))
     if as_json:
         _print_json(doc)
         return
@@ -636,7 +652,7 @@ def audit(data_dir: DataDir = None, as_json: JsonOut = False,
 @app.command()
 def explain(job_id: str, data_dir: DataDir = None, as_json: JsonOut = False) -> None:
     """The job's timeline: each event with its sequence, time, actor and cause."""
-    doc = _run(_with_fleet(data_dir, lambda f: f.explain(job_id)))
+    doc = _run(_reading(data_dir, lambda f: f.explain(job_id)))
     if doc is None:
         typer.echo(f"no events for job {job_id}", err=True)
         raise typer.Exit(1)

@@ -138,7 +138,12 @@ class ViewSnapshots:
         sequence; older ones are tried when a newer does not; None when there is none."""
         if self.key is None:
             return None
-        for p in reversed(await self.points()):
+        try:
+            points = await self.points()
+        except Exception as exc:  # noqa: BLE001 - an optimisation: the log holds everything
+            log.warning("view snapshots unreadable (%s: %s); folding from sequence 1", type(exc).__name__, exc)
+            return None
+        for p in reversed(points):
             if (until_seq is not None and p.seq > until_seq) or (until_ms is not None and p.stored_ms > until_ms):
                 continue
             board = await self.load(p)

@@ -340,6 +340,23 @@ def spec_schema() -> dict[str, Any]:
     return schema
 
 
+SPEC_DEF = "UserJobSpec"
+
+
+def _spec_defs() -> dict[str, Any]:
+    """jobspec.schema.json as $defs of another document: its own $defs renamed `UserJobSpec_<name>`
+    (the events' `Resources` is the normalised form; these are what a person writes)."""
+    spec = spec_schema()
+    inner = spec.pop("$defs", {})
+    for k in ("$schema", "$id", "$comment", "examples"):
+        spec.pop(k, None)
+    text = json.dumps({SPEC_DEF: spec, **{f"{SPEC_DEF}_{n}": d for n, d in inner.items()}})
+    for n in inner:
+        text = text.replace(f'"#/$defs/{n}"', f'"#/$defs/{SPEC_DEF}_{n}"')
+    out: dict[str, Any] = json.loads(text)
+    return out
+
+
 def type_schema(type_name: str) -> dict[str, Any]:
     """The envelope of one message type: `type` is that const, `payload` that model."""
     base = _base()
@@ -349,11 +366,12 @@ def type_schema(type_name: str) -> dict[str, Any]:
     root = copy.deepcopy(base)
     root["properties"]["type"] = {"const": type_name, "title": "Type", "type": "string"}
     root["properties"]["payload"] = {"$ref": ref}
-    if type_name == "cmd.submit":  # the raw spec: the user-facing schema, in its own file
+    if type_name == "cmd.submit":  # the raw spec: the user-facing schema (also jobspec.schema.json), inlined
         defs = copy.deepcopy(defs)
-        defs[_def_name(ref)]["properties"]["spec"] = {"$ref": JOBSPEC_FILE, "description": (
-            "the job spec as a person writes it (jobspec.schema.json); admission answers a bad one on the "
-            "job's own subject with job.rejected, one reason per field")}
+        defs.update(_spec_defs())
+        defs[_def_name(ref)]["properties"]["spec"] = {"$ref": f"#/$defs/{SPEC_DEF}", "description": (
+            "the job spec as a person writes it (also jobspec.schema.json); admission answers a bad one on "
+            "the job's own subject with job.rejected, one reason per field")}
     root.update({
         "$schema": DRAFT,
         "$comment": f"{GENERATED_BY} Subject: {subject_template(type_name)}",

@@ -219,8 +219,7 @@ def test_every_type_has_a_standalone_documented_schema() -> None:
         assert s["description"] == " ".join((cls.__doc__ or "").split())
         assert s["properties"]["type"]["const"] == t
         refs = set(re.findall(r'"\$ref": "([^"]+)"', json.dumps(s)))
-        assert all((r.startswith("#/$defs/") and r.removeprefix("#/$defs/") in s["$defs"])
-                   or (r == schema.JOBSPEC_FILE and (DOCS / r).is_file()) for r in refs), refs
+        assert all(r.startswith("#/$defs/") and r.removeprefix("#/$defs/") in s["$defs"] for r in refs), refs
 
 
 @pytest.mark.parametrize("t", TYPES)

@@ -61,5 +61,13 @@ def test_the_schema_file_is_exported_and_cmd_submit_points_at_it() -> None:
     assert on_disk == spec_schema()
     submit = type_schema("cmd.submit")
     spec = next(d for d in submit["$defs"].values() if "spec" in d.get("properties", {}))["properties"]["spec"]
-    assert spec["$ref"] == JOBSPEC_FILE
+    assert spec["$ref"] == "#/$defs/UserJobSpec"  # the same schema, inlined: the file stands alone
+    inlined = jsonschema.Draft202012Validator(submit)
+    good = {"event_id": "01KDWQT620000000000000YGJ0", "type": "cmd.submit", "schema_version": 1,
+            "occurred_at": "2026-01-01T00:00:00Z", "tenant": "acme", "actor": "acme/cli",
+            "payload": {"job_id": "j1", "type": "cmd.submit", "spec": {"name": "a", "tenant": "acme",
+                                                                      "resources": {"cpu": "500m"}}}}
+    assert inlined.is_valid(good)
+    assert not inlined.is_valid({**good, "payload": {**good["payload"], "spec": {"name": "a", "tenant": "acme",
+                                                                                "resources": {"cpu_milli": 500}}}})
     assert set(on_disk["required"]) == {"name", "tenant"} and on_disk["additionalProperties"] is False
