@@ -368,7 +368,7 @@ async def audit_log(bus: Any, config: ClusterConfig | None = None, pending_grace
 
     from gpufleet.shared.events import STREAM, parse_envelope
     from gpufleet.shared.log import read_stream
-    from gpufleet.shared.snapshots import SnapshotRefused, bucket_for, decode, open_bucket, take
+    from gpufleet.shared.snapshots import SnapshotStore, take
 
     try:
         info = await bus.js.stream_info(STREAM)
@@ -383,21 +383,12 @@ async def audit_log(bus: Any, config: ClusterConfig | None = None, pending_grace
     facts.archived_to = archive.archived_to if archive is not None else 0
     creds = getattr(bus, "creds", None)
     key = creds.snapshot_key(AUDIT) if creds is not None else None
-    state, from_seq, obs = None, 0, None
-    if key is not None:
-        obs = await open_bucket(bus, bucket_for(AUDIT), True, "the audit's record (gpufleet/audit.py)")
-        if not full:
-            try:
-                res = await obs.get(AUDIT)
-                snap = decode(res.data or b"", key, _AuditKind(), AuditState(), created)
-                if snap.seq <= facts.last_seq:
-                    state, from_seq = snap.state(), snap.seq
-            except (nats.js.errors.NotFoundError, nats.js.errors.ObjectNotFoundError):
-                pass
-            except SnapshotRefused as exc:
-                import logging
-
-                logging.getLogger(__name__).warning("audit: its record refused (%s); auditing the whole log", exc)
+    state, from_seq = None, 0
+    store = SnapshotStore(bus, _AuditKind(), key) if key is not None else None
+    if store is not None and not full:
+        snap = await store.load(AuditState(), created)  # (one that does not check out: logged, audited in full)
+        if snap is not None and snap.seq <= facts.last_seq:
+            state, from_seq = snap.state(), snap.seq
     auditor = Auditor(config, pending_grace_s, state)
     async for msgs in read_stream(bus, ("fleet.>",), from_seq=from_seq + 1, until_seq=facts.last_seq):
         for msg in msgs:
@@ -412,7 +403,6 @@ async def audit_log(bus: Any, config: ClusterConfig | None = None, pending_grace
     for problem in archive.verify() if archive is not None else []:
         report.violations.insert(0, Violation("head", 0, "", "", f"the archive: {problem}"))
     auditor.st.verified_to = max(auditor.st.verified_to, facts.last_seq)
-    if obs is not None and key is not None:
-        snap = take(_AuditKind(), auditor.st, auditor.st.verified_to, 0, set(), created)
-        await obs.put(AUDIT, snap.encode(key))
+    if store is not None:
+        await store.save(take(_AuditKind(), auditor.st, auditor.st.verified_to, 0, set(), created))
     return report, from_seq

@@ -30,7 +30,7 @@ from typing import Any
 from gpufleet.dashboard import Board
 from gpufleet.shared.engine import refusal
 from gpufleet.shared.events import STREAM, parse_envelope
-from gpufleet.shared.snapshots import SnapshotRefused, bucket_for, decode, open_bucket, take
+from gpufleet.shared.snapshots import SnapshotStore, take
 
 log = logging.getLogger(__name__)
 
@@ -79,14 +79,11 @@ class ViewSnapshots:
 
     def __init__(self, bus: Any, key: bytes | None) -> None:
         self.bus, self.key = bus, key
-        self._obs: Any = None
+        self.store = SnapshotStore(bus, KIND, key)  # (signing, checking, reading and writing the objects)
         self._created: str | None = None
 
     async def _store(self, create: bool) -> Any:
-        if self._obs is None:
-            self._obs = await open_bucket(self.bus, bucket_for(VIEW), create,
-                                          "snapshots of the cluster view (gpufleet/viewsnap.py)")
-        return self._obs
+        return await self.store._store(create)
 
     async def stream_created(self) -> str:
         if self._created is None:
@@ -109,25 +106,15 @@ class ViewSnapshots:
         return sorted(pts, key=lambda p: p.seq)
 
     async def save(self, board: Board, seq: int, stored_ms: int) -> Point:
-        obs = await self._store(create=True)
         snap = take(KIND, stripped(board), seq, 0, set(), await self.stream_created())
         point = Point(seq, stored_ms, object_name(seq, stored_ms))
-        await obs.put(point.name, snap.encode(self.key))
+        await self.store.save(snap, point.name)
         return point
 
     async def load(self, point: Point) -> Board | None:
         """The board of a stored point, checked; None (the reason logged) if it does not check out."""
-        obs = await self._store(create=False)
-        if obs is None:
-            return None
-        try:
-            res = await obs.get(point.name)
-            snap = decode(res.data or b"", self.key, KIND, Board(), await self.stream_created())
-        except SnapshotRefused as exc:
-            log.warning("view snapshot %s refused: %s", point.name, exc)
-            return None
-        except Exception as exc:  # noqa: BLE001 - an optimisation: the log holds everything
-            log.warning("view snapshot %s unreadable (%s: %s)", point.name, type(exc).__name__, exc)
+        snap = await self.store.load(Board(), await self.stream_created(), point.name)
+        if snap is None:
             return None
         board: Board = snap.state()
         board.view.seq = max(board.view.seq, snap.seq)

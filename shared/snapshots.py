@@ -135,7 +135,8 @@ async def open_bucket(bus: Any, bucket: str, create: bool, description: str) -> 
 
 
 class SnapshotStore:
-    """A core's snapshots in its JetStream object store bucket."""
+    """A core's snapshots in its JetStream object store bucket (`SNAP_<name>`), one object per
+    point: `<name>` for a core's newest, others by name (the view's points, shared by its readers)."""
 
     def __init__(self, bus: Any, core: Any, key: bytes | None) -> None:
         self.bus, self.core, self.key = bus, core, key
@@ -147,19 +148,20 @@ class SnapshotStore:
                                           f"snapshots of the {self.core.name} core's state (shared/snapshots.py)")
         return self._obs
 
-    async def save(self, snap: Snapshot) -> None:
+    async def save(self, snap: Snapshot, name: str | None = None) -> None:
         obs = await self._store(create=True)
-        await obs.put(self.core.name, snap.encode(self.key))
+        await obs.put(name or self.core.name, snap.encode(self.key))
 
-    async def load(self, state_template: Any, stream_created: str) -> Snapshot | None:
-        """The newest stored snapshot if it checks out; None (with the reason logged) if not."""
+    async def load(self, state_template: Any, stream_created: str, name: str | None = None) -> Snapshot | None:
+        """The stored snapshot (the newest, or object `name`) if it checks out; None (with the
+        reason logged) if not."""
         import nats.js.errors
 
         try:
             obs = await self._store(create=False)
             if obs is None:
                 return None
-            res = await obs.get(self.core.name)
+            res = await obs.get(name or self.core.name)
         except (nats.js.errors.NotFoundError, nats.js.errors.ObjectNotFoundError, nats.js.errors.BucketNotFoundError):
             return None
         except Exception as exc:  # noqa: BLE001 - a snapshot is an optimisation: fold in full
