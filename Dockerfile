@@ -3,7 +3,7 @@
 #
 #   docker build -t gpufleet:dev .
 #   docker run --rm gpufleet:dev gpufleet.services.placer --nats-url nats://nats-1:4222
-#   docker run --rm gpufleet:dev gpufleet.shared.readmodel --nats nats://nats-1:4222 --dsn postgresql://...
+#   docker run --rm gpufleet:dev gpufleet.shared.read.readmodel --nats nats://nats-1:4222 --dsn postgresql://...
 #   docker run --rm gpufleet:dev gpufleet.cli --help
 #
 # See deploy/README.md for docker-compose.yml and the Kubernetes manifests.
@@ -22,7 +22,7 @@ WORKDIR /src
 # services/, deploy/healthcheck.py, README/LICENSE if present).
 COPY . .
 RUN /opt/gpufleet/bin/pip install . \
- && /opt/gpufleet/bin/python -c "import gpufleet.shared.service, gpufleet.shared.readmodel, gpufleet.services.placer.core"
+ && /opt/gpufleet/bin/python -c "import gpufleet.shared.runtime.service, gpufleet.shared.read.readmodel, gpufleet.services.placer.core"
 
 # ---------------------------------------------------------------- runtime
 FROM ${PYTHON_IMAGE}
@@ -40,7 +40,7 @@ RUN groupadd --system --gid 10001 gpufleet \
             --shell /usr/sbin/nologin gpufleet
 USER 10001:10001
 WORKDIR /home/gpufleet
-# The services handle SIGTERM themselves (shared/service.py) and stop cleanly; docker-compose.yml
+# The services handle SIGTERM themselves (shared/runtime/service.py) and stop cleanly; docker-compose.yml
 # adds an init process (init: true) in front of them.
 ENTRYPOINT ["python", "-m"]
 CMD ["gpufleet.cli", "--help"]

@@ -48,7 +48,7 @@ bench: install
 	$(GPUFLEET) bench e2e --sim-nodes 5000 --jobs 20000
 
 schema: install
-	$(PY) -m gpufleet.shared.schema docs/schemas
+	$(PY) -m gpufleet.shared.contract.schema docs/schemas
 
 clean:
 	rm -rf $(VENV) .gpufleet .pytest_cache .ruff_cache .mypy_cache .typecheck

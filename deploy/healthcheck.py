@@ -2,12 +2,12 @@
 
     python /opt/gpufleet-deploy/healthcheck.py SERVICE [--durable NAME] [--timeout S]
 
-A service creates its durable consumer only after it has folded the stream (shared/runtime.py),
+A service creates its durable consumer only after it has folded the stream (shared/runtime/loop.py),
 so "the consumer is there" means "it started, folded and consumes". The durable is named as the
 runtime names it: SERVICE for instance "0", SERVICE-INSTANCE otherwise (instance from
 GPUFLEET_INSTANCE); the read-model projector's durable is "readmodel" (pass --durable).
 NATS comes from GPUFLEET_NATS_URL; a comma-separated list of URLs is accepted here. It connects
-as the service does: the identity in GPUFLEET_CREDS (a gpufleet credentials file, shared/authz.py)
+as the service does: the identity in GPUFLEET_CREDS (a gpufleet credentials file, shared/trust/authz.py)
 and, on a server that requires TLS (tls://...), trusting the CA that SSL_CERT_FILE names.
 
 Exit 0: healthy. Exit 1: NATS unreachable or the consumer missing (the reason on stderr).

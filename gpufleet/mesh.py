@@ -21,7 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gpufleet.shared.authz import (
+from gpufleet.shared.contract.config import MESH_FILE, data_dir, write_private
+from gpufleet.shared.embedded.procs import free_port, pid_alive, start_nats, stop_process
+from gpufleet.shared.trust.authz import (
     ADMIN,
     NATS_CONF,
     Realm,
@@ -31,8 +33,6 @@ from gpufleet.shared.authz import (
     nats_config,
     write_nats_config,
 )
-from gpufleet.shared.config import MESH_FILE, data_dir, write_private
-from gpufleet.shared.procs import free_port, pid_alive, start_nats, stop_process
 
 log = logging.getLogger("gpufleet.mesh")
 
@@ -137,7 +137,7 @@ class Supervisor:
 
     def start_infra(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
-        from gpufleet.shared.archive import ARCHIVE_DIR_ENV, RETENTION_ENV
+        from gpufleet.shared.runtime.archive import ARCHIVE_DIR_ENV, RETENTION_ENV
 
         # the stream's config (no purge unless a retention is set), every reader and the archive
         # process read these; the children inherit them
@@ -147,7 +147,7 @@ class Supervisor:
         else:
             os.environ.pop(RETENTION_ENV, None)
         if self.opts.config is not None:
-            from gpufleet.shared.clusterconfig import load_config
+            from gpufleet.shared.contract.clusterconfig import load_config
 
             load_config(self.opts.config)  # refuse a bad config before anything starts
             self.config_path = self.dir / "cluster.yaml"
@@ -162,7 +162,7 @@ class Supervisor:
         self.logs.mkdir(exist_ok=True)
         port = self.opts.nats_port or free_port()
         # identities for every service process, the admin and the configured tenants; the server
-        # admits only them, each with the permissions shared/authz.py generates (docs/security.md)
+        # admits only them, each with the permissions shared/trust/authz.py generates (docs/security.md)
         self.realm = ensure_realm(self.dir, tenants=self._config_tenants())
         if self.opts.nats_cluster > 1:
             self._start_cluster()
@@ -175,7 +175,7 @@ class Supervisor:
                  len(self.realm.identities), self.realm.creds_dir)
         asyncio.run(_create_streams(self.nats_url, self.realm.creds_path(ADMIN)))
         if self.opts.postgres:
-            from gpufleet.shared.pg import EmbeddedPostgres
+            from gpufleet.shared.embedded.pg import EmbeddedPostgres
 
             self.pg = EmbeddedPostgres(self.dir / "postgres", self.opts.pg_port or free_port())
             self.pg.start()
@@ -185,14 +185,14 @@ class Supervisor:
     def _config_tenants(self) -> list[str]:
         if self.opts.config is None:
             return []
-        from gpufleet.shared.clusterconfig import load_config
+        from gpufleet.shared.contract.clusterconfig import load_config
 
         return sorted(load_config(self.opts.config).tenants)
 
     def _start_cluster(self) -> None:
         """A JetStream cluster of `nats_cluster` servers on loopback (routes between them on
         127.0.0.1: no TLS, the traffic never leaves the machine), FLEET and every bucket at R3."""
-        from gpufleet.shared.authz import cluster_nats_config
+        from gpufleet.shared.trust.authz import cluster_nats_config
 
         assert self.realm is not None
         n = self.opts.nats_cluster
@@ -220,15 +220,15 @@ class Supervisor:
         if self.config_path is not None:
             common += ["--config", str(self.config_path)]
         if services == ("readmodel",):
-            return [py, "-m", "gpufleet.shared.readmodel", "--nats", self.nats_url, "--dsn", self.pg_dsn]
-        if services == ("archive",):  # with a retention: archive, then purge (shared/archive.py)
-            return [py, "-m", "gpufleet.shared.archive", "--nats-url", self.nats_url, "--log-level", self.opts.log_level]
-        if services == ("view",):  # view snapshots, at a low priority (gpufleet/viewsnap.py)
-            return [py, "-m", "gpufleet.viewsnap", "--nats-url", self.nats_url, "--log-level", self.opts.log_level]
+            return [py, "-m", "gpufleet.shared.read.readmodel", "--nats", self.nats_url, "--dsn", self.pg_dsn]
+        if services == ("archive",):  # with a retention: archive, then purge (shared/runtime/archive.py)
+            return [py, "-m", "gpufleet.shared.runtime.archive", "--nats-url", self.nats_url, "--log-level", self.opts.log_level]
+        if services == ("view",):  # view snapshots, at a low priority (gpufleet/tools/viewsnap.py)
+            return [py, "-m", "gpufleet.tools.viewsnap", "--nats-url", self.nats_url, "--log-level", self.opts.log_level]
         if len(services) == 1:
             argv = [py, "-m", f"gpufleet.services.{services[0]}", *common]
         else:
-            argv = [py, "-m", "gpufleet.shared.service", *services, *common]
+            argv = [py, "-m", "gpufleet.shared.runtime.service", *services, *common]
         if "executor" in services and self.opts.driver != "sim":
             argv += ["--driver", self.opts.driver, "--data-dir", str(self.dir)]
         elif "executor" in services:
@@ -251,7 +251,7 @@ class Supervisor:
     def start_services(self) -> None:
         groups = [*LAYOUTS[self.opts.layout], *([("readmodel",)] if self.opts.postgres else []), ("view",),
                   *([("archive",)] if self.opts.retention else [])]
-        from gpufleet.shared.lease import LEASED
+        from gpufleet.shared.runtime.lease import LEASED
 
         for services in groups:
             name = "+".join(services)
@@ -260,7 +260,7 @@ class Supervisor:
             for i in range(2 if twice else 1):
                 argv = self.child_argv(services)
                 if twice:
-                    # a leased service: one decides, one waits (shared/lease.py); placers: side by side,
+                    # a leased service: one decides, one waits (shared/runtime/lease.py); placers: side by side,
                     # each with its own consumer, their capacity decisions compare-and-set
                     argv += ["--instance", str(i), *(["--lease"] if services[0] in LEASED else [])]
                 child = Child(name if i == 0 else f"{name}@{i}", argv, services)
@@ -359,7 +359,7 @@ class Supervisor:
 
 async def _create_streams(nats_url: str, admin_creds: Path) -> None:
     """The admin creates the streams (a service may not): before any service starts."""
-    from gpufleet.shared.bus import Bus
+    from gpufleet.shared.runtime.bus import Bus
 
     bus = await Bus.connect(nats_url, name="gpufleet-supervisor", creds=admin_creds)
     try:

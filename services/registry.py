@@ -6,8 +6,8 @@ import argparse
 import os
 from typing import Any
 
-from gpufleet.shared.bus import Bus
-from gpufleet.shared.runtime import Core, ServiceRuntime
+from gpufleet.shared.runtime.bus import Bus
+from gpufleet.shared.runtime.loop import Core, ServiceRuntime
 
 SERVICE_NAMES = ("admission", "quota", "placer", "executor", "telemetry", "guardian", "billing", "autoscaler")
 
@@ -15,20 +15,20 @@ SERVICE_NAMES = ("admission", "quota", "placer", "executor", "telemetry", "guard
 def make_core(name: str, args: argparse.Namespace) -> Core[Any]:
     if name == "admission":
         from gpufleet.services.admission.core import AdmissionCore
-        from gpufleet.shared.clusterconfig import load_config
+        from gpufleet.shared.contract.clusterconfig import load_config
         return AdmissionCore(load_config(getattr(args, "config", None)))
     if name == "quota":
         from gpufleet.services.quota.core import QuotaCore
-        from gpufleet.shared.clusterconfig import load_config
+        from gpufleet.shared.contract.clusterconfig import load_config
         return QuotaCore(load_config(getattr(args, "config", None)))
     if name == "placer":
         from gpufleet.services.placer.core import PlacerCore
-        from gpufleet.shared.clusterconfig import load_config
+        from gpufleet.shared.contract.clusterconfig import load_config
         # (placement profile and backfill; the node pools' shapes count as capacity)
         return PlacerCore(load_config(getattr(args, "config", None)))
     if name == "executor":
         from gpufleet.services.executor.core import ExecutorCore
-        from gpufleet.shared.cluster import sim_fleet
+        from gpufleet.shared.node.cluster import sim_fleet
         # (the sim executor is also the `sim` provider of the autoscaler's node pools)
         return ExecutorCore(sim_fleet(getattr(args, "sim_nodes", 4), getattr(args, "node_prefix", "sim"),
                                       getattr(args, "sim_mix", "")), sim_pools=not getattr(args, "no_sim_pools", False))
@@ -37,16 +37,16 @@ def make_core(name: str, args: argparse.Namespace) -> Core[Any]:
         return TelemetryCore()
     if name == "guardian":
         from gpufleet.services.guardian.core import GuardianCore
-        from gpufleet.shared.clusterconfig import load_config
+        from gpufleet.shared.contract.clusterconfig import load_config
         return GuardianCore(load_config(getattr(args, "config", None)))
     if name == "billing":
         from gpufleet.services.billing.core import BillingCore
-        from gpufleet.shared.clusterconfig import load_config
+        from gpufleet.shared.contract.clusterconfig import load_config
         return BillingCore(load_config(getattr(args, "config", None)))
     if name == "autoscaler":
         from gpufleet.services.autoscaler.core import AutoscalerCore
         from gpufleet.services.autoscaler.providers import PROVIDERS
-        from gpufleet.shared.clusterconfig import load_config
+        from gpufleet.shared.contract.clusterconfig import load_config
         return AutoscalerCore(load_config(getattr(args, "config", None)), providers=tuple(PROVIDERS))
     raise ValueError(f"unknown service {name!r}; known: {', '.join(SERVICE_NAMES)}")
 
@@ -76,7 +76,7 @@ def make_sidecar(runtime: ServiceRuntime[Any], bus: Bus) -> Any:
         # close); it shares only the connection
         return Ledger(bus, os.environ["GPUFLEET_PG_DSN"], getattr(runtime.core, "config", None))
     if runtime.core.name == "quota":
-        from gpufleet.shared import otel
+        from gpufleet.shared.runtime import otel
 
         if otel.enabled():
             from gpufleet.services.quota.metrics import QuotaMetrics

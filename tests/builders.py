@@ -16,9 +16,7 @@ from collections.abc import Iterable
 from datetime import UTC, datetime, timedelta
 from typing import Any, Generic, TypeVar
 
-from gpufleet.shared.authz import owner_actor
-from gpufleet.shared.engine import Engine
-from gpufleet.shared.events import (
+from gpufleet.shared.contract.events import (
     SYS_TENANT,
     CancelRequestedCmd,
     Envelope,
@@ -38,9 +36,11 @@ from gpufleet.shared.events import (
     SubmitRequested,
     _Payload,
 )
-from gpufleet.shared.ids import derive_id, ulid
-from gpufleet.shared.runtime import Core, Ctx
-from gpufleet.shared.spec import JobSpec, parse_spec
+from gpufleet.shared.contract.ids import derive_id, ulid
+from gpufleet.shared.contract.spec import JobSpec, parse_spec
+from gpufleet.shared.runtime.engine import Engine
+from gpufleet.shared.runtime.loop import Core, Ctx
+from gpufleet.shared.trust.authz import owner_actor
 
 T0 = datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC)
 T0_MS = int(T0.timestamp() * 1000)
@@ -148,7 +148,7 @@ def event(payload: _Payload, *, tenant: str | None = None, seq: int | None = Non
         kind = str(payload.type)  # type: ignore[attr-defined]
         tenant = SYS_TENANT if kind.startswith(("node.", "sys.")) else "acme"
     job_id = getattr(payload, "job_id", None)
-    if actor is None:  # by default the event is by its type's owner (shared/authz.py)
+    if actor is None:  # by default the event is by its type's owner (shared/trust/authz.py)
         actor = owner_actor(str(payload.type))  # type: ignore[attr-defined]
     return Envelope(
         event_id=event_id(seq), type=payload.type,  # type: ignore[attr-defined]
@@ -249,7 +249,7 @@ def node(node_id: str, gpus: int = 8, model: str = "H100", cpu_milli: int = 64_0
 
 def mig_node(node_id: str, shape: str = "h100mig") -> Envelope:
     """A node.registered fact for a sim shape with GPUs in MIG mode (shared.cluster.MIG_LAYOUTS)."""
-    from gpufleet.shared.cluster import shape_inventory
+    from gpufleet.shared.node.cluster import shape_inventory
 
     return event(NodeRegistered(node_id=node_id, inventory=shape_inventory(shape, node_id)))
 
@@ -268,7 +268,7 @@ def derived(cause: Envelope, key: str | int) -> str:
 
 class Harness(Generic[S]):
     """Given events -> when event -> then events, with the runtime's rules and no NATS: the
-    engine the runtime and the simulator play cores with (shared/engine.py). The input is
+    engine the runtime and the simulator play cores with (shared/runtime/engine.py). The input is
     evolved before the decision, and outputs on the core's own subjects are evolved at once (so
     the next decision sees them)."""
 

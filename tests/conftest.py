@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from gpufleet.shared.authz import ADMIN, Realm, ensure_realm, nats_config, write_nats_config
-from gpufleet.shared.bus import Bus
-from gpufleet.shared.procs import free_port, start_nats, stop_process
+from gpufleet.shared.embedded.procs import free_port, start_nats, stop_process
+from gpufleet.shared.runtime.bus import Bus
+from gpufleet.shared.trust.authz import ADMIN, Realm, ensure_realm, nats_config, write_nats_config
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED_DATA = Path(os.environ.get("GPUFLEET_SHARED", REPO.parent / "shared"))
@@ -21,7 +21,7 @@ TEST_TENANTS = ("acme", "beta")
 
 @pytest.fixture(scope="session")
 def realm(tmp_path_factory: pytest.TempPathFactory) -> Realm:
-    """The identities of the tests' nats-servers, as `gpufleet up` makes them (shared/authz.py):
+    """The identities of the tests' nats-servers, as `gpufleet up` makes them (shared/trust/authz.py):
     made once (20 ms of keys and files), read by every test's server, changed by none."""
     return ensure_realm(tmp_path_factory.mktemp("realm"), tenants=TEST_TENANTS)
 
@@ -60,9 +60,9 @@ async def bus(nats_url: str, request: pytest.FixtureRequest) -> AsyncIterator[Bu
 
 
 async def audit_test_log(b: Bus, request: pytest.FixtureRequest) -> None:
-    from gpufleet.audit import audit
-    from gpufleet.shared.events import parse_envelope
-    from gpufleet.shared.log import read_stream
+    from gpufleet.shared.contract.events import parse_envelope
+    from gpufleet.shared.runtime.log import read_stream
+    from gpufleet.tools.audit import audit
 
     if not b.nc.is_connected:
         return
@@ -91,7 +91,7 @@ import tempfile  # noqa: E402
 
 import asyncpg  # noqa: E402
 
-from gpufleet.shared.pg import EmbeddedPostgres  # noqa: E402
+from gpufleet.shared.embedded.pg import EmbeddedPostgres  # noqa: E402
 
 
 @pytest.fixture

@@ -15,12 +15,12 @@ from gpufleet.services.executor.core import ExecutorCore
 from gpufleet.services.guardian.core import GuardianCore
 from gpufleet.services.placer.core import PlacerCore
 from gpufleet.services.quota.core import QuotaCore
-from gpufleet.shared.bus import Bus
-from gpufleet.shared.cluster import sim_fleet
-from gpufleet.shared.events import CancelRequestedCmd, Envelope, SubmitRequested, parse_envelope, utc
-from gpufleet.shared.ids import derive_id, ulid
-from gpufleet.shared.runtime import Core, ServiceRuntime
-from gpufleet.shared.view import ClusterView, apply
+from gpufleet.shared.contract.events import CancelRequestedCmd, Envelope, SubmitRequested, parse_envelope, utc
+from gpufleet.shared.contract.ids import derive_id, ulid
+from gpufleet.shared.node.cluster import sim_fleet
+from gpufleet.shared.read.view import ClusterView, apply
+from gpufleet.shared.runtime.bus import Bus
+from gpufleet.shared.runtime.loop import Core, ServiceRuntime
 
 
 def new_id() -> str:
@@ -83,7 +83,7 @@ def service_creds(name: str) -> Path | None:
     realm = os.environ.get("GPUFLEET_TEST_REALM")
     if not realm:
         return None
-    from gpufleet.shared.authz import Realm
+    from gpufleet.shared.trust.authz import Realm
 
     p = Realm(Path(realm)).creds_path(f"svc-{name}")
     return p if p.exists() else None

@@ -15,11 +15,11 @@ from gpufleet.services.executor.core import ExecutorCore
 from gpufleet.services.guardian.core import GuardianCore
 from gpufleet.services.placer.core import PlacerCore
 from gpufleet.services.quota.core import QuotaCore
-from gpufleet.shared.bus import Bus
-from gpufleet.shared.cluster import sim_fleet
-from gpufleet.shared.clusterconfig import ClusterConfig, parse_config
-from gpufleet.shared.events import utc
-from gpufleet.shared.ids import derive_id
+from gpufleet.shared.contract.clusterconfig import ClusterConfig, parse_config
+from gpufleet.shared.contract.events import utc
+from gpufleet.shared.contract.ids import derive_id
+from gpufleet.shared.node.cluster import sim_fleet
+from gpufleet.shared.runtime.bus import Bus
 
 from .helpers import cancel_cmd, new_id, read_log, running, submit_cmd, wait_until
 
@@ -223,7 +223,7 @@ async def test_rate_limit_and_pending_cap_name_the_limit_and_spare_other_tenants
 def test_a_bad_cluster_config_names_the_field(text: str) -> None:
     import yaml
 
-    from gpufleet.shared.errors import SpecError
+    from gpufleet.shared.contract.errors import SpecError
 
     with pytest.raises((SpecError, ValueError)) as exc:
         parse_config(yaml.safe_load(text))

@@ -1,4 +1,4 @@
-"""Retention with an archive (shared/archive.py): what leaves FLEET is archived first, only the
+"""Retention with an archive (shared/runtime/archive.py): what leaves FLEET is archived first, only the
 archive process may purge, and replay, audit and every fold read archive + stream as one log."""
 
 from __future__ import annotations
@@ -10,13 +10,13 @@ from typing import Any
 
 import pytest
 
-from gpufleet.audit import audit_log
-from gpufleet.bench_replay import synthetic_log
+from gpufleet.bench.replay import synthetic_log
 from gpufleet.sdk import Fleet
-from gpufleet.shared.archive import ARCHIVE_DIR_ENV, MANIFEST, RETENTION_ENV, Archive, archive_round
-from gpufleet.shared.bus import Bus
-from gpufleet.shared.events import STREAM
-from gpufleet.shared.log import read_stream
+from gpufleet.shared.contract.events import STREAM
+from gpufleet.shared.runtime.archive import ARCHIVE_DIR_ENV, MANIFEST, RETENTION_ENV, Archive, archive_round
+from gpufleet.shared.runtime.bus import Bus
+from gpufleet.shared.runtime.log import read_stream
+from gpufleet.tools.audit import audit_log
 
 from .helpers import wait_until
 

@@ -6,10 +6,8 @@ from typing import Any
 
 import pytest
 
-from gpufleet.audit import audit
-from gpufleet.shared.bus import Bus
-from gpufleet.shared.clusterconfig import parse_config
-from gpufleet.shared.events import (
+from gpufleet.shared.contract.clusterconfig import parse_config
+from gpufleet.shared.contract.events import (
     Envelope,
     JobAdmitted,
     JobExited,
@@ -21,6 +19,8 @@ from gpufleet.shared.events import (
     NodeRegistered,
     Reason,
 )
+from gpufleet.shared.runtime.bus import Bus
+from gpufleet.tools.audit import audit
 
 from .helpers import read_log, running, submit_cmd, wait_until
 from .test_node_cores import INV, NODE, T0, ev, placed, submitted
@@ -124,8 +124,8 @@ async def test_a_real_mesh_log_passes(bus: Bus, nats_url: str) -> None:
 
 
 def test_mig_instances_are_counted_too() -> None:
-    from gpufleet.shared.cluster import shape_inventory
-    from gpufleet.shared.events import JobPlaced, ReplicaAllocation
+    from gpufleet.shared.contract.events import JobPlaced, ReplicaAllocation
+    from gpufleet.shared.node.cluster import shape_inventory
 
     inv = shape_inventory("h100mig", "m0")
     uuid = next(m.uuid for g in inv.gpus for m in g.mig_devices)
@@ -174,9 +174,9 @@ async def test_audit_goes_on_from_its_record_and_reports_what_a_full_audit_does(
     """`gpufleet audit` stores its books at the sequence it checked and reads only the log after
     them next time; the report is the full audit's, a violation before the record included, and a
     tampered record makes a full audit."""
-    from gpufleet.audit import AUDIT, audit_log
-    from gpufleet.bench_replay import synthetic_log
-    from gpufleet.shared.snapshots import bucket_for
+    from gpufleet.bench.replay import synthetic_log
+    from gpufleet.shared.runtime.snapshots import bucket_for
+    from gpufleet.tools.audit import AUDIT, audit_log
 
     first = synthetic_log(700)
     await bus.publish_batch(first[:400])

@@ -22,9 +22,9 @@ from gpufleet.services.autoscaler.pools import pool_inventory, replica_fits_shap
 from gpufleet.services.executor.core import ExecutorCore
 from gpufleet.services.placer.core import PlacerCore
 from gpufleet.services.telemetry.core import Rules, TelemetryCore
-from gpufleet.shared.clusterconfig import parse_config
-from gpufleet.shared.errors import SpecError
-from gpufleet.shared.events import (
+from gpufleet.shared.contract.clusterconfig import parse_config
+from gpufleet.shared.contract.errors import SpecError
+from gpufleet.shared.contract.events import (
     CancelRequestedCmd,
     Envelope,
     JobCancelled,
@@ -50,8 +50,8 @@ from gpufleet.shared.events import (
     ReportLoadCmd,
     SubmitRequested,
 )
-from gpufleet.shared.runtime import Ctx
-from gpufleet.shared.spec import AutoscaleSpec, parse_spec
+from gpufleet.shared.contract.spec import AutoscaleSpec, parse_spec
+from gpufleet.shared.runtime.loop import Ctx
 
 from .builders import (
     T0,

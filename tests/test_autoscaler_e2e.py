@@ -22,10 +22,10 @@ from gpufleet.services.placer.core import PlacerCore
 from gpufleet.services.quota.core import QuotaCore
 from gpufleet.services.telemetry.agent import TelemetryAgent
 from gpufleet.services.telemetry.core import Rules, TelemetryCore
-from gpufleet.shared.bus import Bus
-from gpufleet.shared.cluster import sim_fleet
-from gpufleet.shared.clusterconfig import parse_config
-from gpufleet.shared.events import Envelope, JobScaled, ReportLoadCmd, utc
+from gpufleet.shared.contract.clusterconfig import parse_config
+from gpufleet.shared.contract.events import Envelope, JobScaled, ReportLoadCmd, utc
+from gpufleet.shared.node.cluster import sim_fleet
+from gpufleet.shared.runtime.bus import Bus
 
 from .helpers import (
     agent_running,

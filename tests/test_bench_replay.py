@@ -6,8 +6,8 @@ import json
 import subprocess
 import sys
 
-from gpufleet.bench_replay import synthetic_log
-from gpufleet.shared.view import ClusterView, apply
+from gpufleet.bench.replay import synthetic_log
+from gpufleet.shared.read.view import ClusterView, apply
 
 
 def test_the_synthetic_log_is_a_consistent_history() -> None:

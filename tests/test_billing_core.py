@@ -11,9 +11,9 @@ from gpufleet.services.admission.core import AdmissionCore
 from gpufleet.services.billing import report
 from gpufleet.services.billing.core import BillingCore
 from gpufleet.services.billing.pricing import mig_share
-from gpufleet.shared.clusterconfig import ClusterConfig, parse_config
-from gpufleet.shared.errors import SpecError
-from gpufleet.shared.events import (
+from gpufleet.shared.contract.clusterconfig import ClusterConfig, parse_config
+from gpufleet.shared.contract.errors import SpecError
+from gpufleet.shared.contract.events import (
     Envelope,
     JobExited,
     JobIdleDetected,
@@ -357,7 +357,7 @@ def test_the_bill_by_gpu_model_counts_each_interval_once_in_the_total() -> None:
 
 def test_an_ended_job_leaves_only_its_id_and_its_late_copies_count_nothing() -> None:
     from gpufleet.services.billing.core import ENDED_KEPT_S
-    from gpufleet.shared.events import JobSucceeded
+    from gpufleet.shared.contract.events import JobSucceeded
 
     h = harness().given(node("n1"), submitted(make_job().queue("q1"), "j1"))
     p1, s1, e1 = placed_share("j1", 1000), start("j1", timedelta(0)), exit_("j1", H, reason="preempted")
@@ -391,7 +391,7 @@ def test_an_ended_job_leaves_only_its_id_and_its_late_copies_count_nothing() -> 
 
 
 def test_many_jobs_leave_nothing_once_ended_and_forgotten() -> None:
-    from gpufleet.shared.events import JobRejected, JobSucceeded
+    from gpufleet.shared.contract.events import JobRejected, JobSucceeded
 
     h = harness().given(node("n1"))
     for i in range(200):
@@ -455,7 +455,7 @@ def types_of(out: list[Envelope]) -> list[str]:
 def test_the_example_cluster_config_has_prices_and_budgets() -> None:
     from pathlib import Path
 
-    from gpufleet.shared.clusterconfig import load_config
+    from gpufleet.shared.contract.clusterconfig import load_config
 
     cfg = load_config(Path(__file__).resolve().parent.parent / "examples" / "cluster.yaml")
     assert cfg.prices.gpu("H100") == Decimal("4.10") and cfg.prices.gpu("B200") == Decimal("1.50")
@@ -468,7 +468,7 @@ def test_bench_billing_folds_the_same_log_and_the_state_does_not_grow_with_it() 
     import subprocess
     import sys
 
-    from gpufleet.bench_billing import run
+    from gpufleet.bench.billing import run
 
     small, big = run(3000, 1), run(12000, 1)
     for doc in (small, big):

@@ -22,12 +22,12 @@ from gpufleet.services.executor.core import ExecutorCore
 from gpufleet.services.guardian.core import GuardianCore
 from gpufleet.services.placer.core import PlacerCore
 from gpufleet.services.quota.core import QuotaCore
-from gpufleet.shared.bus import Bus
-from gpufleet.shared.cluster import sim_fleet
-from gpufleet.shared.clusterconfig import ClusterConfig, parse_config
-from gpufleet.shared.events import Envelope, JobExited, JobStarted, JobSucceeded
-from gpufleet.shared.pg import EmbeddedPostgres
-from gpufleet.shared.spec import parse_spec
+from gpufleet.shared.contract.clusterconfig import ClusterConfig, parse_config
+from gpufleet.shared.contract.events import Envelope, JobExited, JobStarted, JobSucceeded
+from gpufleet.shared.contract.spec import parse_spec
+from gpufleet.shared.embedded.pg import EmbeddedPostgres
+from gpufleet.shared.node.cluster import sim_fleet
+from gpufleet.shared.runtime.bus import Bus
 
 from .builders import T0, event, make_job, node, placed, started, submitted
 from .helpers import job_status, read_log, running, submit_cmd, wait_until

@@ -11,10 +11,10 @@ from gpufleet.services.billing import report
 from gpufleet.services.billing.wait import expected_wait
 from gpufleet.services.placer.core import PlacerCore
 from gpufleet.services.quota.core import QuotaCore
-from gpufleet.shared.bus import subject_matches
-from gpufleet.shared.clusterconfig import ClusterConfig, parse_config
-from gpufleet.shared.events import Envelope, JobPlaced, JobQuotaReserved, ReplicaAllocation
-from gpufleet.shared.spec import JobSpec
+from gpufleet.shared.contract.clusterconfig import ClusterConfig, parse_config
+from gpufleet.shared.contract.events import Envelope, JobPlaced, JobQuotaReserved, ReplicaAllocation
+from gpufleet.shared.contract.spec import JobSpec
+from gpufleet.shared.runtime.bus import subject_matches
 
 from .builders import T0, JobBuilder, admitted, event, make_job, node, submitted
 

@@ -11,10 +11,10 @@ import pytest
 from gpufleet.sdk import checkpoint
 from gpufleet.services.admission.core import AdmissionCore
 from gpufleet.services.guardian.core import GuardianCore
-from gpufleet.shared import checkpoints
-from gpufleet.shared.clusterconfig import parse_config
-from gpufleet.shared.events import JobCheckpointSaved, JobStarted, JobSubmitted, SubmitRequested
-from gpufleet.shared.spec import parse_spec
+from gpufleet.shared.contract.clusterconfig import parse_config
+from gpufleet.shared.contract.events import JobCheckpointSaved, JobStarted, JobSubmitted, SubmitRequested
+from gpufleet.shared.contract.spec import parse_spec
+from gpufleet.shared.node import checkpoints
 
 from .test_node_cores import T0, ctx, ev, fold
 

@@ -24,7 +24,7 @@ def _submit(d: Path, spec: Path, n: int) -> set[str]:
 
 async def _stream_leader(d: Path) -> tuple[str, int]:
     from gpufleet.sdk import Fleet
-    from gpufleet.shared.events import STREAM
+    from gpufleet.shared.contract.events import STREAM
 
     fleet = await Fleet.connect(data_dir=str(d))
     try:
@@ -100,7 +100,7 @@ def test_two_instances_of_every_service_on_the_cluster_lose_nothing_when_one_of_
 
 async def _lease_holder(d: Path, svc: str) -> str:
     from gpufleet.sdk import Fleet
-    from gpufleet.shared.lease import BUCKET
+    from gpufleet.shared.runtime.lease import BUCKET
 
     fleet = await Fleet.connect(data_dir=str(d))
     try:

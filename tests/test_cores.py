@@ -18,9 +18,9 @@ from gpufleet.services.executor.core import EXIT_KILLED, EXIT_TIMEOUT, ExecutorC
 from gpufleet.services.guardian.core import GuardianCore
 from gpufleet.services.placer.core import PlacerCore, PlacerState
 from gpufleet.services.quota.core import QuotaCore
-from gpufleet.shared.clusterconfig import parse_config
-from gpufleet.shared.events import Envelope, JobPlaced
-from gpufleet.shared.runtime import Core
+from gpufleet.shared.contract.clusterconfig import parse_config
+from gpufleet.shared.contract.events import Envelope, JobPlaced
+from gpufleet.shared.runtime.loop import Core
 
 from .builders import (
     T0,

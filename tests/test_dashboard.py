@@ -10,10 +10,7 @@ from typing import Any
 
 import pytest
 
-from gpufleet.dashboard import ADMIN, Tokens, Viewer, serve
-from gpufleet.shared.authz import owner_actor
-from gpufleet.shared.bus import Bus
-from gpufleet.shared.events import (
+from gpufleet.shared.contract.events import (
     Envelope,
     JobPlaced,
     JobPreemptionRequested,
@@ -23,8 +20,11 @@ from gpufleet.shared.events import (
     Reason,
     ReplicaAllocation,
 )
-from gpufleet.shared.procs import free_port
-from gpufleet.shared.spec import parse_spec
+from gpufleet.shared.contract.spec import parse_spec
+from gpufleet.shared.embedded.procs import free_port
+from gpufleet.shared.runtime.bus import Bus
+from gpufleet.shared.trust.authz import owner_actor
+from gpufleet.tools.dashboard import ADMIN, Tokens, Viewer, serve
 
 from .test_node_cores import INV, NODE, T0, ev, placed, submitted
 
@@ -107,8 +107,7 @@ async def test_state_job_page_and_live_events(bus: Bus, nats_url: str) -> None:
 
 
 def test_board_keeps_gpu_shares_and_quota_straight() -> None:
-    from gpufleet.dashboard import Board
-    from gpufleet.shared.events import (
+    from gpufleet.shared.contract.events import (
         JobExited,
         JobPlaced,
         JobQuotaReserved,
@@ -116,6 +115,7 @@ def test_board_keeps_gpu_shares_and_quota_straight() -> None:
         Reason,
         ReplicaAllocation,
     )
+    from gpufleet.tools.dashboard import Board
 
     def share(job: str) -> Any:
         return ev(JobPlaced(job_id=job, allocations=(ReplicaAllocation(replica=0, node_id=NODE, gpu_indices=(0,),
@@ -132,7 +132,7 @@ def test_board_keeps_gpu_shares_and_quota_straight() -> None:
 
 
 def test_a_slow_page_holds_only_the_latest_state_and_its_newest_events() -> None:
-    from gpufleet.dashboard import CLIENT_EVENTS, Client
+    from gpufleet.tools.dashboard import CLIENT_EVENTS, Client
 
     c = Client(ADMIN)
     for i in range(CLIENT_EVENTS + 50):
@@ -205,7 +205,7 @@ async def test_the_token_in_the_url_sets_a_strict_http_only_cookie(bus: Bus, nat
 
 
 async def test_admin_sees_every_tenant_and_a_tenant_only_its_own(bus: Bus, nats_url: str, tmp_path: Path) -> None:
-    from gpufleet.dashboard import ensure_admin_token, tenant_token, tokens_path
+    from gpufleet.tools.dashboard import ensure_admin_token, tenant_token, tokens_path
 
     admin = ensure_admin_token(tmp_path)
     acme, globex = tenant_token(tmp_path, "acme"), tenant_token(tmp_path, "globex")
@@ -259,7 +259,7 @@ async def test_admin_sees_every_tenant_and_a_tenant_only_its_own(bus: Bus, nats_
 def test_a_tenant_page_names_no_other_tenants_job() -> None:
     """Another tenant's job id is OTHER wherever it would show: a GPU, a node, a message of the
     tenant's own job ("preempted for job g1"), a field of its event."""
-    from gpufleet.dashboard import Board
+    from gpufleet.tools.dashboard import Board
 
     b = Board()
     envs = [ev(NodeRegistered(node_id=NODE, inventory=INV)), *job_of("acme", "a1", 0, T0 + 1),
@@ -282,7 +282,7 @@ def test_a_tenant_page_names_no_other_tenants_job() -> None:
 
 
 def test_tokens_file_and_command_line_token(tmp_path: Path) -> None:
-    from gpufleet.dashboard import ensure_admin_token, tenant_token, tokens_path
+    from gpufleet.tools.dashboard import ensure_admin_token, tenant_token, tokens_path
 
     admin, acme = ensure_admin_token(tmp_path), tenant_token(tmp_path, "acme")
     tokens = Tokens.of(tmp_path)
@@ -305,7 +305,7 @@ def test_command_prints_a_tenant_url_and_warns_off_loopback(tmp_path: Path) -> N
     from typer.testing import CliRunner
 
     from gpufleet.cli import app
-    from gpufleet.dashboard import exposure_warning, page_url, tenant_token
+    from gpufleet.tools.dashboard import exposure_warning, page_url, tenant_token
 
     out = CliRunner().invoke(app, ["dashboard", "--data-dir", str(tmp_path), "--tenant", "acme", "--port", "9000"])
     assert out.exit_code == 0, out.output

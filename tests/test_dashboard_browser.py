@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from gpufleet.dashboard import Tokens, serve
-from gpufleet.shared.bus import Bus
-from gpufleet.shared.procs import free_port
+from gpufleet.shared.embedded.procs import free_port
+from gpufleet.shared.runtime.bus import Bus
+from gpufleet.tools.dashboard import Tokens, serve
 
 from .helpers import default_cores, nodes_registered, running, submit_cmd, wait_until
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import yaml
 
-from gpufleet.shared.bus import Bus
+from gpufleet.shared.runtime.bus import Bus
 
 from .helpers import default_cores, job_status, read_log, running, submit_cmd, wait_until
 

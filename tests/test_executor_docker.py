@@ -10,8 +10,8 @@ import pytest
 from gpufleet.services.executor.agent import ExecutorAgent
 from gpufleet.services.executor.core import ExecutorCore
 from gpufleet.services.executor.docker_driver import DockerDriver
-from gpufleet.shared.bus import Bus
-from gpufleet.shared.events import NodeInventory
+from gpufleet.shared.contract.events import NodeInventory
+from gpufleet.shared.runtime.bus import Bus
 
 from .dockerd import DockerEngine
 from .helpers import agent_running, cancel_cmd, job_status, read_log, running, submit_cmd, wait_until

@@ -27,9 +27,9 @@ from gpufleet.services.executor.process_driver import ProcessDriver, alive, grou
 from gpufleet.services.guardian.core import GuardianCore
 from gpufleet.services.placer.core import PlacerCore
 from gpufleet.services.quota.core import QuotaCore
-from gpufleet.shared.bus import Bus
-from gpufleet.shared.events import GpuDevice, JobExited, JobStarted, NodeInventory
-from gpufleet.shared.gpu import SimGpuBackend
+from gpufleet.shared.contract.events import GpuDevice, JobExited, JobStarted, NodeInventory
+from gpufleet.shared.node.gpu import SimGpuBackend
+from gpufleet.shared.runtime.bus import Bus
 
 from .helpers import (  # noqa: F401 - job_dir (a fixture), workload_python: tests/test_workload_isolation.py imports them from here
     agent_running,

@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from gpufleet.sdk import Fleet
-from gpufleet.shared.bus import Bus
-from gpufleet.shared.events import JobPreemptionRequested, JobQueued, JobUnschedulable, Reason
-from gpufleet.shared.view import pending_reasons
+from gpufleet.shared.contract.events import JobPreemptionRequested, JobQueued, JobUnschedulable, Reason
+from gpufleet.shared.read.view import pending_reasons
+from gpufleet.shared.runtime.bus import Bus
 
 from .helpers import default_cores, nodes_registered, running, wait_until
 from .test_node_cores import T0, ev, placed, submitted

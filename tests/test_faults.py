@@ -18,9 +18,9 @@ from gpufleet.services.admission.core import AdmissionCore
 from gpufleet.services.guardian.core import GuardianCore
 from gpufleet.services.placer.core import PlacerCore
 from gpufleet.services.quota.core import QuotaCore
-from gpufleet.shared.authz import ADMIN, Realm, nats_config, write_nats_config
-from gpufleet.shared.bus import Bus
-from gpufleet.shared.procs import free_port, start_nats, stop_process
+from gpufleet.shared.embedded.procs import free_port, start_nats, stop_process
+from gpufleet.shared.runtime.bus import Bus
+from gpufleet.shared.trust.authz import ADMIN, Realm, nats_config, write_nats_config
 
 from .builders import node as node_event
 from .helpers import read_log, running, submit_cmd, wait_until
@@ -101,7 +101,7 @@ async def test_a_nats_outage_longer_than_the_lease_loses_no_node(server: Server)
 async def test_the_ledger_reads_on_after_nats_restarts(server: Server, pg: Any) -> None:
     """Its reader is a memory-stored consumer, which a server restart deletes; the fetch then
     fails with 'service unavailable'. It must make a new one and bill what came after."""
-    from gpufleet.shared.clusterconfig import parse_config
+    from gpufleet.shared.contract.clusterconfig import parse_config
 
     from .test_billing_mesh import caught_up, job_events, ledger_lines, publish, run_ledger
 
@@ -131,7 +131,7 @@ async def test_a_client_whose_server_does_not_answer_says_so_within_seconds(tmp_
     """A port that accepts and never speaks (a stopped nats-server) and a closed one: the SDK (and
     so every client command) fails within its deadline, naming the server, without a traceback."""
     from gpufleet.sdk import CONNECT_DEADLINE_S, Fleet
-    from gpufleet.shared.errors import MeshNotRunning
+    from gpufleet.shared.contract.errors import MeshNotRunning
 
     silent = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
     port = silent.sockets[0].getsockname()[1]
@@ -149,11 +149,11 @@ async def test_a_service_started_before_the_streams_waits_for_them(server: Serve
     so, and starts once the admin has created them."""
     import logging
 
-    from gpufleet.shared.runtime import ServiceRuntime
+    from gpufleet.shared.runtime.loop import ServiceRuntime
 
     bus = await Bus.connect(server.url, name="admission", creds=realm.creds_path("svc-admission"))
     rt: ServiceRuntime[Any] = ServiceRuntime(AdmissionCore(), bus)
-    caplog.set_level(logging.WARNING, logger="gpufleet.shared.bus")
+    caplog.set_level(logging.WARNING, logger="gpufleet.shared.runtime.bus")
     task = asyncio.create_task(rt.start())
     await wait_until(lambda: any("waiting for stream FLEET" in r.getMessage() for r in caplog.records), timeout_s=20)
     assert not task.done()

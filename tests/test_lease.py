@@ -1,4 +1,4 @@
-"""Two instances of a service that decides on its own clock (shared/lease.py): the one holding
+"""Two instances of a service that decides on its own clock (shared/runtime/lease.py): the one holding
 the lease decides through the service's shared durable consumer, the other waits; when the
 holder dies the standby takes over within one TTL and goes on from the ack floor: every command
 answered, none twice."""
@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 
 from gpufleet.services.admission.core import AdmissionCore
-from gpufleet.shared import lease as lease_module
-from gpufleet.shared.bus import Bus
-from gpufleet.shared.service import run_core
+from gpufleet.shared.runtime import lease as lease_module
+from gpufleet.shared.runtime.bus import Bus
+from gpufleet.shared.runtime.service import run_core
 
 from .builders import make_job
 from .helpers import read_log, submit_cmd, wait_until
@@ -63,7 +63,7 @@ async def test_the_standby_takes_over_when_the_holder_dies_and_nothing_is_decide
 
 async def test_a_lease_is_held_by_one_instance_and_only_by_its_own_service(
         short_lease: float, bus: Bus, nats_url: str, realm: Any) -> None:
-    from gpufleet.shared.lease import Lease
+    from gpufleet.shared.runtime.lease import Lease
 
     a = await Bus.connect(nats_url, name="a", creds=realm.creds_path("svc-guardian"))
     b = await Bus.connect(nats_url, name="b", creds=realm.creds_path("svc-guardian"))

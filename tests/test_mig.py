@@ -13,12 +13,12 @@ from gpufleet.services.executor.core import ExecutorCore
 from gpufleet.services.guardian.core import GuardianCore
 from gpufleet.services.placer.core import PlacerCore
 from gpufleet.services.quota.core import QuotaCore
-from gpufleet.shared.bus import Bus
-from gpufleet.shared.cluster import MIG_LAYOUTS, shape_inventory, sim_fleet
-from gpufleet.shared.clusterconfig import parse_config
-from gpufleet.shared.errors import SpecError
-from gpufleet.shared.events import JobPlaced, JobQueued, JobQuotaReserved
-from gpufleet.shared.spec import parse_spec
+from gpufleet.shared.contract.clusterconfig import parse_config
+from gpufleet.shared.contract.errors import SpecError
+from gpufleet.shared.contract.events import JobPlaced, JobQueued, JobQuotaReserved
+from gpufleet.shared.contract.spec import parse_spec
+from gpufleet.shared.node.cluster import MIG_LAYOUTS, shape_inventory, sim_fleet
+from gpufleet.shared.runtime.bus import Bus
 
 from .builders import Harness, admitted, exited, make_job, mig_node, node, reserved, submit, submitted, types
 from .helpers import new_id, nodes_registered, read_log, running, submit_cmd, wait_until

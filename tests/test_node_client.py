@@ -18,8 +18,8 @@ from typing import Any
 import jsonschema
 import pytest
 
-from gpufleet.shared.authz import Realm
-from gpufleet.shared.bus import Bus
+from gpufleet.shared.runtime.bus import Bus
+from gpufleet.shared.trust.authz import Realm
 
 from .helpers import default_cores, nodes_registered, running, wait_until
 

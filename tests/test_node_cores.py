@@ -16,8 +16,7 @@ from gpufleet.services.executor.core import (
 )
 from gpufleet.services.executor.drivers import Workload
 from gpufleet.services.telemetry.core import JobUse, Rules, TelemetryCore, TelemetryState, Windows
-from gpufleet.shared.authz import owner_actor
-from gpufleet.shared.events import (
+from gpufleet.shared.contract.events import (
     Envelope,
     GpuDevice,
     JobExited,
@@ -30,9 +29,10 @@ from gpufleet.shared.events import (
     ReplicaAllocation,
     utc,
 )
-from gpufleet.shared.gpu import GpuProcess, GpuSample
-from gpufleet.shared.runtime import Ctx
-from gpufleet.shared.spec import parse_spec
+from gpufleet.shared.contract.spec import parse_spec
+from gpufleet.shared.node.gpu import GpuProcess, GpuSample
+from gpufleet.shared.runtime.loop import Ctx
+from gpufleet.shared.trust.authz import owner_actor
 
 T0 = 1_800_000_000.0
 NODE = "n0"
@@ -45,7 +45,7 @@ def ctx(at: float = T0) -> Ctx:
 
 
 def ev(payload: Payload, at: float = T0, tenant: str = "acme") -> Envelope:
-    """`payload` as its owner service would have said it (shared/authz.py)."""
+    """`payload` as its owner service would have said it (shared/trust/authz.py)."""
     env = ctx(at).emit(payload, tenant=tenant, key=f"{payload.type}:{at}:{getattr(payload, 'replica', 0)}")
     return env.model_copy(update={"actor": owner_actor(env.type)})
 
@@ -211,7 +211,7 @@ def test_lease_expiry_loses_the_node_and_ends_its_replicas_once() -> None:
 
 
 def test_preemption_stops_with_the_grace_it_gives() -> None:
-    from gpufleet.shared.events import JobPreemptionRequested, Reason
+    from gpufleet.shared.contract.events import JobPreemptionRequested, Reason
 
     core, st = executor(submitted("j"), placed("j"), ev(JobStarted(job_id="j", node_id=NODE, driver="process")),
                         ev(JobPreemptionRequested(job_id="j", reason=Reason(code="preempted", message="x"), grace_s=45)))
@@ -221,7 +221,7 @@ def test_preemption_stops_with_the_grace_it_gives() -> None:
 
 def test_placer_ignores_the_late_exit_of_an_earlier_attempt() -> None:
     from gpufleet.services.placer.core import PlacerCore
-    from gpufleet.shared.events import JobQuotaReserved, JobResumeRequested, Reason
+    from gpufleet.shared.contract.events import JobQuotaReserved, JobResumeRequested, Reason
 
     core = PlacerCore()
     RESERVED = JobQuotaReserved(job_id="j", queue="default", cpu_milli=1000, memory_mib=1024, gpus=2)  # noqa: N806
@@ -249,7 +249,7 @@ def test_placer_ignores_the_late_exit_of_an_earlier_attempt() -> None:
 
 
 def test_a_clear_lifts_zombie_and_unclean_but_never_unhealthy() -> None:
-    from gpufleet.shared.events import NodeGpuCleared
+    from gpufleet.shared.contract.events import NodeGpuCleared
 
     core, st = telemetry()
     facts = core.observe(st, Windows(), NODE, [sample(0, 0, xids=(79,)), sample(1, 0)], owners({}), {}, T0, ctx())
@@ -283,7 +283,7 @@ def test_facts_decided_again_get_the_same_ids() -> None:
 
 
 def test_a_resumed_attempt_never_started_here_still_gives_its_allocation_back() -> None:
-    from gpufleet.shared.events import JobResumeRequested, Reason
+    from gpufleet.shared.contract.events import JobResumeRequested, Reason
 
     core, st = executor(submitted("j"), placed("j"))  # placed here, not started yet
     st = fold(core, st, ev(JobResumeRequested(job_id="j", reason=Reason(code="node_lost", message="x"))))
@@ -301,7 +301,7 @@ def test_a_resumed_attempt_never_started_here_still_gives_its_allocation_back() 
 
 def _guardian(job_type: str = "training", **spec: Any) -> tuple[Any, Any]:
     from gpufleet.services.guardian.core import GuardianCore
-    from gpufleet.shared.clusterconfig import parse_config
+    from gpufleet.shared.contract.clusterconfig import parse_config
 
     core = GuardianCore(parse_config({"tenants": {"acme": {"idleAction": "reclaim", "idleReclaimAfter": "60s"}}}))
     st = fold(core, core.initial_state(), submitted("j", type=job_type, **spec), placed("j"),
@@ -310,7 +310,7 @@ def _guardian(job_type: str = "training", **spec: Any) -> tuple[Any, Any]:
 
 
 def test_a_lost_node_during_a_preemption_gives_the_quota_back_anyway() -> None:
-    from gpufleet.shared.events import JobPreemptionRequested, Reason
+    from gpufleet.shared.contract.events import JobPreemptionRequested, Reason
 
     preempt = ev(JobPreemptionRequested(job_id="j", reason=Reason(code="priority", message="x"), by_job_id="p"))
     lost = ev(JobExited(job_id="j", node_id=NODE, exit_code=137, reason="node_lost"), at=T0 + 3)
@@ -325,7 +325,7 @@ def test_a_lost_node_during_a_preemption_gives_the_quota_back_anyway() -> None:
 
 
 def test_an_idle_warning_of_a_run_does_not_reclaim_the_next_one() -> None:
-    from gpufleet.shared.events import JobIdleDetected, JobResumeRequested, Reason
+    from gpufleet.shared.contract.events import JobIdleDetected, JobResumeRequested, Reason
 
     core, st = _guardian()
     st = fold(core, st, ev(JobIdleDetected(job_id="j", gpu_util_pct=1, idle_s=900), at=T0 + 10),
@@ -334,7 +334,7 @@ def test_an_idle_warning_of_a_run_does_not_reclaim_the_next_one() -> None:
 
 
 def test_executor_keeps_a_preemption_stop_across_a_resume_for_another_reason() -> None:
-    from gpufleet.shared.events import JobPreemptionRequested, JobResumeRequested, Reason
+    from gpufleet.shared.contract.events import JobPreemptionRequested, JobResumeRequested, Reason
 
     core, st = executor(submitted("j"), placed("j"), ev(JobStarted(job_id="j", node_id=NODE, driver="process")),
                         ev(JobPreemptionRequested(job_id="j", reason=Reason(code="priority", message="x"))),

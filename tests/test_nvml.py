@@ -18,11 +18,11 @@ from typing import Any
 import pynvml  # type: ignore[import-untyped]
 import pytest
 
-from gpufleet.shared import nvml
-from gpufleet.shared.events import NodeInventory
-from gpufleet.shared.gpu import GpuProcess
-from gpufleet.shared.hostinfo import host_inventory, local_node_inventory, memory_mib, numa_nodes
-from gpufleet.shared.nvml import (
+from gpufleet.shared.contract.events import NodeInventory
+from gpufleet.shared.node import nvml
+from gpufleet.shared.node.gpu import GpuProcess
+from gpufleet.shared.node.hostinfo import host_inventory, local_node_inventory, memory_mib, numa_nodes
+from gpufleet.shared.node.nvml import (
     MIB,
     RawGpu,
     devices_from_raw,
@@ -447,7 +447,7 @@ def test_open_backend_is_none_with_the_reason_when_nvml_cannot_start(
         raise pynvml.NVMLError(pynvml.NVML_ERROR_DRIVER_NOT_LOADED)
 
     monkeypatch.setattr(pynvml, "nvmlInit", no_driver)
-    with caplog.at_level(logging.WARNING, logger="gpufleet.shared.nvml"):
+    with caplog.at_level(logging.WARNING, logger="gpufleet.shared.node.nvml"):
         assert nvml.open_backend() is None
     assert "Driver Not Loaded" in caplog.text and "NVMLError_DriverNotLoaded" in caplog.text
     assert not nvml.nvml_available()
@@ -466,7 +466,7 @@ def _libnvidia_ml_loads() -> bool:
 
 @pytest.mark.skipif(_libnvidia_ml_loads(), reason="this machine has libnvidia-ml (tests/gpu/check_real_gpu.py checks it)")
 def test_open_backend_on_this_gpu_less_machine(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="gpufleet.shared.nvml"):
+    with caplog.at_level(logging.WARNING, logger="gpufleet.shared.node.nvml"):
         assert nvml.open_backend() is None
         inv = local_node_inventory(driver="process")
     assert "NVML Shared Library Not Found" in caplog.text

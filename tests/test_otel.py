@@ -1,5 +1,5 @@
 """OpenTelemetry: one trace per job across the services, trace context in the NATS headers,
-Prometheus metrics over HTTP, and no-op helpers without set-up (shared/otel.py)."""
+Prometheus metrics over HTTP, and no-op helpers without set-up (shared/runtime/otel.py)."""
 
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from gpufleet.services.admission.core import AdmissionCore
-from gpufleet.shared import otel
-from gpufleet.shared.bus import Bus
-from gpufleet.shared.events import STREAM, Envelope, parse_envelope
-from gpufleet.shared.procs import free_port
+from gpufleet.shared.contract.events import STREAM, Envelope, parse_envelope
+from gpufleet.shared.embedded.procs import free_port
+from gpufleet.shared.runtime import otel
+from gpufleet.shared.runtime.bus import Bus
 
 from .helpers import default_cores, job_status, running, submit_cmd, wait_until
 

@@ -11,8 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gpufleet.services.placer.core import PlacerCore, PlacerState
-from gpufleet.shared.clusterconfig import parse_config
-from gpufleet.shared.events import (
+from gpufleet.shared.contract.clusterconfig import parse_config
+from gpufleet.shared.contract.events import (
     GpuDevice,
     JobBackfillReserved,
     JobPlaced,
@@ -216,13 +216,13 @@ def test_backfill_never_delays_the_reserved_job(running: list[tuple[int, int]], 
 
 
 def _ended(job_id: str) -> Any:
-    from gpufleet.shared.events import JobCancelled
+    from gpufleet.shared.contract.events import JobCancelled
 
     return JobCancelled(job_id=job_id, reason="test: did not fit")
 
 
 def test_a_quarantined_gpu_takes_nothing_new_and_what_ran_there_ends_cleanly() -> None:
-    from gpufleet.shared.events import NodeGpuUnhealthy, NodeGpuZombieDetected
+    from gpufleet.shared.contract.events import NodeGpuUnhealthy, NodeGpuZombieDetected
 
     h = Harness(PlacerCore()).given(dgx("d1"))
     (a,) = allocs(place(h, make_job().gpus(1), "before"))
@@ -249,7 +249,7 @@ async def test_gpu_shares_run_side_by_side_through_the_mesh(bus: Any, nats_url: 
     from gpufleet.services.executor.core import ExecutorCore
     from gpufleet.services.guardian.core import GuardianCore
     from gpufleet.services.quota.core import QuotaCore
-    from gpufleet.shared.events import GpuDevice, NodeInventory
+    from gpufleet.shared.contract.events import GpuDevice, NodeInventory
 
     from .helpers import new_id, nodes_registered, read_log, running, submit_cmd, wait_until
 
@@ -288,7 +288,7 @@ def test_no_gpu_is_ever_given_beyond_its_capacity(steps: list[tuple[str, Any, in
     """Random jobs (whole GPUs, shares, CPU-only, gangs), ends and cordons on 4 nodes: the milli
     handed out per GPU never exceeds 1000, CPU and memory never go below zero, and the placer's
     free resources always equal capacity minus what the live allocations hold."""
-    from gpufleet.shared.events import JobSucceeded
+    from gpufleet.shared.contract.events import JobSucceeded
 
     h = Harness(PlacerCore()).given(dgx("d0"), dgx("d1"), node("n2", gpus=2), node("n3", gpus=4, model="A100"))
     live: list[str] = []

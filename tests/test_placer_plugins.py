@@ -237,7 +237,7 @@ def _slice(tmp_path: Path, nodes: int = 120, pods: int = 900) -> tuple[Path, Pat
 
 @needs_trace
 def test_the_benchmark_replays_a_trace_and_fgd_beats_random(tmp_path: Path) -> None:
-    from gpufleet.bench_placement import bench
+    from gpufleet.bench.placement import bench
 
     nodes, pods = _slice(tmp_path)
     doc = bench(pods, nodes, ["random", "bestfit", "fgd"], [42, 43])
@@ -253,7 +253,7 @@ def test_the_benchmark_replays_a_trace_and_fgd_beats_random(tmp_path: Path) -> N
 
 @needs_trace
 def test_the_benchmark_is_deterministic_per_seed(tmp_path: Path) -> None:
-    from gpufleet.bench_placement import bench
+    from gpufleet.bench.placement import bench
 
     nodes, pods = _slice(tmp_path, nodes=60, pods=400)
     a = bench(pods, nodes, ["fgd"], [7])["policies"]["fgd"]
@@ -296,8 +296,8 @@ def test_every_profile_the_config_accepts_exists_and_a_bad_one_names_the_field()
     from typing import get_args
 
     from gpufleet.services.placer.core import PlacerCore
-    from gpufleet.shared.clusterconfig import PlacementConfig, parse_config
-    from gpufleet.shared.errors import SpecError
+    from gpufleet.shared.contract.clusterconfig import PlacementConfig, parse_config
+    from gpufleet.shared.contract.errors import SpecError
 
     names = get_args(PlacementConfig.model_fields["profile"].annotation)
     assert set(names) <= set(profiles())

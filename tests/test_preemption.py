@@ -8,8 +8,8 @@ from datetime import timedelta
 from typing import Any
 
 from gpufleet.services.quota.core import QuotaCore
-from gpufleet.shared.clusterconfig import parse_config
-from gpufleet.shared.events import Envelope, JobPreempted, Reason
+from gpufleet.shared.contract.clusterconfig import parse_config
+from gpufleet.shared.contract.events import Envelope, JobPreempted, Reason
 
 from .builders import T0, Harness, admitted, event, make_job, submitted, types
 

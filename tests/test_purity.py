@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from gpufleet.shared.ids import is_token
+from gpufleet.shared.contract.ids import is_token
 
 SERVICES = Path(__file__).resolve().parent.parent / "services"
 FORBIDDEN = {"nats", "asyncpg", "pynvml", "aiodocker", "time", "random", "uuid", "datetime.datetime.now",

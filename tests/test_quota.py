@@ -17,9 +17,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from gpufleet.services.quota.core import QuotaCore, QuotaState
-from gpufleet.shared.clusterconfig import QueueConfig, parse_config
-from gpufleet.shared.errors import SpecError
-from gpufleet.shared.events import (
+from gpufleet.shared.contract.clusterconfig import QueueConfig, parse_config
+from gpufleet.shared.contract.errors import SpecError
+from gpufleet.shared.contract.events import (
     Envelope,
     JobAdmitted,
     JobCancelled,
@@ -31,8 +31,8 @@ from gpufleet.shared.events import (
     JobSucceeded,
     Reason,
 )
-from gpufleet.shared.ids import derive_id
-from gpufleet.shared.spec import JobSpec
+from gpufleet.shared.contract.ids import derive_id
+from gpufleet.shared.contract.spec import JobSpec
 
 from .builders import T0, Harness, JobBuilder, event, make_job, submitted, types
 

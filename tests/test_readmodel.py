@@ -16,9 +16,7 @@ import asyncpg
 import nats
 import pytest
 
-from gpufleet.shared.authz import owner_actor
-from gpufleet.shared.bus import Bus
-from gpufleet.shared.events import (
+from gpufleet.shared.contract.events import (
     STREAM,
     Envelope,
     GpuDevice,
@@ -36,11 +34,13 @@ from gpufleet.shared.events import (
     Reason,
     ReplicaAllocation,
 )
-from gpufleet.shared.ids import ulid
-from gpufleet.shared.pg import EmbeddedPostgres, PostgresError
-from gpufleet.shared.readmodel import JOB_COLUMNS, NODE_COLUMNS, Projector, ReadModel
-from gpufleet.shared.spec import parse_spec
-from gpufleet.shared.view import ClusterView, JobRow, NodeRow, apply
+from gpufleet.shared.contract.ids import ulid
+from gpufleet.shared.contract.spec import parse_spec
+from gpufleet.shared.embedded.pg import EmbeddedPostgres, PostgresError
+from gpufleet.shared.read.readmodel import JOB_COLUMNS, NODE_COLUMNS, Projector, ReadModel
+from gpufleet.shared.read.view import ClusterView, JobRow, NodeRow, apply
+from gpufleet.shared.runtime.bus import Bus
+from gpufleet.shared.trust.authz import owner_actor
 
 T0 = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
 
@@ -141,7 +141,7 @@ async def stop_projector(projector: Projector, task: asyncio.Task[None]) -> None
 
 
 def test_embedded_postgres_lifecycle(pg_dir: Path) -> None:
-    from gpufleet.shared.procs import free_port
+    from gpufleet.shared.embedded.procs import free_port
 
     server = EmbeddedPostgres(pg_dir / "data", free_port(), fsync=False)
     assert not server.is_running()

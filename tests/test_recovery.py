@@ -27,7 +27,7 @@ from gpufleet.services.guardian.agent import GuardianAgent
 from gpufleet.services.guardian.core import GuardianCore
 from gpufleet.services.placer.core import PlacerCore
 from gpufleet.services.quota.core import QuotaCore
-from gpufleet.shared.bus import Bus
+from gpufleet.shared.runtime.bus import Bus
 
 from .helpers import agent_running, job_status, read_log, running, submit_cmd, wait_until, workload_python
 from .test_telemetry import node, of_type, telemetry, wait_for_type
@@ -126,7 +126,7 @@ async def test_node_lost_mid_run_resumes_elsewhere_from_the_last_checkpoint(
     assert [r.field for r in verified[1].skipped] == [newest.resolve().as_uri()]  # type: ignore[union-attr]
     assert "the manifest says" in verified[1].skipped[0].message  # type: ignore[union-attr]
     # `gpufleet explain` names the interruption and what resumed from where
-    from gpufleet.shared.view import interruptions
+    from gpufleet.shared.read.view import interruptions
 
     (it,) = interruptions([(s, e) for s, e in await read_log(bus) if e.job_id == job_id])
     assert (it.attempt, it.node_id, it.reason, it.next_node) == (1, "a", "node_lost", "b")
@@ -172,7 +172,7 @@ with open(out, "w") as f:
 
 async def test_preempted_training_checkpoints_in_its_grace_and_resumes_later(
         bus: Bus, nats_url: str, tmp_path: Path, job_dir: Path) -> None:
-    from gpufleet.shared.clusterconfig import parse_config
+    from gpufleet.shared.contract.clusterconfig import parse_config
 
     root = job_dir / "ckpt"
     config = parse_config({"queues": {"research": {"nominal": {"gpu": 1}}}})
@@ -218,7 +218,7 @@ async def test_preempted_training_checkpoints_in_its_grace_and_resumes_later(
     high_end = (await of_type(bus, "job.succeeded", high.job_id))[0].occurred_at
     second = [e for e in await of_type(bus, "job.quota_reserved", low.job_id)][-1].occurred_at
     assert second >= high_end and request.occurred_at < high_end
-    from gpufleet.audit import audit
+    from gpufleet.tools.audit import audit
 
     report = audit(await read_log(bus), config, pending_grace_s=0)  # and the log holds every invariant
     assert report.ok, report.violations

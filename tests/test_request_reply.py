@@ -12,8 +12,8 @@ import pytest
 
 from gpufleet.sdk import Fleet
 from gpufleet.services.admission.core import AdmissionCore
-from gpufleet.shared.bus import Bus
-from gpufleet.shared.runtime import REPLY_HEADER
+from gpufleet.shared.runtime.bus import Bus
+from gpufleet.shared.runtime.loop import REPLY_HEADER
 
 from .helpers import new_id, running
 

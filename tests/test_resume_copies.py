@@ -11,8 +11,8 @@ from gpufleet.services.executor.core import ExecutorCore
 from gpufleet.services.guardian.core import GuardianCore
 from gpufleet.services.placer.core import PlacerCore
 from gpufleet.services.quota.core import QuotaCore
-from gpufleet.shared.clusterconfig import parse_config
-from gpufleet.shared.events import (
+from gpufleet.shared.contract.clusterconfig import parse_config
+from gpufleet.shared.contract.events import (
     JobExited,
     JobPlaced,
     JobResumeRequested,
@@ -20,7 +20,7 @@ from gpufleet.shared.events import (
     Reason,
     ReplicaAllocation,
 )
-from gpufleet.shared.subjects import SubjectFilter
+from gpufleet.shared.contract.subjects import SubjectFilter
 
 from .builders import T0, Harness, admitted, event, inventory, make_job, node, quota_reserved, submitted
 
@@ -74,7 +74,7 @@ def test_the_guardian_still_ends_the_job_when_the_running_attempt_exits() -> Non
     log, copy = story()
     h = fold(GuardianCore(), log)
     h.when(copy, T0 + timedelta(seconds=600))
-    assert h.state.attempt["j1"] == 2 and h.state.failures.get("j1", 0) == 0
+    assert h.state.jobs["j1"].attempt == 2 and h.state.jobs["j1"].failures == 0
     out = h.when(event(JobExited(job_id="j1", node_id="n2", exit_code=0, reason="completed", attempt=2)),
                  T0 + timedelta(seconds=700))
     assert [e.type for e in out] == ["job.succeeded"]
@@ -90,7 +90,7 @@ def test_the_executor_does_not_stop_the_running_attempt() -> None:
 
 def test_a_resume_without_an_attempt_still_counts_one_more_run() -> None:
     # logs written before the field existed: each resume is a new run, as before
-    from gpufleet.shared.events import resumed_attempt
+    from gpufleet.shared.contract.events import resumed_attempt
 
     old = JobResumeRequested(job_id="j1", reason=Reason(code="node_lost", message="x"))
     assert resumed_attempt(1, old) == 2 and resumed_attempt(2, old) == 3

@@ -1,4 +1,4 @@
-"""A state that forgets (shared/retention.py): jobs that ended more than the window of log time
+"""A state that forgets (shared/runtime/retention.py): jobs that ended more than the window of log time
 ago are forgotten by every core, so what a core holds does not grow with the jobs ever run."""
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ from typing import Any
 
 import pytest
 
-from gpufleet.bench_replay import synthetic_log
+from gpufleet.bench.replay import synthetic_log
 from gpufleet.services.admission.core import AdmissionCore
 from gpufleet.services.registry import make_core
-from gpufleet.shared.engine import Engine
-from gpufleet.shared.events import Envelope, JobSucceeded, NodeRegistered
-from gpufleet.shared.retention import EndedJobs
+from gpufleet.shared.contract.events import Envelope, JobSucceeded, NodeRegistered
+from gpufleet.shared.runtime.engine import Engine
+from gpufleet.shared.runtime.retention import EndedJobs
 
 from .builders import T0, Harness, event, make_job, submit
 
@@ -66,7 +66,13 @@ def test_a_cores_state_after_many_ended_jobs_past_the_window_is_no_larger_than_a
 def test_telemetry_forgets_rejected_jobs_and_the_idle_spells_of_ended_ones() -> None:
     """A rejected job (never placed) and the idle and starvation spells of a job that ended are not
     kept: after 2,000 such jobs the telemetry state is no larger than after 20."""
-    from gpufleet.shared.events import JobGpuStarved, JobIdleDetected, JobIdleEnded, JobRejected, Reason
+    from gpufleet.shared.contract.events import (
+        JobGpuStarved,
+        JobIdleDetected,
+        JobIdleEnded,
+        JobRejected,
+        Reason,
+    )
 
     from .builders import node, placed, submitted
 
@@ -100,7 +106,7 @@ def test_ended_jobs_forget_in_log_time_and_only_past_the_window() -> None:
 
 
 def test_a_forgotten_ulid_job_id_is_refused_by_its_time() -> None:
-    from gpufleet.shared.ids import ulid
+    from gpufleet.shared.contract.ids import ulid
 
     old = ulid(int((T0 - timedelta(days=3)).timestamp() * 1000), b"\x01" * 10)
     out = Harness(AdmissionCore()).when(submit(make_job(), old), now=T0)
@@ -119,7 +125,7 @@ def test_a_pending_job_costs_each_core_under_2_kb(names: tuple[str, ...]) -> Non
     import gc
     import tracemalloc
 
-    from gpufleet.shared.events import parse_envelope
+    from gpufleet.shared.contract.events import parse_envelope
 
     from .builders import admitted, node, submitted
 
@@ -147,8 +153,8 @@ def test_a_pending_job_costs_each_core_under_2_kb(names: tuple[str, ...]) -> Non
 
 
 def test_compact_specs_share_equal_parts_and_serialise_as_before(monkeypatch: pytest.MonkeyPatch) -> None:
-    from gpufleet.shared import spec as spec_module
-    from gpufleet.shared.spec import parse_spec
+    from gpufleet.shared.contract import spec as spec_module
+    from gpufleet.shared.contract.spec import parse_spec
 
     docs = [{"name": f"j{i}", "tenant": "acme", "resources": {"gpu": 2, "cpu": "4", "mig": {}},
              "sim": {"duration": "1m"}} for i in range(3)]
@@ -167,3 +173,36 @@ def test_compact_specs_share_equal_parts_and_serialise_as_before(monkeypatch: py
         assert s.model_dump_json(by_alias=True) == p.model_dump_json(by_alias=True)
     changed = specs[0].model_copy(update={"priority": 5})
     assert "priority" in changed.model_fields_set and "priority" not in specs[1].model_fields_set
+
+
+def test_the_guardian_forgets_every_fact_of_a_job_when_it_ends() -> None:
+    """One record per job: the checkpoint facts (verified, invalid, overdue, saved), its run, its
+    retry and idle spells all go with it when it ends; only the id stays, in the ended window.
+    (The parallel dicts this replaced left the invalid / overdue sets behind.)"""
+    from gpufleet.services.guardian.core import GuardianCore
+    from gpufleet.shared.contract.events import (
+        JobCheckpointInvalid,
+        JobCheckpointOverdue,
+        JobCheckpointSaved,
+        JobCheckpointVerified,
+        JobStarted,
+        JobSucceeded,
+    )
+
+    from .builders import Harness, event, make_job, node, placed, submitted
+
+    job = make_job("train").type("training").gpus(1).runs("1h")
+    h = Harness(GuardianCore())
+    h.given(node("n1"), submitted(job, "j1"), placed("j1", ("n1", [0])),
+            event(JobStarted(job_id="j1", node_id="n1", attempt=1, driver="process")),
+            event(JobCheckpointVerified(job_id="j1", location="file:///c/j1", attempt=1)),
+            event(JobCheckpointSaved(job_id="j1", uri="file:///c/j1/step-1", step=1, size_bytes=1, sha256="0" * 64)),
+            event(JobCheckpointInvalid(job_id="j1", uri="file:///c/j1/step-2", step=2, reason="partial")),
+            event(JobCheckpointOverdue(job_id="j1", age_s=9.0, limit_s=1.0)))
+    rec = h.state.jobs["j1"]
+    assert rec.verified == {1} and rec.invalid_said == {2} and rec.step == 1 and h.state.watched() == ["j1"]
+    h.given(event(JobSucceeded(job_id="j1")))
+    assert "j1" not in h.state.jobs and "j1" in h.state.ended
+    assert not (h.state.running or h.state.idle or h.state.retrying) and h.state.watched() == []
+    h.given(event(JobCheckpointSaved(job_id="j1", uri="file:///c/j1/step-3", step=3, size_bytes=1, sha256="0" * 64)))
+    assert "j1" not in h.state.jobs, "a late fact about an ended job brought its record back"

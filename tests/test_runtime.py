@@ -18,10 +18,8 @@ from nats.aio.msg import Msg
 from gpufleet.services.admission.core import AdmissionCore
 from gpufleet.services.executor.core import ExecutorCore
 from gpufleet.services.placer.core import PlacerCore
-from gpufleet.shared.bus import Bus, Cas
-from gpufleet.shared.cluster import sim_fleet
-from gpufleet.shared.errors import CasConflict, RetryableError
-from gpufleet.shared.events import (
+from gpufleet.shared.contract.errors import CasConflict, RetryableError
+from gpufleet.shared.contract.events import (
     STREAM,
     TERMINAL_JOB_TYPES,
     Envelope,
@@ -30,7 +28,9 @@ from gpufleet.shared.events import (
     Reason,
     SubmitRequested,
 )
-from gpufleet.shared.runtime import BaseCore, Core, Ctx, ServiceRuntime
+from gpufleet.shared.node.cluster import sim_fleet
+from gpufleet.shared.runtime.bus import Bus, Cas
+from gpufleet.shared.runtime.loop import BaseCore, Core, Ctx, ServiceRuntime
 
 from .builders import event, make_job, node, placed, quota_reserved, submit, submitted
 from .helpers import default_cores, read_log, running, submit_cmd, wait_until
@@ -148,7 +148,7 @@ class CrashBeforeAck(ServiceRuntime[Any]):
 
 class Echo(BaseCore[None]):
     """Decides two facts per submit and folds nothing: only the server's dedupe stops a copy.
-    It stands in for admission (whose facts these are: shared/authz.py)."""
+    It stands in for admission (whose facts these are: shared/trust/authz.py)."""
 
     name = "admission"
     subjects = ("fleet.cmd.*.submit",)

@@ -18,10 +18,10 @@ from gpufleet.services.executor.core import ExecutorCore
 from gpufleet.services.guardian.core import GuardianCore
 from gpufleet.services.placer.core import PlacerCore
 from gpufleet.services.quota.core import QuotaCore
-from gpufleet.shared.bus import Bus
-from gpufleet.shared.cluster import shape_inventory
-from gpufleet.shared.clusterconfig import parse_config
-from gpufleet.shared.view import ClusterView, apply
+from gpufleet.shared.contract.clusterconfig import parse_config
+from gpufleet.shared.node.cluster import shape_inventory
+from gpufleet.shared.read.view import ClusterView, apply
+from gpufleet.shared.runtime.bus import Bus
 
 from .helpers import new_id, read_log, running, submit_cmd, wait_until
 

@@ -15,8 +15,8 @@ import yaml
 from jsonschema import Draft202012Validator
 from pydantic import ValidationError
 
-from gpufleet.shared import schema
-from gpufleet.shared.events import (
+from gpufleet.shared.contract import schema
+from gpufleet.shared.contract.events import (
     PAYLOAD_TYPES,
     BudgetExceeded,
     BudgetThresholdReached,
@@ -69,8 +69,8 @@ from gpufleet.shared.events import (
     ReportLoadCmd,
     SubmitRequested,
 )
-from gpufleet.shared.ids import derive_id, ulid
-from gpufleet.shared.spec import parse_spec
+from gpufleet.shared.contract.ids import derive_id, ulid
+from gpufleet.shared.contract.spec import parse_spec
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "schemas"
 JOB = "job-0001"
@@ -207,7 +207,7 @@ def test_examples_cover_every_type() -> None:
 
 
 def test_docs_schemas_in_sync() -> None:
-    assert schema.check_in_sync(DOCS) == [], "run: .venv/bin/python -m gpufleet.shared.schema docs/schemas"
+    assert schema.check_in_sync(DOCS) == [], "run: .venv/bin/python -m gpufleet.shared.contract.schema docs/schemas"
 
 
 def test_every_type_has_a_standalone_documented_schema() -> None:

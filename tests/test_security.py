@@ -17,10 +17,7 @@ import nats
 import pytest
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from gpufleet.audit import LogFacts, audit
-from gpufleet.shared.authz import ADMIN, OWNERS, SERVICES, Realm, load_creds, subject_pattern
-from gpufleet.shared.bus import Bus
-from gpufleet.shared.events import (
+from gpufleet.shared.contract.events import (
     STREAM,
     GpuDevice,
     JobPlaced,
@@ -30,7 +27,10 @@ from gpufleet.shared.events import (
     ReplicaAllocation,
     parse_envelope,
 )
-from gpufleet.shared.log import scoped, tenant_subscribe
+from gpufleet.shared.runtime.bus import Bus
+from gpufleet.shared.runtime.log import scoped, tenant_subscribe
+from gpufleet.shared.trust.authz import ADMIN, OWNERS, SERVICES, Realm, load_creds, subject_pattern
+from gpufleet.tools.audit import LogFacts, audit
 
 from .builders import event, make_job
 from .helpers import read_log, running, submit_cmd, wait_until
@@ -266,7 +266,7 @@ async def test_a_core_dead_letters_a_fact_by_a_foreign_author(bus: Bus) -> None:
     """The admin may write any subject (the server lets it): a placement it claims for itself, or
     one claiming a tenant as author, is not folded by the executor; both are dead-lettered."""
     from gpufleet.services.executor.core import ExecutorCore
-    from gpufleet.shared.cluster import sim_fleet
+    from gpufleet.shared.node.cluster import sim_fleet
 
     executor = ExecutorCore(sim_fleet(1))
     async with running(_url(bus), [executor]) as rts:
@@ -367,7 +367,7 @@ def test_audit_fails_on_a_gap_and_on_a_missing_head() -> None:
 
 
 async def test_gpufleet_audit_reads_the_streams_own_facts(bus: Bus) -> None:
-    from gpufleet.audit import audit_log
+    from gpufleet.tools.audit import audit_log
 
     await bus.publish(submit_cmd(make_job("a").dict(), "a"))
     report, from_seq = await audit_log(bus, full=True)

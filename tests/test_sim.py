@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 import yaml
 
-from gpufleet.shared.engine import Engine
-from gpufleet.sim import ScenarioError, Simulation, load_scenario, run_file
+from gpufleet.shared.runtime.engine import Engine
+from gpufleet.tools.sim import ScenarioError, Simulation, load_scenario, run_file
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "sim"
 
@@ -66,8 +66,8 @@ def test_bad_scenarios_name_the_field(doc: dict[str, object], message: str) -> N
 def test_what_if_runs_the_recorded_workload_under_another_config() -> None:
     import yaml
 
-    from gpufleet.shared.clusterconfig import parse_config
-    from gpufleet.sim import what_if
+    from gpufleet.shared.contract.clusterconfig import parse_config
+    from gpufleet.tools.sim import what_if
 
     recorded = run_file(EXAMPLES / "seed-story.yaml")
     history = list(enumerate(recorded.log, start=1))
@@ -98,7 +98,7 @@ def test_reclaim_preempts_borrowers_which_resume_and_a_slow_service_catches_up()
 
 
 def test_what_if_on_another_cluster() -> None:
-    from gpufleet.sim import load_scenario, what_if
+    from gpufleet.tools.sim import load_scenario, what_if
 
     recorded = run_file(EXAMPLES / "faults.yaml")
     history = list(enumerate(recorded.log, start=1))
@@ -132,7 +132,7 @@ def test_a_job_that_can_never_run_ends_the_run_instead_of_spinning() -> None:
 
 
 def test_what_if_keeps_failures_as_they_happened() -> None:
-    from gpufleet.sim import scenario_from_log
+    from gpufleet.tools.sim import scenario_from_log
 
     doc = {"nodes": [{"shape": "h100x8", "count": 1}],
            "jobs": [{"name": "bad", "spec": {"resources": {"gpu": 1}, "sim": {"duration": "30s", "exitCode": 3}}}]}
@@ -174,7 +174,7 @@ def test_chaos_from_the_seed_keeps_every_invariant() -> None:
 
 
 def test_what_if_replays_cancels_cordons_and_gpu_faults_as_they_happened() -> None:
-    from gpufleet.sim import scenario_from_log, what_if
+    from gpufleet.tools.sim import scenario_from_log, what_if
 
     recorded = run_file(EXAMPLES / "chaos.yaml")
     history = list(enumerate(recorded.log, start=1))
@@ -206,8 +206,8 @@ def test_the_autoscaler_in_the_simulation_grows_and_shrinks_the_pool_and_follows
 
 
 def test_what_if_a_smaller_pool() -> None:
-    from gpufleet.shared.clusterconfig import parse_config
-    from gpufleet.sim import what_if
+    from gpufleet.shared.contract.clusterconfig import parse_config
+    from gpufleet.tools.sim import what_if
 
     recorded = run_file(EXAMPLES / "autoscale.yaml")
     history = list(enumerate(recorded.log, start=1))
@@ -240,7 +240,7 @@ def test_the_stress_scenario_ends_with_every_invariant_kept(seed: int, chaos: bo
 
 def test_a_decision_loop_is_stopped_and_named() -> None:
     from gpufleet.services.placer.core import PlacerCore
-    from gpufleet.shared.events import JobUnschedulable, Reason
+    from gpufleet.shared.contract.events import JobUnschedulable, Reason
 
     class Chatty(PlacerCore):  # says a new reason about every job it hears of: a loop with itself
         subjects = (*PlacerCore.subjects, "fleet.evt.*.job.*.unschedulable")
@@ -264,7 +264,7 @@ def test_a_decision_loop_is_stopped_and_named() -> None:
 def test_what_if_replays_each_run_as_it_ended() -> None:
     """A job that failed once and then succeeded on its retry does so again in the what-if (it
     was replayed failing every run); sim.runs plays the first runs one by one."""
-    from gpufleet.sim import scenario_from_log, what_if
+    from gpufleet.tools.sim import scenario_from_log, what_if
 
     doc = {"seed": 1, "nodes": [{"shape": "h100x8", "count": 1}],
            "jobs": [{"at": 0, "name": "flaky", "spec": {

@@ -1,4 +1,4 @@
-"""Snapshots (shared/snapshots.py): a start, a lost compare-and-set and a failed publish restore
+"""Snapshots (shared/runtime/snapshots.py): a start, a lost compare-and-set and a failed publish restore
 the last committed point and fold only the tail, with exactly the state a full fold gives."""
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gpufleet.services.admission.core import AdmissionCore
-from gpufleet.shared.bus import Bus
-from gpufleet.shared.events import Envelope
-from gpufleet.shared.runtime import Ctx, ServiceRuntime
-from gpufleet.shared.snapshots import SnapshotRefused, bucket_for, decode, take
-from gpufleet.sim import run_file
+from gpufleet.shared.contract.events import Envelope
+from gpufleet.shared.runtime.bus import Bus
+from gpufleet.shared.runtime.loop import Ctx, ServiceRuntime
+from gpufleet.shared.runtime.snapshots import SnapshotRefused, bucket_for, decode, take
+from gpufleet.tools.sim import run_file
 
 from .builders import make_job
 from .helpers import submit_cmd, wait_until
@@ -38,7 +38,7 @@ def _fold(core: Any, state: Any, log: list[Envelope]) -> Any:
 
 
 def core_wants(core: Any, env: Envelope) -> bool:
-    from gpufleet.shared.subjects import SubjectFilter
+    from gpufleet.shared.contract.subjects import SubjectFilter
 
     return SubjectFilter(core.subjects)(env.subject())
 
@@ -195,10 +195,10 @@ async def test_only_a_cores_own_identity_writes_its_snapshots(nats_url: str, rea
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.sampled_from([5, 1, 7]), cut=st.floats(0.05, 0.95))
 def test_a_view_snapshot_at_any_point_plus_the_tail_is_the_full_fold(seed: int, cut: float) -> None:
-    """The view (gpufleet/viewsnap.py: the board's rows, GPU cells, queue usage and counts) stored
+    """The view (gpufleet/tools/viewsnap.py: the board's rows, GPU cells, queue usage and counts) stored
     at a random point of a stress log and folded on equals the view folded from sequence 1."""
-    from gpufleet.dashboard import Board
-    from gpufleet.viewsnap import KIND, stripped
+    from gpufleet.tools.dashboard import Board
+    from gpufleet.tools.viewsnap import KIND, stripped
 
     log = _sim(seed).log
     k = int(len(log) * cut)

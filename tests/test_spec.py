@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from gpufleet.shared.errors import SpecError
-from gpufleet.shared.spec import (
+from gpufleet.shared.contract.errors import SpecError
+from gpufleet.shared.contract.spec import (
     JobSpec,
     load_spec_yaml,
     parse_cpu_milli,

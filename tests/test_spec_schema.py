@@ -13,9 +13,9 @@ import pytest
 import yaml
 
 from gpufleet.services.admission.core import AdmissionCore
-from gpufleet.shared.errors import SpecError
-from gpufleet.shared.schema import JOBSPEC_FILE, spec_schema, type_schema
-from gpufleet.shared.spec import parse_spec
+from gpufleet.shared.contract.errors import SpecError
+from gpufleet.shared.contract.schema import JOBSPEC_FILE, spec_schema, type_schema
+from gpufleet.shared.contract.spec import parse_spec
 
 from .builders import Harness, submit
 from .test_admission_catalogue import CONFIG, SPECS, job

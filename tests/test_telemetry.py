@@ -19,8 +19,8 @@ from gpufleet.services.placer.core import PlacerCore
 from gpufleet.services.quota.core import QuotaCore
 from gpufleet.services.telemetry.agent import TelemetryAgent
 from gpufleet.services.telemetry.core import Rules, TelemetryCore
-from gpufleet.shared.bus import Bus
-from gpufleet.shared.events import Envelope, GpuDevice, NodeInventory
+from gpufleet.shared.contract.events import Envelope, GpuDevice, NodeInventory
+from gpufleet.shared.runtime.bus import Bus
 
 from .helpers import agent_running, job_status, read_log, running, submit_cmd, wait_until
 
@@ -265,7 +265,7 @@ async def test_on_failure_retries_with_backoff_then_fails(bus: Bus, nats_url: st
 
 
 async def test_idle_jobs_are_warned_then_reclaimed_by_policy(bus: Bus, nats_url: str) -> None:
-    from gpufleet.shared.clusterconfig import parse_config
+    from gpufleet.shared.contract.clusterconfig import parse_config
 
     config = parse_config({"tenants": {"acme": {"idleAction": "reclaim", "idleReclaimAfter": "0.5s"}, "globex": {}}})
     async with AsyncExitStack() as stack:

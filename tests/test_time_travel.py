@@ -7,8 +7,8 @@ import asyncio
 import time
 
 from gpufleet.sdk import Fleet
-from gpufleet.shared.bus import Bus
-from gpufleet.shared.events import NodeRegistered
+from gpufleet.shared.contract.events import NodeRegistered
+from gpufleet.shared.runtime.bus import Bus
 
 from .test_node_cores import INV, T0, ev  # noqa: F401
 
@@ -42,7 +42,7 @@ async def test_fold_until_a_time_and_watch_since_a_time(bus: Bus, nats_url: str)
 async def test_replay_gives_each_gpu_and_each_queue_at_a_sequence(bus: Bus, nats_url: str) -> None:
     """`replay --json` (Fleet.state_at): beside jobs and nodes, which job holds which GPU, and each
     queue's usage, at the head or at any earlier sequence."""
-    from gpufleet.shared.events import JobQuotaReserved
+    from gpufleet.shared.contract.events import JobQuotaReserved
 
     from .test_node_cores import NODE, placed, submitted
 

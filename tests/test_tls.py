@@ -1,5 +1,5 @@
-"""Distributed mode's TLS (issue 14): the test PKI (shared/tls.py, `gpufleet certs make`), the
-cluster config (shared/authz.py `cluster_nats_config`), a real nats-server that requires TLS and
+"""Distributed mode's TLS (issue 14): the test PKI (shared/trust/tls.py, `gpufleet certs make`), the
+cluster config (shared/trust/authz.py `cluster_nats_config`), a real nats-server that requires TLS and
 the generated authorization, and (slow) a 3-node JetStream cluster with mutual TLS on its routes."""
 
 from __future__ import annotations
@@ -26,7 +26,10 @@ from cryptography.x509.oid import ExtendedKeyUsageOID
 from typer.testing import CliRunner
 
 from gpufleet.cli import app
-from gpufleet.shared.authz import (
+from gpufleet.shared.contract.events import STREAM, TELEMETRY_STREAM, parse_envelope
+from gpufleet.shared.embedded.procs import free_port, nats_server_binary, start_nats, stop_process
+from gpufleet.shared.runtime.bus import Bus
+from gpufleet.shared.trust.authz import (
     ADMIN,
     Realm,
     cluster_nats_config,
@@ -35,10 +38,7 @@ from gpufleet.shared.authz import (
     nats_config,
     write_nats_config,
 )
-from gpufleet.shared.bus import Bus
-from gpufleet.shared.events import STREAM, TELEMETRY_STREAM, parse_envelope
-from gpufleet.shared.procs import free_port, nats_server_binary, start_nats, stop_process
-from gpufleet.shared.tls import (
+from gpufleet.shared.trust.tls import (
     Pki,
     ServerTls,
     client_context,

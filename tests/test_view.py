@@ -1,4 +1,4 @@
-"""The cluster fold (shared/view.py): given events, then the jobs and nodes it shows. And the folds
+"""The cluster fold (shared/read/view.py): given events, then the jobs and nodes it shows. And the folds
 beside the services see what the autoscaler does: a node its pool removed (`node.deregistered`)
 leaves the cluster view, the dashboard's board and the audit's capacity books; an inference service
 shows as `serving` with its replicas, not as a job waiting to be placed."""
@@ -7,9 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gpufleet.audit import audit
-from gpufleet.dashboard import Board
-from gpufleet.shared.events import (
+from gpufleet.shared.contract.events import (
     Envelope,
     JobAdmitted,
     JobCancelled,
@@ -19,7 +17,9 @@ from gpufleet.shared.events import (
     NodeRegistered,
     Reason,
 )
-from gpufleet.shared.view import JOB_STATUSES, ClusterView, apply
+from gpufleet.shared.read.view import JOB_STATUSES, ClusterView, apply
+from gpufleet.tools.audit import audit
+from gpufleet.tools.dashboard import Board
 
 from .builders import T0, admitted, event, exited, make_job, node, placed, started, submitted
 from .builders import inventory as inv

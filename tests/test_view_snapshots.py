@@ -1,4 +1,4 @@
-"""View snapshots (gpufleet/viewsnap.py): `replay --seq N` and the dashboard start from the
+"""View snapshots (gpufleet/tools/viewsnap.py): `replay --seq N` and the dashboard start from the
 nearest snapshot at or before N and fold only the tail, and give exactly what a fold from
 sequence 1 gives; one that does not check out is skipped for an older one."""
 
@@ -8,12 +8,12 @@ import asyncio
 import random
 from typing import Any
 
-from gpufleet.bench_replay import synthetic_log
-from gpufleet.dashboard import Board, Dashboard, Tokens
+from gpufleet.bench.replay import synthetic_log
 from gpufleet.sdk import Fleet
-from gpufleet.shared.bus import Bus
-from gpufleet.shared.snapshots import bucket_for
-from gpufleet.viewsnap import VIEW, ViewSnapshots, keep
+from gpufleet.shared.runtime.bus import Bus
+from gpufleet.shared.runtime.snapshots import bucket_for
+from gpufleet.tools.dashboard import Board, Dashboard, Tokens
+from gpufleet.tools.viewsnap import VIEW, ViewSnapshots, keep
 
 from .helpers import wait_until
 
@@ -51,7 +51,7 @@ async def test_replay_at_any_point_from_a_view_snapshot_equals_the_fold_from_seq
             doc = await fleet.state_at(until_seq=seq)
             assert doc["from_snapshot"] == max((p for p in points if p <= seq), default=0)
             full = Board()
-            from gpufleet.viewsnap import fold_board
+            from gpufleet.tools.viewsnap import fold_board
 
             await fold_board(bus, full, until_seq=seq)
             assert doc["seq"] == seq
@@ -70,7 +70,7 @@ async def test_a_tampered_view_snapshot_is_skipped_for_an_older_one(bus: Bus, na
     await _log(bus, 1500)
     key = b"v" * 32
     snaps = ViewSnapshots(bus, key)
-    from gpufleet.viewsnap import fold_board
+    from gpufleet.tools.viewsnap import fold_board
 
     board = Board()
     await fold_board(bus, board, until_seq=500)
@@ -90,7 +90,7 @@ async def test_the_dashboard_starts_from_the_newest_view_snapshot(bus: Bus, nats
     head = await _log(bus, 1400)
     key = bus.creds.snapshot_key(VIEW) if bus.creds else None
     board = Board()
-    from gpufleet.viewsnap import fold_board
+    from gpufleet.tools.viewsnap import fold_board
 
     await fold_board(bus, board, until_seq=1000)
     await ViewSnapshots(bus, key).save(board, 1000, 0)

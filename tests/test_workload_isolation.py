@@ -35,7 +35,7 @@ from gpufleet.services.executor.process_driver import (
     is_credential_name,
     workload_user,
 )
-from gpufleet.shared import checkpoints
+from gpufleet.shared.node import checkpoints
 
 from .dockerd import DockerEngine
 from .helpers import wait_until

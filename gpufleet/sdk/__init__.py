@@ -22,12 +22,10 @@ from typing import TYPE_CHECKING, Any
 import nats
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
-from gpufleet.shared.authz import ADMIN, find_creds
-from gpufleet.shared.bus import Bus
-from gpufleet.shared.config import data_dir as resolve_data_dir
-from gpufleet.shared.config import resolve_nats_url
-from gpufleet.shared.errors import GpufleetError, MeshNotRunning, RetryableError
-from gpufleet.shared.events import (
+from gpufleet.shared.contract.config import data_dir as resolve_data_dir
+from gpufleet.shared.contract.config import resolve_nats_url
+from gpufleet.shared.contract.errors import GpufleetError, MeshNotRunning, RetryableError
+from gpufleet.shared.contract.events import (
     SYS_TENANT,
     TERMINAL_JOB_TYPES,
     CancelRequestedCmd,
@@ -37,15 +35,17 @@ from gpufleet.shared.events import (
     parse_envelope,
     utc,
 )
-from gpufleet.shared.ids import check_token, derive_id, ulid, ulid_time_ms
-from gpufleet.shared.log import read_stream
-from gpufleet.shared.spec import parse_spec
-from gpufleet.shared.view import ClusterView
+from gpufleet.shared.contract.ids import check_token, derive_id, ulid, ulid_time_ms
+from gpufleet.shared.contract.spec import parse_spec
+from gpufleet.shared.read.view import ClusterView
+from gpufleet.shared.runtime.bus import Bus
+from gpufleet.shared.runtime.log import read_stream
+from gpufleet.shared.trust.authz import ADMIN, find_creds
 
 COMMAND_RETRY_S = 10.0  # how long a command is sent again while the stream does not answer
 
 if TYPE_CHECKING:
-    from gpufleet.dashboard import Board
+    from gpufleet.tools.dashboard import Board
 
 
 def new_job_id() -> str:
@@ -176,7 +176,7 @@ class Fleet:
         header `Gpufleet-Reply`): `{"job_id", "accepted", "events": [job.admitted | job.rejected with
         its reasons | job.request_refused]}`. The verdict is in the log first; on a timeout the job's
         events say it (`watch --job`). Raises TimeoutError when no verdict came in `timeout_s`."""
-        from gpufleet.shared.runtime import REPLY_HEADER
+        from gpufleet.shared.runtime.loop import REPLY_HEADER
 
         inbox = self.bus.nc.new_inbox()
         sub = await self.bus.nc.subscribe(inbox, max_msgs=1)
@@ -232,10 +232,10 @@ class Fleet:
         """The cluster's board (the view's jobs and nodes, every GPU's cell, queue usage) after
         `until_seq` (default: the head), or as it was at `until_time` (the last event stored by
         then), with the sequence of the view snapshot it started from (0: sequence 1). The admin
-        starts from the nearest snapshot at or before that point (gpufleet/viewsnap.py) and folds
+        starts from the nearest snapshot at or before that point (gpufleet/tools/viewsnap.py) and folds
         only the tail; a tenant folds its own events."""
-        from gpufleet.dashboard import Board
-        from gpufleet.viewsnap import VIEW, ViewSnapshots, fold_board
+        from gpufleet.tools.dashboard import Board
+        from gpufleet.tools.viewsnap import VIEW, ViewSnapshots, fold_board
 
         until_ms = int(until_time * 1000) if until_time is not None else None
         start = None
@@ -311,7 +311,7 @@ class Fleet:
         """What `gpufleet explain JOB` says: the job's events (with the client commands that name
         it) in log order, why it waits (each statement with the seq of its event) and its
         interruptions; None when the log has nothing of the job."""
-        from gpufleet.shared.view import interruptions, pending_reasons
+        from gpufleet.shared.read.view import interruptions, pending_reasons
 
         hist = await self.history(job_filter(job_id=job_id))
         hist += [(s, e) for s, e in await self._commands_of(job_id, hist) if e.job_id == job_id]
@@ -328,7 +328,7 @@ class Fleet:
         stored since the unix time `since`; stops after the terminal event of job `until_terminal`.
         A tenant watches its own subjects only (a push consumer on the one it may read)."""
         if self.tenant is not None:
-            from gpufleet.shared.log import scoped, tenant_subscribe
+            from gpufleet.shared.runtime.log import scoped, tenant_subscribe
 
             policy = (DeliverPolicy.BY_START_TIME if since is not None else
                       DeliverPolicy.ALL if from_start else DeliverPolicy.NEW)

@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from gpufleet.shared.checkpoints import MANIFEST, Checkpoint, latest_good, prune, sha256_file, verify
+from gpufleet.shared.node.checkpoints import MANIFEST, Checkpoint, latest_good, prune, sha256_file, verify
 
 __all__ = ["Checkpoint", "location", "resume", "save", "stop_requested"]
 

@@ -17,11 +17,9 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from decimal import Decimal
 
-from gpufleet.shared.checkpoints import ephemeral_reason
-from gpufleet.shared.cluster import pool_shapes
-from gpufleet.shared.clusterconfig import MAX_PAYLOAD_BYTES, ClusterConfig, TenantPolicy
-from gpufleet.shared.errors import SpecError
-from gpufleet.shared.events import (
+from gpufleet.shared.contract.clusterconfig import MAX_PAYLOAD_BYTES, ClusterConfig, TenantPolicy
+from gpufleet.shared.contract.errors import SpecError
+from gpufleet.shared.contract.events import (
     SYS_TENANT,
     BudgetExceeded,
     CancelRequestedCmd,
@@ -37,10 +35,12 @@ from gpufleet.shared.events import (
     Reason,
     SubmitRequested,
 )
-from gpufleet.shared.ids import is_ulid, ulid_time_ms
-from gpufleet.shared.retention import EndedJobs
-from gpufleet.shared.runtime import BaseCore, Ctx, InvalidMessage
-from gpufleet.shared.spec import JobSpec, parse_spec
+from gpufleet.shared.contract.ids import is_ulid, ulid_time_ms
+from gpufleet.shared.contract.spec import JobSpec, parse_spec
+from gpufleet.shared.node.checkpoints import ephemeral_reason
+from gpufleet.shared.node.cluster import pool_shapes
+from gpufleet.shared.runtime.loop import BaseCore, Ctx, InvalidMessage
+from gpufleet.shared.runtime.retention import EndedJobs
 
 PENDING, PLACED, CANCELLING, ENDED = "pending", "placed", "cancelling", "ended"
 MIB = 1024
@@ -68,6 +68,9 @@ class AdmissionState:
     nodes: dict[str, NodeInventory] = field(default_factory=dict)
     # (tenant | queue, name) -> the budget amounts billing said were exceeded (docs/billing.md)
     budgets_exceeded: dict[tuple[str, str], set[str]] = field(default_factory=dict)
+    # the largest node in each dimension, derived from `nodes` (None: to compute again); on the
+    # state it derives from, so a restored or rolled-back state never reads another's
+    capacity: Capacity | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -125,13 +128,11 @@ class AdmissionCore(BaseCore[AdmissionState]):
 
     def __init__(self, config: ClusterConfig | None = None) -> None:
         self.config = config or ClusterConfig()
-        self._capacity: Capacity | None = None
         # the node shapes the pools may add (max > 0): capacity the cluster can grow to, counted
         # as if registered (keys cannot clash with node ids: a node id has no '.')
         self._pool_nodes = {f"nodePools.{name}": inv for name, inv in pool_shapes(self.config).items()}
 
     def initial_state(self) -> AdmissionState:
-        self._capacity = None
         return AdmissionState()
 
     # ------------------------------------------------------------ evolve
@@ -151,11 +152,11 @@ class AdmissionCore(BaseCore[AdmissionState]):
         p = env.payload
         if isinstance(p, NodeRegistered):
             state.nodes[p.node_id] = p.inventory
-            self._capacity = None
+            state.capacity = None
             return state
         if isinstance(p, NodeDeregistered):  # removed by its pool's provider: no longer capacity
             if state.nodes.pop(p.node_id, None) is not None:
-                self._capacity = None
+                state.capacity = None
             return state
         if isinstance(p, BudgetExceeded):  # a monthly budget's amount is keyed with its month: `800@2026-05`
             state.budgets_exceeded.setdefault((p.scope, p.budget), set()).add(
@@ -363,9 +364,9 @@ class AdmissionCore(BaseCore[AdmissionState]):
         """Requests no node of the cluster could ever hold (checked once nodes are known)."""
         if not state.nodes:
             return []
-        if self._capacity is None:
-            self._capacity = capacity({**state.nodes, **self._pool_nodes})
-        cap = self._capacity
+        if state.capacity is None:
+            state.capacity = capacity({**state.nodes, **self._pool_nodes})
+        cap = state.capacity
         r = spec.resources
         out = []
         unknown = [m for m in r.gpu_models if m not in cap.models]

@@ -30,9 +30,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpufleet.shared.clusterconfig import ClusterConfig, NodePoolConfig
-from gpufleet.shared.errors import SpecError
-from gpufleet.shared.events import (
+from gpufleet.shared.contract.clusterconfig import ClusterConfig, NodePoolConfig
+from gpufleet.shared.contract.errors import SpecError
+from gpufleet.shared.contract.events import (
     RUN_ENDED_JOB_TYPES,
     SYS_TENANT,
     CancelRequestedCmd,
@@ -60,8 +60,8 @@ from gpufleet.shared.events import (
     ReportLoadCmd,
     SubmitRequested,
 )
-from gpufleet.shared.runtime import BaseCore, Ctx
-from gpufleet.shared.spec import AutoscaleSpec, JobSpec, spec_to_wire
+from gpufleet.shared.contract.spec import AutoscaleSpec, JobSpec, spec_to_wire
+from gpufleet.shared.runtime.loop import BaseCore, Ctx
 
 from .pools import Room, empty_room, pack, pool_inventory, replica_fits_shape
 

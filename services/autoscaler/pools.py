@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gpufleet.shared.cluster import pool_inventory
-from gpufleet.shared.clusterconfig import NodePoolConfig
-from gpufleet.shared.spec import JobSpec
+from gpufleet.shared.contract.clusterconfig import NodePoolConfig
+from gpufleet.shared.contract.spec import JobSpec
+from gpufleet.shared.node.cluster import pool_inventory
 
 MILLI = 1000
 __all__ = ["Room", "empty_room", "pack", "pool_inventory", "replica_fits_shape"]

@@ -15,10 +15,10 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
-from gpufleet.shared.events import NodeProvisionRequested, NodeRemovalRequested
+from gpufleet.shared.contract.events import NodeProvisionRequested, NodeRemovalRequested
 
 if TYPE_CHECKING:
-    from gpufleet.shared.runtime import ServiceRuntime
+    from gpufleet.shared.runtime.loop import ServiceRuntime
 
     from .core import AutoscalerState
 
@@ -72,7 +72,7 @@ class ProviderAgent:
         self._stop.set()
 
     async def run(self) -> None:
-        from gpufleet.shared.runtime import every
+        from gpufleet.shared.runtime.loop import every
 
         await every(self._stop, self.every_s, self.once, "autoscaler providers")
 

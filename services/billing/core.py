@@ -43,8 +43,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from decimal import Decimal
 
-from gpufleet.shared.clusterconfig import BudgetConfig, ClusterConfig
-from gpufleet.shared.events import (
+from gpufleet.shared.contract.clusterconfig import BudgetConfig, ClusterConfig
+from gpufleet.shared.contract.events import (
     RUN_ENDED_JOB_TYPES,
     SYS_TENANT,
     BudgetExceeded,
@@ -61,8 +61,8 @@ from gpufleet.shared.events import (
     ReplicaAllocation,
     _BudgetPayload,
 )
-from gpufleet.shared.ids import derive_id
-from gpufleet.shared.runtime import BaseCore, Ctx
+from gpufleet.shared.contract.ids import derive_id
+from gpufleet.shared.runtime.loop import BaseCore, Ctx
 
 from .pricing import (
     MONEY_Q,
@@ -82,7 +82,7 @@ from .pricing import (
     usage,
 )
 
-JOB_ENDS = RUN_ENDED_JOB_TYPES  # (shared/events.py: the contract's one definition)
+JOB_ENDS = RUN_ENDED_JOB_TYPES  # (shared/contract/events.py: the contract's one definition)
 Scope = tuple[str, str]  # ("tenant" | "queue", name)
 ENDED_KEPT_S = 3600.0  # log seconds an ended job's id is kept to ignore its late duplicates
 

@@ -40,11 +40,11 @@ import asyncpg
 import nats
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from gpufleet.shared.bus import Bus, run_until_signal
-from gpufleet.shared.clusterconfig import ClusterConfig, load_config
-from gpufleet.shared.engine import Engine
-from gpufleet.shared.events import STREAM
-from gpufleet.shared.subjects import consumer_filter
+from gpufleet.shared.contract.clusterconfig import ClusterConfig, load_config
+from gpufleet.shared.contract.events import STREAM
+from gpufleet.shared.contract.subjects import consumer_filter
+from gpufleet.shared.runtime.bus import Bus, run_until_signal
+from gpufleet.shared.runtime.engine import Engine
 
 from .core import BillingCore, BillingState, Charge
 
@@ -112,7 +112,7 @@ class Ledger:
         self.bus = bus
         self.dsn = dsn
         self.name = name
-        # the fold, by the engine's rules (shared/engine.py)
+        # the fold, by the engine's rules (shared/runtime/engine.py)
         self.engine: Engine[BillingState] = Engine(BillingCore(config, keep_charges=True))
         self.batch, self.fetch_timeout_s = batch, fetch_timeout_s
         self.min_backoff_s, self.max_backoff_s = min_backoff_s, max_backoff_s

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from decimal import ROUND_HALF_EVEN, Context, Decimal
 
-from gpufleet.shared.clusterconfig import PriceTable
-from gpufleet.shared.spec import JobSpec
+from gpufleet.shared.contract.clusterconfig import PriceTable
+from gpufleet.shared.contract.spec import JobSpec
 
 MONEY_Q = Decimal("0.000001")  # micro-units of the currency
 QTY_Q = Decimal("0.000001")  # GPU-, core-, GiB-seconds: micro precision

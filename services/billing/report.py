@@ -21,12 +21,12 @@ from datetime import datetime
 from decimal import Decimal
 from typing import Any
 
-from gpufleet.shared.bus import Bus
-from gpufleet.shared.clusterconfig import ClusterConfig
-from gpufleet.shared.engine import Engine, fold_cores
-from gpufleet.shared.events import Envelope
-from gpufleet.shared.runtime import Core
-from gpufleet.shared.spec import JobSpec
+from gpufleet.shared.contract.clusterconfig import ClusterConfig
+from gpufleet.shared.contract.events import Envelope
+from gpufleet.shared.contract.spec import JobSpec
+from gpufleet.shared.runtime.bus import Bus
+from gpufleet.shared.runtime.engine import Engine, fold_cores
+from gpufleet.shared.runtime.loop import Core
 
 from .core import BillingCore, BillingState, Charge
 from .pricing import ZERO, ChargeLine, cost, estimate_cost, money, seconds_between, total
@@ -52,7 +52,7 @@ class Skipped:
 async def fold(bus: Bus, cores: Sequence[Core[Any]], until_seq: int | None = None, *,
                skipped: list[Skipped] | None = None, snapshots: bool = False) -> list[Any]:
     """Each core's state folded over the log (read once), in the order of `cores`, by the
-    engine's rules (shared/engine.py); with `snapshots`, each from its core's newest stored
+    engine's rules (shared/runtime/engine.py); with `snapshots`, each from its core's newest stored
     snapshot (the estimate's placer, quota and admission; never a bill's billing core, which keeps
     every charge, as the service's does not).
 

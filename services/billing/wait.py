@@ -31,8 +31,8 @@ from typing import Any
 
 from gpufleet.services.placer.core import PlacerCore, PlacerState, Plan, ask_of, with_flavor
 from gpufleet.services.quota.core import QuotaCore, QuotaState, demand
-from gpufleet.shared.events import ReplicaAllocation
-from gpufleet.shared.spec import JobSpec
+from gpufleet.shared.contract.events import ReplicaAllocation
+from gpufleet.shared.contract.spec import JobSpec
 
 AHEAD_MAX = 512  # waiting jobs modelled (the quota's cycle looks at as many)
 PLANS_MAX = 20_000  # placement attempts per estimate: bound the work of one `gpufleet estimate`

@@ -20,13 +20,13 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from gpufleet.shared.bus import Bus
-from gpufleet.shared.checkpoints import CHECKPOINTED_TYPES, latest_good
-from gpufleet.shared.checkpoints import location as checkpoint_location
-from gpufleet.shared.events import SYS_TENANT, Envelope, NodeHeartbeat, utc
-from gpufleet.shared.gpu import GpuBackend
-from gpufleet.shared.ids import derive_id
-from gpufleet.shared.runtime import Ctx, ServiceRuntime, every
+from gpufleet.shared.contract.events import SYS_TENANT, Envelope, NodeHeartbeat, utc
+from gpufleet.shared.contract.ids import derive_id
+from gpufleet.shared.node.checkpoints import CHECKPOINTED_TYPES, latest_good
+from gpufleet.shared.node.checkpoints import location as checkpoint_location
+from gpufleet.shared.node.gpu import GpuBackend
+from gpufleet.shared.runtime.bus import Bus
+from gpufleet.shared.runtime.loop import Ctx, ServiceRuntime, every
 
 from .core import (
     Action,
@@ -266,7 +266,7 @@ def sidecar(runtime: ServiceRuntime[ExecutorState], bus: Bus) -> ExecutorAgent:
 def node_id_of_host() -> str:
     import socket
 
-    from gpufleet.shared.ids import is_token
+    from gpufleet.shared.contract.ids import is_token
 
     name = socket.gethostname().split(".")[0].replace(" ", "-") or "node"
     return name if is_token(name) else "node-0"
@@ -276,9 +276,9 @@ def main(argv: list[str] | None = None) -> None:
     import os
     from pathlib import Path
 
-    from gpufleet.shared.cluster import sim_fleet
-    from gpufleet.shared.config import data_dir, resolve_nats_url
-    from gpufleet.shared.service import base_parser
+    from gpufleet.shared.contract.config import data_dir, resolve_nats_url
+    from gpufleet.shared.node.cluster import sim_fleet
+    from gpufleet.shared.runtime.service import base_parser
 
     ap = base_parser("executor")
     ap.add_argument("--driver", choices=("sim", "process", "docker"), default=os.environ.get("GPUFLEET_DRIVER", "sim"))
@@ -307,8 +307,8 @@ def main(argv: list[str] | None = None) -> None:
         nodes = sim_fleet(args.sim_nodes, args.node_prefix, args.sim_mix)
         sim_pools = not args.no_sim_pools
     else:
-        from gpufleet.shared.hostinfo import host_inventory
-        from gpufleet.shared.nvml import nvml_status, open_backend
+        from gpufleet.shared.node.hostinfo import host_inventory
+        from gpufleet.shared.node.nvml import nvml_status, open_backend
 
         node_id = args.node_id or node_id_of_host()
         gpu = open_backend()
@@ -323,7 +323,7 @@ def main(argv: list[str] | None = None) -> None:
 
             driver = ProcessDriver(node_id, work, checkpoint_root=args.checkpoint_root)
         else:
-            from gpufleet.shared.clusterconfig import load_config
+            from gpufleet.shared.contract.clusterconfig import load_config
 
             from .docker_driver import DockerDriver
 
@@ -356,7 +356,7 @@ def setup_process(name: str, args: Any) -> None:
     """Logging, uvloop and (when asked for) OpenTelemetry, as every service process does."""
     logging.basicConfig(level=str(args.log_level).upper(), format=f"%(asctime)s {name} %(levelname)s %(message)s")
     try:
-        from gpufleet.shared import otel
+        from gpufleet.shared.runtime import otel
 
         setup = getattr(otel, "setup", None)
         if setup is not None:

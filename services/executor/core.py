@@ -18,10 +18,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
-from gpufleet.shared.checkpoints import CHECKPOINTED_TYPES
-from gpufleet.shared.checkpoints import location as checkpoint_location
-from gpufleet.shared.cluster import inventory_digest
-from gpufleet.shared.events import (
+from gpufleet.shared.contract.events import (
     SYS_TENANT,
     Envelope,
     ExitReason,
@@ -41,9 +38,12 @@ from gpufleet.shared.events import (
     resumed_attempt,
     utc,
 )
-from gpufleet.shared.retention import EndedJobs
-from gpufleet.shared.runtime import BaseCore, Ctx
-from gpufleet.shared.spec import JobSpec
+from gpufleet.shared.contract.spec import JobSpec
+from gpufleet.shared.node.checkpoints import CHECKPOINTED_TYPES
+from gpufleet.shared.node.checkpoints import location as checkpoint_location
+from gpufleet.shared.node.cluster import inventory_digest
+from gpufleet.shared.runtime.loop import BaseCore, Ctx
+from gpufleet.shared.runtime.retention import EndedJobs
 
 from .drivers import Launch, Workload, workload_key
 

@@ -63,7 +63,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from gpufleet.shared.procs import proc_stat as _stat
+from gpufleet.shared.embedded.procs import proc_stat as _stat
 
 from .drivers import GRACE_S, DriverError, Launch, Workload
 

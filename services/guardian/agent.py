@@ -1,6 +1,6 @@
 """The guardian's shell: watch the checkpoint locations of running training / finetune jobs.
 
-Every `watch_s` it looks at each running job's location (`shared/checkpoints.py`): at the start
+Every `watch_s` it looks at each running job's location (`shared/node/checkpoints.py`): at the start
 of a run whether it can be written, then which checkpoints are good, and hands that to
 `GuardianCore.watch`, whose facts it publishes. It also keeps the job's `checkpoint.keep` newest
 good checkpoints and removes older ones. The root comes from GPUFLEET_CHECKPOINT_ROOT (the
@@ -15,9 +15,9 @@ import os
 import time
 from collections.abc import Callable
 
-from gpufleet.shared import checkpoints
-from gpufleet.shared.events import Envelope
-from gpufleet.shared.runtime import ServiceRuntime, every
+from gpufleet.shared.contract.events import Envelope
+from gpufleet.shared.node import checkpoints
+from gpufleet.shared.runtime.loop import ServiceRuntime, every
 
 from .core import GuardianCore, GuardianState
 
@@ -46,9 +46,11 @@ class GuardianAgent:
         await every(self._stop, self.watch_s, self.watch_once, "guardian checkpoints")
 
     def location_of(self, state: GuardianState, job_id: str) -> str:
-        spec = state.specs[job_id]
+        rec = state.jobs[job_id]
+        spec = rec.spec
+        assert spec is not None  # (only training / finetune jobs are watched)
         own = spec.checkpoint.path if spec.checkpoint else None
-        return checkpoints.location(self.root, state.tenants.get(job_id, spec.tenant), job_id, own)
+        return checkpoints.location(self.root, rec.tenant or spec.tenant, job_id, own)
 
     async def watch_once(self) -> int:
         await self.runtime.ensure_fresh()
@@ -56,18 +58,19 @@ class GuardianAgent:
         facts: list[Envelope] = []
         for job_id in state.watched():
             where = self.location_of(state, job_id)
-            attempt = state.started[job_id][0]
+            rec = state.jobs[job_id]
+            assert rec.started is not None and rec.spec is not None
+            attempt, spec = rec.started[0], rec.spec
             try:
                 store = checkpoints.store_for(where)
             except ValueError as exc:
                 log.warning("%s: %s", job_id, exc)
                 continue
             unwritable = None
-            if (job_id, attempt) not in state.verified:
+            if attempt not in (rec.verified or ()):
                 unwritable = await asyncio.to_thread(store.check_writable, where)
             scans = await asyncio.to_thread(store.scan, where)
             facts += self.core.watch(state, job_id, where, unwritable, scans, self.clock(), self.runtime.ctx())
-            spec = state.specs[job_id]
             await asyncio.to_thread(store.prune, where, spec.checkpoint.keep if spec.checkpoint else 3)
         for f in facts:
             if f.type in ("job.checkpoint_invalid", "job.checkpoint_overdue", "job.failed"):

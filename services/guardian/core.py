@@ -17,10 +17,11 @@ one once (`job.checkpoint_invalid`), and warns when the last one is older than t
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import datetime
 
-from gpufleet.shared.checkpoints import CHECKPOINTED_TYPES, Scanned
-from gpufleet.shared.clusterconfig import ClusterConfig
-from gpufleet.shared.events import (
+from gpufleet.shared.contract.clusterconfig import ClusterConfig
+from gpufleet.shared.contract.events import (
+    RUN_ENDED_JOB_TYPES,
     Envelope,
     JobCancelled,
     JobCheckpointInvalid,
@@ -43,40 +44,90 @@ from gpufleet.shared.events import (
     resumed_attempt,
     utc,
 )
-from gpufleet.shared.retention import EndedJobs
-from gpufleet.shared.runtime import BaseCore, Ctx
-from gpufleet.shared.spec import JobSpec
+from gpufleet.shared.contract.spec import JobSpec
+from gpufleet.shared.node.checkpoints import CHECKPOINTED_TYPES, Scanned
+from gpufleet.shared.runtime.loop import BaseCore, Ctx
+from gpufleet.shared.runtime.retention import EndedJobs
+
+
+@dataclass(slots=True)
+class GuardianJob:
+    """Everything the guardian knows of one job that has not ended: one record, forgotten at once
+    when the job ends (`GuardianState.end`). Collections stay None until needed: a pending job costs
+    one small record."""
+
+    tenant: str | None = None
+    replicas: int = 1
+    max_retries: int = 3
+    spec: JobSpec | None = None  # training / finetune jobs only: their checkpoints are watched
+    on_failure: float | None = None  # retry backoff base (restartPolicy OnFailure)
+    attempt: int = 1
+    failures: int = 0  # runs that failed (the retry budget)
+    placed: tuple[int, frozenset[tuple[str, int]]] | None = None  # (attempt, its GPUs)
+    started: tuple[int, float, str] | None = None  # (attempt, at, event id) of a watched run
+    exits: dict[int, JobExited] | None = None  # replica -> its exit, this attempt
+    checkpoint: tuple[str, float] | None = None  # (uri, saved at): the one to resume from
+    step: int = -1  # the newest checkpoint step reported
+    good: dict[int, tuple[str, float]] | None = None  # step -> (uri, at)
+    verified: set[int] | None = None  # attempts whose location was verified
+    invalid_said: set[int] | None = None  # steps reported bad
+    overdue_said: set[tuple[int, int]] | None = None  # (attempt, last step) warned overdue
+    retry_at: tuple[float, int, JobExited, str] | None = None  # a crashed run waiting out its backoff
+    idle_since: tuple[float, str] | None = None  # (warned idle at, event id)
+    running: bool = False  # a watched run going now
+    preempt_pending: bool = False  # asked to give quota back, not yet done
+    reclaiming: bool = False  # idle, asked to stop: it ends, not resumes
 
 
 @dataclass
 class GuardianState:
-    replicas: dict[str, int] = field(default_factory=dict)
-    exits: dict[str, dict[int, JobExited]] = field(default_factory=dict)
+    jobs: dict[str, GuardianJob] = field(default_factory=dict)
     ended: EndedJobs = field(default_factory=EndedJobs)  # forgotten after a window of log time
-    max_retries: dict[str, int] = field(default_factory=dict)
-    attempt: dict[str, int] = field(default_factory=dict)
-    checkpoint: dict[str, tuple[str, float]] = field(default_factory=dict)  # job -> (uri, saved at)
-    specs: dict[str, JobSpec] = field(default_factory=dict)  # training / finetune jobs only
-    tenants: dict[str, str] = field(default_factory=dict)
-    started: dict[str, tuple[int, float, str]] = field(default_factory=dict)  # job -> (attempt, at, event id)
-    step: dict[str, int] = field(default_factory=dict)  # job -> the newest checkpoint step reported
-    verified: set[tuple[str, int]] = field(default_factory=set)  # (job, attempt)
-    invalid_said: set[tuple[str, int]] = field(default_factory=set)  # (job, step)
-    overdue_said: set[tuple[str, int, int]] = field(default_factory=set)  # (job, attempt, last step)
-    placed: dict[str, tuple[int, frozenset[tuple[str, int]]]] = field(default_factory=dict)  # job -> (attempt, GPUs)
-    on_failure: dict[str, float] = field(default_factory=dict)  # job -> retry backoff base (restartPolicy OnFailure)
-    # job -> (due, attempt, exit): a crashed run waiting out its backoff before it runs again
-    retry_at: dict[str, tuple[float, int, JobExited, str]] = field(default_factory=dict)
-    failures: dict[str, int] = field(default_factory=dict)  # job -> runs that failed (the retry budget)
-    idle_since: dict[str, tuple[float, str]] = field(default_factory=dict)  # job -> (warned idle at, event id)
-    running: set[str] = field(default_factory=set)  # watched jobs with a run going now
-    preempt_pending: set[str] = field(default_factory=set)  # asked to give quota back, not yet done
-    good: dict[str, dict[int, tuple[str, float]]] = field(default_factory=dict)  # job -> step -> (uri, at)
-    reclaiming: set[str] = field(default_factory=set)  # idle jobs asked to stop: they end, not resume
+    # indexes of `jobs` for what the tick and the agent walk (kept by `job`/`end`, nowhere else)
+    running: set[str] = field(default_factory=set)
+    idle: set[str] = field(default_factory=set)
+    retrying: set[str] = field(default_factory=set)
+
+    def job(self, job_id: str) -> GuardianJob:
+        rec = self.jobs.get(job_id)
+        if rec is None:
+            rec = self.jobs[job_id] = GuardianJob()
+        return rec
+
+    def end(self, job_id: str, at: datetime) -> None:
+        """The job ended: remembered as ended for the window, its record forgotten now."""
+        self.ended.add(job_id, at)
+        self.jobs.pop(job_id, None)
+        for index in (self.running, self.idle, self.retrying):
+            index.discard(job_id)
+
+    def set_running(self, job_id: str, rec: GuardianJob, on: bool) -> None:
+        rec.running = on
+        (self.running.add if on else self.running.discard)(job_id)
+
+    def set_idle(self, job_id: str, rec: GuardianJob, since: tuple[float, str] | None) -> None:
+        rec.idle_since = since
+        (self.idle.add if since is not None else self.idle.discard)(job_id)
+
+    def set_retry(self, job_id: str, rec: GuardianJob, at: tuple[float, int, JobExited, str] | None) -> None:
+        rec.retry_at = at
+        (self.retrying.add if at is not None else self.retrying.discard)(job_id)
 
     def watched(self) -> list[str]:
         """Training / finetune jobs running now: their locations are watched."""
-        return sorted(j for j in self.running if j in self.specs and j not in self.ended)
+        return sorted(j for j in self.running if (r := self.jobs.get(j)) is not None and r.spec is not None)
+
+
+ENDS = RUN_ENDED_JOB_TYPES  # (a preempted job that runs again is a resume_requested, not a preempted)
+
+
+def _saved(rec: GuardianJob, step: int, uri: str, at: float) -> None:
+    """A good checkpoint reported (saved, or seen as the run ended): the newest is the one to resume from."""
+    if rec.good is None:
+        rec.good = {}
+    rec.good[step] = (uri, at)
+    if step >= rec.step:
+        rec.checkpoint, rec.step = (uri, at), step
 
 
 class GuardianCore(BaseCore[GuardianState]):
@@ -102,97 +153,88 @@ class GuardianCore(BaseCore[GuardianState]):
         p, job_id = env.payload, env.job_id
         if job_id is None:
             return state
-        if isinstance(p, JobPlaced):
-            if job_id not in state.ended:
-                state.placed[job_id] = (p.attempt, frozenset((a.node_id, g) for a in p.allocations
-                                                             for g in a.gpu_indices))
+        if env.type in ENDS:
+            state.end(job_id, env.occurred_at)
             return state
-        if isinstance(p, JobSubmitted):
-            state.replicas[job_id] = p.spec.replicas
-            state.max_retries[job_id] = p.spec.max_retries
-            state.tenants[job_id] = env.tenant
+        if job_id in state.ended:
+            return state  # a late or copied fact about a job that ended changes nothing
+        if isinstance(p, JobPlaced):
+            state.job(job_id).placed = (p.attempt, frozenset((a.node_id, g) for a in p.allocations
+                                                            for g in a.gpu_indices))
+        elif isinstance(p, JobSubmitted):
+            rec = state.job(job_id)
+            rec.replicas, rec.max_retries, rec.tenant = p.spec.replicas, p.spec.max_retries, env.tenant
             if p.spec.restart_policy == "OnFailure":
-                state.on_failure[job_id] = p.spec.retry_backoff_s
+                rec.on_failure = p.spec.retry_backoff_s
             if p.spec.type in CHECKPOINTED_TYPES:
-                state.specs[job_id] = p.spec
+                rec.spec = p.spec
         elif isinstance(p, JobStarted):
             # (a sim run writes no checkpoints: only real drivers' runs are watched)
-            if (job_id in state.specs and p.driver != "sim" and job_id not in state.ended
-                    and p.attempt >= state.started.get(job_id, (0, 0.0, ""))[0]):
-                state.started[job_id] = (p.attempt, env.occurred_at.timestamp(), env.event_id)
-                state.running.add(job_id)
+            rec = state.job(job_id)
+            if rec.spec is not None and p.driver != "sim" and p.attempt >= (rec.started[0] if rec.started else 0):
+                rec.started = (p.attempt, env.occurred_at.timestamp(), env.event_id)
+                state.set_running(job_id, rec, True)
         elif isinstance(p, JobIdleDetected):
             policy = self.config.policy(env.tenant)
-            if policy is not None and policy.idle_action == "reclaim" and job_id not in state.ended:
-                state.idle_since.setdefault(job_id, (env.occurred_at.timestamp(), env.event_id))
+            if policy is not None and policy.idle_action == "reclaim":
+                rec = state.job(job_id)
+                if rec.idle_since is None:
+                    state.set_idle(job_id, rec, (env.occurred_at.timestamp(), env.event_id))
         elif isinstance(p, JobIdleEnded):
-            state.idle_since.pop(job_id, None)
+            if (rec0 := state.jobs.get(job_id)) is not None:
+                state.set_idle(job_id, rec0, None)
         elif isinstance(p, JobPreemptionRequested):
+            rec = state.job(job_id)
             if p.reason.code == "idle_reclaimed":
-                state.reclaiming.add(job_id)
-            state.idle_since.pop(job_id, None)
-            if job_id not in state.ended:
-                state.preempt_pending.add(job_id)
+                rec.reclaiming = True
+            state.set_idle(job_id, rec, None)
+            rec.preempt_pending = True
         elif isinstance(p, JobCheckpointVerified):
-            state.verified.add((job_id, p.attempt))
+            rec = state.job(job_id)
+            rec.verified = (rec.verified or set()) | {p.attempt}
         elif isinstance(p, JobCheckpointInvalid):
-            state.invalid_said.add((job_id, p.step))
-            good = state.good.get(job_id, {})
-            if good.pop(p.step, None) is not None and state.step.get(job_id) == p.step:
+            rec = state.job(job_id)
+            rec.invalid_said = (rec.invalid_said or set()) | {p.step}
+            good = rec.good or {}
+            if good.pop(p.step, None) is not None and rec.step == p.step:
                 # a checkpoint reported good went bad: the previous good one is the one to resume from
                 if good:
                     step = max(good)
-                    state.checkpoint[job_id], state.step[job_id] = good[step], step
+                    rec.checkpoint, rec.step = good[step], step
                 else:
-                    state.checkpoint.pop(job_id, None)
-                    state.step.pop(job_id, None)
+                    rec.checkpoint, rec.step = None, -1
         elif isinstance(p, JobCheckpointOverdue):
-            attempt = state.started.get(job_id, (1, 0.0, ""))[0]
-            state.overdue_said.add((job_id, attempt, state.step.get(job_id, -1)))
+            rec = state.job(job_id)
+            attempt = rec.started[0] if rec.started else 1
+            rec.overdue_said = (rec.overdue_said or set()) | {(attempt, rec.step)}
         elif isinstance(p, JobExited):
-            attempt = state.attempt.get(job_id, 1)
-            if job_id not in state.ended and p.attempt >= attempt:
-                state.exits.setdefault(job_id, {})[p.replica] = p
-                if len(state.exits[job_id]) >= state.replicas.get(job_id, 1):
-                    state.running.discard(job_id)
+            rec = state.job(job_id)
+            if p.attempt >= rec.attempt:
+                if rec.exits is None:
+                    rec.exits = {}
+                rec.exits[p.replica] = p
+                if len(rec.exits) >= rec.replicas:
+                    state.set_running(job_id, rec, False)
                 if p.checkpoint_uri and p.checkpoint_step is not None:  # what the node saw as it ended
                     at = p.checkpoint_saved_at.timestamp() if p.checkpoint_saved_at else env.occurred_at.timestamp()
-                    state.good.setdefault(job_id, {})[p.checkpoint_step] = (p.checkpoint_uri, at)
-                    if p.checkpoint_step >= state.step.get(job_id, -1):
-                        state.checkpoint[job_id] = (p.checkpoint_uri, at)
-                        state.step[job_id] = p.checkpoint_step
-                failures = state.failures.get(job_id, 0)
-                if (p.reason == "error" and job_id in state.on_failure and job_id not in state.retry_at
-                        and failures < state.max_retries.get(job_id, 3)):
-                    backoff = min(600.0, state.on_failure[job_id] * 2 ** failures)
-                    state.retry_at[job_id] = (env.occurred_at.timestamp() + backoff, attempt, p, env.event_id)
+                    _saved(rec, p.checkpoint_step, p.checkpoint_uri, at)
+                if (p.reason == "error" and rec.on_failure is not None and rec.retry_at is None
+                        and rec.failures < rec.max_retries):
+                    backoff = min(600.0, rec.on_failure * 2 ** rec.failures)
+                    state.set_retry(job_id, rec, (env.occurred_at.timestamp() + backoff, rec.attempt, p, env.event_id))
         elif isinstance(p, JobResumeRequested):
-            nxt = resumed_attempt(state.attempt.get(job_id, 1), p)
-            if job_id not in state.ended and nxt is not None:  # (a copy of an old resume changes nothing)
-                state.attempt[job_id] = nxt
-                state.exits.pop(job_id, None)
-                state.retry_at.pop(job_id, None)
-                state.idle_since.pop(job_id, None)  # warnings and stops were about the run before
-                state.reclaiming.discard(job_id)
-                state.preempt_pending.discard(job_id)
-                state.running.discard(job_id)
+            rec = state.job(job_id)
+            nxt = resumed_attempt(rec.attempt, p)
+            if nxt is not None:  # (a copy of an old resume changes nothing)
+                rec.attempt, rec.exits = nxt, None
+                state.set_retry(job_id, rec, None)
+                state.set_idle(job_id, rec, None)  # warnings and stops were about the run before
+                rec.reclaiming = rec.preempt_pending = False
+                state.set_running(job_id, rec, False)
                 if p.reason.code != "preempted":
-                    state.failures[job_id] = state.failures.get(job_id, 0) + 1
+                    rec.failures += 1
         elif isinstance(p, JobCheckpointSaved):
-            at = p.saved_at.timestamp() if p.saved_at else env.occurred_at.timestamp()
-            state.good.setdefault(job_id, {})[p.step] = (p.uri, at)
-            if p.step >= state.step.get(job_id, -1):
-                state.checkpoint[job_id] = (p.uri, at)
-                state.step[job_id] = p.step
-        else:
-            state.ended.add(job_id, env.occurred_at)
-            for d in (state.exits, state.replicas, state.max_retries, state.attempt, state.checkpoint, state.specs,
-                      state.tenants, state.started, state.step, state.placed, state.on_failure, state.retry_at,
-                      state.failures, state.idle_since, state.good):
-                d.pop(job_id, None)
-            for st in (state.reclaiming, state.running, state.preempt_pending):
-                st.discard(job_id)
-            state.verified = {v for v in state.verified if v[0] != job_id} if state.verified else state.verified
+            _saved(state.job(job_id), p.step, p.uri, p.saved_at.timestamp() if p.saved_at else env.occurred_at.timestamp())
         return state
 
     def decide(self, state: GuardianState, env: Envelope, ctx: Ctx) -> list[Envelope]:
@@ -200,37 +242,37 @@ class GuardianCore(BaseCore[GuardianState]):
         if isinstance(p, NodeGpuUnhealthy):
             # the jobs running on that GPU run again elsewhere (the placer keeps the GPU out)
             out: list[Envelope] = []
-            for job_id, (attempt, gpus) in sorted(state.placed.items()):
-                if (p.node_id, p.gpu_index) in gpus and attempt == state.attempt.get(job_id, 1) \
-                        and job_id not in state.ended:
-                    out += self._resume(state, job_id, "gpu_unhealthy",
-                                        f"GPU {p.gpu_index} of {p.node_id} failed under it ({p.reason})", None, ctx,
-                                        key=f"resume:{job_id}:{attempt}")
+            hit = [(job_id, r.attempt) for job_id, r in state.jobs.items() if r.placed is not None
+                   and r.placed[0] == r.attempt and (p.node_id, p.gpu_index) in r.placed[1]]
+            for job_id, attempt in sorted(hit):
+                out += self._resume(state, job_id, "gpu_unhealthy",
+                                    f"GPU {p.gpu_index} of {p.node_id} failed under it ({p.reason})", None, ctx,
+                                    key=f"resume:{job_id}:{attempt}")
             return out
         if env.type != "job.exited" or env.job_id in state.ended:
             return []
         assert isinstance(p, JobExited)
-        attempt = state.attempt.get(p.job_id, 1)
+        rec = state.job(p.job_id)
+        attempt = rec.attempt
         if p.attempt < attempt:
             return []  # a replica of an attempt that was already started again
         if p.reason == "node_lost":
             return self._resume(state, p.job_id, "node_lost", f"replica {p.replica} lost with node {p.node_id}",
                                 p, ctx, key=f"resume:{attempt}")
-        if p.reason == "error" and p.job_id in state.retry_at:
+        if p.reason == "error" and rec.retry_at is not None:
             return []  # restartPolicy OnFailure: it runs again once its backoff is over (tick)
-        if p.reason == "error" and p.job_id in state.on_failure:  # ... and no retry is left
+        if p.reason == "error" and rec.on_failure is not None:  # ... and no retry is left
             return self._resume(state, p.job_id, "crashed", f"replica {p.replica} on {p.node_id} exited with code "
                                 f"{p.exit_code}", p, ctx, key=f"resume:{attempt}")
         if p.reason == "cancelled":
             return [ctx.emit(JobCancelled(job_id=p.job_id, reason="cancelled by user"), key="end")]
-        if p.reason == "preempted" and p.job_id in state.reclaiming:
+        if p.reason == "preempted" and rec.reclaiming:
             return [ctx.emit(JobPreempted(job_id=p.job_id, reason=Reason(code="idle_reclaimed", message=(
                 f"its GPUs stayed idle past the tenant's policy; released (replica {p.replica} on {p.node_id} "
                 "was asked to checkpoint first)"))), key="end")]
-        if p.reason == "preempted" and p.job_id in state.specs:
+        if p.reason == "preempted" and rec.spec is not None:
             # a training / finetune job gives its quota back and runs again later from its checkpoint
-            exits = state.exits.get(p.job_id, {})
-            if len(exits) < state.replicas.get(p.job_id, 1):
+            if len(rec.exits or {}) < rec.replicas:
                 return []  # the rest of its gang is still stopping
             return self._resume(state, p.job_id, "preempted", "preempted: its quota went to a higher-priority job; "
                                 "it runs again when quota frees", p, ctx, key=f"resume:{attempt}")
@@ -244,26 +286,32 @@ class GuardianCore(BaseCore[GuardianState]):
                        else f"replica {p.replica} on {p.node_id} exited with code {p.exit_code} ({p.reason})")
             return [ctx.emit(JobFailed(job_id=p.job_id, reason=Reason(code=code, message=message),
                                        exit_code=p.exit_code), key="end")]
-        exits = state.exits.get(p.job_id, {})
-        if len(exits) >= state.replicas.get(p.job_id, 1) and all(e.exit_code == 0 for e in exits.values()):
+        exits = rec.exits or {}
+        if len(exits) >= rec.replicas and all(e.exit_code == 0 for e in exits.values()):
             return [ctx.emit(JobSucceeded(job_id=p.job_id), key="end")]
         return []
 
     def tick(self, state: GuardianState, ctx: Ctx) -> list[Envelope]:
         now = ctx.now.timestamp()
         out: list[Envelope] = []
-        for job_id, (since, idle_event) in sorted(state.idle_since.items()):
-            tenant = state.tenants.get(job_id)
+        for job_id in sorted(state.idle):
+            rec = state.jobs[job_id]
+            assert rec.idle_since is not None
+            since, idle_event = rec.idle_since
+            tenant = rec.tenant
             policy = self.config.policy(tenant or "")
-            if policy is None or job_id in state.ended or now - since < policy.idle_reclaim_after_s:
+            if policy is None or now - since < policy.idle_reclaim_after_s:
                 continue
             out.append(ctx.emit(JobPreemptionRequested(job_id=job_id, grace_s=30.0, reason=Reason(
                 code="idle_reclaimed", message=(
                     f"idle {now - since:.0f}s after the warning (policy: reclaim after "
                     f"{policy.idle_reclaim_after_s:.0f}s): checkpoint, then release its GPUs"))),
                 tenant=tenant, cause_id=idle_event, key="reclaim"))
-        for job_id, (due, _attempt, ex, exit_event) in sorted(state.retry_at.items()):
-            if due <= now and job_id not in state.ended:
+        for job_id in sorted(state.retrying):
+            retry = state.jobs[job_id].retry_at
+            assert retry is not None
+            due, _attempt, ex, exit_event = retry
+            if due <= now:
                 out += self._resume(state, job_id, "crashed", f"replica {ex.replica} on {ex.node_id} exited with code "
                                     f"{ex.exit_code}", ex, ctx, key="retry", cause_id=exit_event)
         return out
@@ -274,13 +322,12 @@ class GuardianCore(BaseCore[GuardianState]):
 
         A job that was asked to give its quota back meanwhile does so now: it resumes as preempted
         (a training job, waiting for quota again) or ends preempted, whatever else happened."""
-        budget = state.max_retries.get(job_id, 3)
-        tenant = state.tenants.get(job_id)
-        failures = state.failures.get(job_id, 0)
-        if job_id in state.preempt_pending:
-            if job_id not in state.specs or job_id in state.reclaiming:
+        rec = state.job(job_id)
+        budget, tenant, failures = rec.max_retries, rec.tenant, rec.failures
+        if rec.preempt_pending:
+            if rec.spec is None or rec.reclaiming:
                 return [ctx.emit(JobPreempted(job_id=job_id, reason=Reason(
-                    code="idle_reclaimed" if job_id in state.reclaiming else "preempted",
+                    code="idle_reclaimed" if rec.reclaiming else "preempted",
                     message=f"{what} while it was giving its quota back")), tenant=tenant, cause_id=cause_id,
                     key="end" if ex else f"end:{job_id}")]
             code, what = "preempted", f"{what} while it was giving its quota back"
@@ -288,15 +335,15 @@ class GuardianCore(BaseCore[GuardianState]):
             return [ctx.emit(JobFailed(job_id=job_id, reason=Reason(code="retries_exhausted", message=(
                 f"{what}, and its {budget} retries are used up")), exit_code=ex.exit_code if ex else None),
                 tenant=tenant, cause_id=cause_id, key="end" if ex else f"end:{job_id}")]
-        ckpt = state.checkpoint.get(job_id)
+        ckpt = rec.checkpoint
         now = ctx.now.timestamp()
-        started = state.started.get(job_id)
+        started = rec.started
         run_start = started[1] if started else now - (ex.runtime_s if ex else 0.0)
         since = max(ckpt[1], run_start) if ckpt else run_start  # work of this run only, not time queued
         retry = "" if code == "preempted" else f"retry {failures + 1} of {budget}, "
         return [ctx.emit(JobResumeRequested(
             job_id=job_id, checkpoint_uri=ckpt[0] if ckpt else None, lost_work_s=round(max(0.0, now - since), 3),
-            attempt=state.attempt.get(job_id, 1) + 1,
+            attempt=rec.attempt + 1,
             reason=Reason(code=code, message=(
                 f"{what}; {retry}" + (f"from checkpoint {ckpt[0]}" if ckpt else "from the start")))),
             tenant=tenant, cause_id=cause_id, key=key)]
@@ -306,17 +353,17 @@ class GuardianCore(BaseCore[GuardianState]):
     def watch(self, state: GuardianState, job_id: str, location: str, unwritable: str | None,
               scans: list[Scanned], now: float, ctx: Ctx) -> list[Envelope]:
         """Facts about a running training job's checkpoint location, from what the agent found."""
-        spec = state.specs.get(job_id)
-        started = state.started.get(job_id)
-        if spec is None or started is None or job_id in state.ended:
+        rec = state.jobs.get(job_id)  # (none once the job ended)
+        if rec is None or rec.spec is None or rec.started is None:
             return []
-        attempt, started_at, started_id = started
-        tenant = state.tenants.get(job_id, spec.tenant)
+        spec = rec.spec
+        attempt, started_at, started_id = rec.started
+        tenant = rec.tenant or spec.tenant
         out: list[Envelope] = []
         good = [s for s in scans if s.checkpoint is not None]
         latest = good[0] if good else None
         newer_bad = [s for s in scans if s.checkpoint is None and (latest is None or s.step > latest.step)]
-        if (job_id, attempt) not in state.verified:
+        if attempt not in (rec.verified or ()):
             if unwritable is not None:
                 return [ctx.emit(JobFailed(job_id=job_id, reason=Reason(
                     code="checkpoint_location_unwritable", message=unwritable, field="checkpoint.path")),
@@ -327,7 +374,7 @@ class GuardianCore(BaseCore[GuardianState]):
                 latest_step=latest.step if latest else None,
                 skipped=tuple(Reason(code="checkpoint_invalid", message=s.reason, field=s.path.resolve().as_uri())
                               for s in newer_bad)), tenant=tenant, cause_id=started_id, key=f"verify:{attempt}"))
-        reported = state.step.get(job_id, -1)
+        reported = rec.step
         for s in sorted(good, key=lambda s: s.step):
             c = s.checkpoint
             if c is not None and s.step > reported:
@@ -335,19 +382,19 @@ class GuardianCore(BaseCore[GuardianState]):
                     job_id=job_id, uri=c.uri, step=c.step, size_bytes=c.size_bytes, sha256=c.sha256,
                     saved_at=utc(c.created_at) if c.created_at else None),
                     tenant=tenant, cause_id=started_id, key=f"ckpt:{c.step}"))
-        reported_good = state.good.get(job_id, {})
+        reported_good = rec.good or {}
         for s in scans:  # newer bad ones, and reported ones that went bad since (then not resumed from)
-            if s.checkpoint is None and (job_id, s.step) not in state.invalid_said and (
+            if s.checkpoint is None and s.step not in (rec.invalid_said or ()) and (
                     s.step > reported or s.step in reported_good):
                 out.append(ctx.emit(JobCheckpointInvalid(
                     job_id=job_id, uri=s.path.resolve().as_uri(), step=s.step, reason=s.reason),
                     tenant=tenant, cause_id=started_id, key=f"invalid:{s.step}"))
         limit = 2 * (spec.checkpoint.interval_s if spec.checkpoint else 1800.0)
-        last = state.checkpoint.get(job_id)
+        last = rec.checkpoint
         since = max(last[1] if last else 0.0, started_at)
-        last_step = max([state.step.get(job_id, -1), *(s.step for s in good)])
-        if now - since > limit and (job_id, attempt, last_step) not in state.overdue_said and not any(
-                s.step > state.step.get(job_id, -1) for s in good):
+        last_step = max([rec.step, *(s.step for s in good)])
+        if now - since > limit and (attempt, last_step) not in (rec.overdue_said or ()) and not any(
+                s.step > rec.step for s in good):
             out.append(ctx.emit(JobCheckpointOverdue(
                 job_id=job_id, age_s=round(now - since, 3), limit_s=limit, last_uri=last[0] if last else None),
                 tenant=tenant, cause_id=started_id, key=f"overdue:{attempt}:{last_step}"))

@@ -18,13 +18,12 @@ before that start.
 
 from __future__ import annotations
 
+import random
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 
-from gpufleet.shared.checkpoints import CHECKPOINTED_TYPES
-from gpufleet.shared.cluster import pool_shapes
-from gpufleet.shared.clusterconfig import ClusterConfig
-from gpufleet.shared.events import (
+from gpufleet.shared.contract.clusterconfig import ClusterConfig
+from gpufleet.shared.contract.events import (
     Envelope,
     JobBackfillReserved,
     JobCancelled,
@@ -53,9 +52,11 @@ from gpufleet.shared.events import (
     resumed_attempt,
     utc,
 )
-from gpufleet.shared.retention import EndedJobs
-from gpufleet.shared.runtime import BaseCore, Ctx
-from gpufleet.shared.spec import JobSpec
+from gpufleet.shared.contract.spec import JobSpec
+from gpufleet.shared.node.checkpoints import CHECKPOINTED_TYPES
+from gpufleet.shared.node.cluster import pool_shapes
+from gpufleet.shared.runtime.loop import BaseCore, Ctx
+from gpufleet.shared.runtime.retention import EndedJobs
 
 from .frag import MILLI, TaskShape, typical_tasks
 from .framework import LASTING_CONSTRAINTS, Ask, Context, Node, Profile, feasible, profiles, schedule, why_not
@@ -86,6 +87,24 @@ class Reservation:
     said_s: float = 0.0  # when it was said: re-estimated at most every RESERVATION_REFRESH_S
 
 
+class PlacerScratch:
+    """What the placer derives from its state to decide faster: the typical workload and the
+    plugins' score caches (`Context`, rebuilt every TYPICAL_EVERY new job shapes), `ever_fits` per
+    (job, fleet version). Held by the state it derives from, so a state restored from a snapshot or
+    a rollback point never reads caches keyed on another history's node versions; never stored (it
+    pickles empty and is rebuilt on first use)."""
+
+    __slots__ = ("typical_at", "ctx", "fits")
+
+    def __init__(self) -> None:
+        self.typical_at = -1
+        self.ctx = Context()
+        self.fits: dict[tuple[str, int], bool] = {}
+
+    def __reduce__(self) -> tuple[type[PlacerScratch], tuple[()]]:
+        return (PlacerScratch, ())
+
+
 @dataclass
 class PlacerState:
     nodes: dict[str, Node] = field(default_factory=dict)
@@ -114,6 +133,7 @@ class PlacerState:
     alloc_attempt: dict[str, int] = field(default_factory=dict)  # job -> the attempt its allocations belong to
     requota: set[str] = field(default_factory=set)  # preempted, to run again: waits for quota first
     jobs_on: dict[str, set[str]] = field(default_factory=dict)  # node -> jobs holding something there
+    scratch: PlacerScratch = field(default_factory=lambda: PlacerScratch(), compare=False, repr=False)
 
 
 # ---------------------------------------------------------------- node bookkeeping
@@ -292,9 +312,6 @@ class PlacerCore(BaseCore[PlacerState]):
         self.config = config or ClusterConfig()
         self.placement = self.config.placement
         self.profile: Profile = profiles()[self.placement.profile]
-        self.ctx = Context()
-        self._typical_at = -1
-        self._fits_memo: dict[tuple[str, int], bool] = {}
         # node pools that may have nodes: (pool, max nodes, an empty node of its shape). A job only
         # a pool's shape can hold is not `never_fits`: it waits (unschedulable) and the pool grows.
         # Computed once per config; `ever_fits` alone reads it, and only when a job does not fit now.
@@ -303,8 +320,6 @@ class PlacerCore(BaseCore[PlacerState]):
             for name, inv in pool_shapes(self.config).items())
 
     def initial_state(self) -> PlacerState:
-        self._typical_at = -1
-        self._fits_memo = {}
         return PlacerState()
 
     # ------------------------------------------------------------ evolve
@@ -506,10 +521,11 @@ class PlacerCore(BaseCore[PlacerState]):
 
     def _refresh_typical(self, state: PlacerState) -> None:
         at = state.shapes_seen // TYPICAL_EVERY
-        if at != self._typical_at:
-            self._typical_at = at
+        scratch = state.scratch
+        if at != scratch.typical_at:
+            scratch.typical_at = at
             shapes = tuple(state.recent)
-            self.ctx = Context(typical=typical_tasks(shapes), shapes=shapes)
+            scratch.ctx = Context(typical=typical_tasks(shapes), shapes=shapes)
 
     def _try(self, state: PlacerState, job_id: str, ctx: Ctx, plan: Plan, now: float,
              say_unschedulable: bool) -> list[Envelope]:
@@ -629,7 +645,9 @@ class PlacerCore(BaseCore[PlacerState]):
         a = ask_of(spec)
         r = spec.resources
         allocs: list[ReplicaAllocation] = []
-        self.ctx.gang = {}
+        ctx = state.scratch.ctx
+        ctx.gang = {}
+        ctx.rng = random.Random(state.shapes_seen)  # ties drawn from the state alone: any replica, any restart
         for replica in range(spec.replicas):
             if r.mig:
                 got = self._pick_mig(state, a, r.mig, plan, avoid)
@@ -644,7 +662,7 @@ class PlacerCore(BaseCore[PlacerState]):
                                                 memory_mib=a.mem, mig_devices=tuple(uuids)))
                 continue
             cands = self.candidates(state, a, plan, avoid, full_scan)
-            pick = schedule(cands, a, self.profile, self.ctx, filtered=True)  # (candidates() filtered them)
+            pick = schedule(cands, a, self.profile, ctx, filtered=True)  # (candidates() filtered them)
             if pick is None:
                 return None
             if pick.node.node_id not in plan.nodes:
@@ -652,14 +670,14 @@ class PlacerCore(BaseCore[PlacerState]):
             node = plan.nodes[pick.node.node_id]
             node.take(pick.positions, a.milli if a.gpus else 0, a.cpu, a.mem)
             for key in (node.node_id, node.leaf, node.rack):
-                self.ctx.gang[key] = self.ctx.gang.get(key, 0) + 1
+                ctx.gang[key] = ctx.gang.get(key, 0) + 1
             numas = [node.numa[i] for i in pick.positions if i < len(node.numa)]
             allocs.append(ReplicaAllocation(
                 replica=replica, node_id=node.node_id, gpu_indices=tuple(node.gpu_ids[i] for i in pick.positions),
                 cpu_milli=a.cpu, memory_mib=a.mem, gpu_milli=a.milli if a.gpus else MILLI,
                 numa_node=max(set(numas), key=numas.count) if numas else 0,
             ))
-        self.ctx.gang = {}
+        ctx.gang = {}
         return tuple(allocs)
 
     def candidates(self, state: PlacerState, a: Ask, plan: Plan, avoid: frozenset[str] = frozenset(),
@@ -727,11 +745,12 @@ class PlacerCore(BaseCore[PlacerState]):
     def _ever_fits_cached(self, state: PlacerState, job_id: str, spec: JobSpec) -> bool:
         """`ever_fits`, remembered per job until the fleet changes (it looks at every node)."""
         key = (job_id, state.fleet_version)
-        hit = self._fits_memo.get(key)
+        memo = state.scratch.fits
+        hit = memo.get(key)
         if hit is None:
-            if len(self._fits_memo) > 100_000:
-                self._fits_memo.clear()
-            hit = self._fits_memo[key] = self.ever_fits(state, spec)
+            if len(memo) > 100_000:
+                memo.clear()
+            hit = memo[key] = self.ever_fits(state, spec)
         return hit
 
     def ever_fits(self, state: PlacerState, spec: JobSpec) -> bool:

@@ -31,8 +31,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from gpufleet.shared.clusterconfig import ClusterConfig, QueueConfig
-from gpufleet.shared.events import (
+from gpufleet.shared.contract.clusterconfig import ClusterConfig, QueueConfig
+from gpufleet.shared.contract.events import (
     RUN_ENDED_JOB_TYPES,
     Envelope,
     JobPreemptionRequested,
@@ -43,16 +43,16 @@ from gpufleet.shared.events import (
     Reason,
     resumed_attempt,
 )
-from gpufleet.shared.retention import EndedJobs
-from gpufleet.shared.runtime import BaseCore, Ctx
-from gpufleet.shared.spec import JobSpec
+from gpufleet.shared.contract.spec import JobSpec
+from gpufleet.shared.runtime.loop import BaseCore, Ctx
+from gpufleet.shared.runtime.retention import EndedJobs
 
 from .tree import QuotaTree
 
 CYCLE_JOBS_MAX = 512  # pending jobs looked at per cycle: bound the work of one decision
 PREEMPT_GRACE_S = 30.0
 CYCLE_ON_EVENT_MAX = 64  # pending jobs up to which every admission or release runs a cycle
-ENDED_TYPES = RUN_ENDED_JOB_TYPES  # (shared/events.py: the contract's one definition)
+ENDED_TYPES = RUN_ENDED_JOB_TYPES  # (shared/contract/events.py: the contract's one definition)
 
 
 @dataclass

@@ -7,8 +7,8 @@ import logging
 from collections import Counter
 from typing import Any
 
-from gpufleet.shared import otel
-from gpufleet.shared.runtime import ServiceRuntime, every
+from gpufleet.shared.runtime import otel
+from gpufleet.shared.runtime.loop import ServiceRuntime, every
 
 from .core import QuotaState
 

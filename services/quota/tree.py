@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from gpufleet.shared.clusterconfig import ClusterConfig
+from gpufleet.shared.contract.clusterconfig import ClusterConfig
 
 
 @dataclass(frozen=True)

@@ -22,9 +22,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from gpufleet.shared.bus import Bus
-from gpufleet.shared.gpu import GpuBackend, GpuSample, SimGpuBackend, sample_doc
-from gpufleet.shared.runtime import ServiceRuntime, every
+from gpufleet.shared.node.gpu import GpuBackend, GpuSample, SimGpuBackend, sample_doc
+from gpufleet.shared.runtime.bus import Bus
+from gpufleet.shared.runtime.loop import ServiceRuntime, every
 
 from .core import JobUse, Owner, TelemetryCore, TelemetryState, Windows
 
@@ -273,14 +273,14 @@ class TelemetryAgent:
 
 
 def _forget_metrics(node_id: str) -> None:
-    from gpufleet.shared import otel
+    from gpufleet.shared.runtime import otel
 
     otel.forget_gpus(node_id)
 
 
 def _record_metrics(node_id: str, samples: list[GpuSample]) -> None:
     try:
-        from gpufleet.shared import otel
+        from gpufleet.shared.runtime import otel
     except ImportError:  # the metrics module is optional until it lands
         return
     record = getattr(otel, "record_gpu", None)
@@ -293,7 +293,7 @@ def _record_metrics(node_id: str, samples: list[GpuSample]) -> None:
 def local_gpus(node_id: str | None) -> dict[str, GpuBackend]:
     """This machine's GPUs through NVML, as node `node_id` (default: the host name); {} without."""
     from gpufleet.services.executor.agent import node_id_of_host
-    from gpufleet.shared.nvml import open_backend
+    from gpufleet.shared.node.nvml import open_backend
 
     backend = open_backend()
     return {node_id or node_id_of_host(): backend} if backend is not None else {}
@@ -312,9 +312,9 @@ def main(argv: list[str] | None = None) -> None:
     import os
 
     from gpufleet.services.executor.agent import _stop_on_signals, setup_process
-    from gpufleet.shared.config import resolve_nats_url
-    from gpufleet.shared.service import base_parser
-    from gpufleet.shared.spec import parse_duration_s
+    from gpufleet.shared.contract.config import resolve_nats_url
+    from gpufleet.shared.contract.spec import parse_duration_s
+    from gpufleet.shared.runtime.service import base_parser
 
     from .core import Rules
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from gpufleet.shared.events import (
+from gpufleet.shared.contract.events import (
     RUN_ENDED_JOB_TYPES,
     Envelope,
     GpuDevice,
@@ -38,9 +38,9 @@ from gpufleet.shared.events import (
     NodeLost,
     NodeRegistered,
 )
-from gpufleet.shared.gpu import FATAL_XIDS, GpuSample
-from gpufleet.shared.runtime import BaseCore, Ctx
-from gpufleet.shared.spec import SimSpec
+from gpufleet.shared.contract.spec import SimSpec
+from gpufleet.shared.node.gpu import FATAL_XIDS, GpuSample
+from gpufleet.shared.runtime.loop import BaseCore, Ctx
 
 LOST_EXIT = 137
 

@@ -25,9 +25,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from check_real_gpu import LOAD, MIN_USED_MIB, Check, python_with_torch  # noqa: E402
 
-from gpufleet.shared.bus import Bus  # noqa: E402
-from gpufleet.shared.config import read_mesh  # noqa: E402
-from gpufleet.shared.events import Envelope, parse_envelope  # noqa: E402
+from gpufleet.shared.contract.config import read_mesh  # noqa: E402
+from gpufleet.shared.contract.events import Envelope, parse_envelope  # noqa: E402
+from gpufleet.shared.runtime.bus import Bus  # noqa: E402
 
 GPUFLEET = str(Path(sys.executable).parent / "gpufleet")
 

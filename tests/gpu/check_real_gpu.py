@@ -28,10 +28,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gpufleet.shared.events import GpuDevice
-from gpufleet.shared.gpu import FATAL_XIDS, GpuProcess, GpuSample
-from gpufleet.shared.hostinfo import host_inventory, local_node_inventory
-from gpufleet.shared.nvml import NvmlBackend, nvml_status, open_backend
+from gpufleet.shared.contract.events import GpuDevice
+from gpufleet.shared.node.gpu import FATAL_XIDS, GpuProcess, GpuSample
+from gpufleet.shared.node.hostinfo import host_inventory, local_node_inventory
+from gpufleet.shared.node.nvml import NvmlBackend, nvml_status, open_backend
 
 MIN_USED_MIB = 512
 APPEAR_S = 60.0  # torch's import and CUDA start can take a while on a cold machine

@@ -1,0 +1,1 @@
+"""The benchmarks (`gpufleet bench ...`); figures go to docs/benchmarks.md."""

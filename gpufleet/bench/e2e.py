@@ -1,0 +1,208 @@
+"""`gpufleet bench e2e`: the sustained submit -> placed rate of the whole mesh, and its latency.
+
+A fresh embedded mesh (nats-server, the services as separate processes, optionally the
+PostgreSQL read model) with N simulated nodes; M jobs are submitted as fast as the mesh takes
+them (atomic batches of commands); a core-NATS subscription on `fleet.evt.*.job.*.placed`
+timestamps every placement.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import os
+import statistics
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from gpufleet.sdk import new_job_id, submit_envelope
+from gpufleet.shared.runtime.bus import Bus
+
+SUBMIT_BATCH = 500
+GPU_MIX = (1, 1, 1, 2)  # per job, cycled: 1.25 GPUs on average
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+async def _wait_nodes(bus: Bus, n: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        info = await bus.js.stream_info("FLEET", subjects_filter="fleet.evt.sys.node.*.registered")
+        registered = len(info.state.subjects or {})
+        if registered >= n:
+            placer = await bus.js.consumer_info("FLEET", "placer")
+            if placer.num_pending == 0 and placer.num_ack_pending == 0:
+                return
+        await asyncio.sleep(0.2)
+    raise TimeoutError(f"{n} nodes not registered and folded by the placer in {timeout_s}s")
+
+
+async def _drive(nats_url: str, sim_nodes: int, jobs: int, progress: Callable[[str], None] | None,
+                 on_ready: Callable[[], None] | None = None, creds: Path | None = None) -> dict[str, Any]:
+    bus = await Bus.connect(nats_url, name="bench", creds=creds)
+    await _wait_nodes(bus, sim_nodes, timeout_s=180)
+    if on_ready:
+        on_ready()
+    placed_at: dict[str, float] = {}
+    unschedulable: set[str] = set()
+    refused: dict[str, str] = {}  # job -> the code it was rejected or failed with (counted, never hidden)
+
+    async def on_msg(msg: Any) -> None:
+        job_id = msg.subject.split(".")[4]
+        kind = msg.subject.rsplit(".", 1)[1]
+        if kind == "placed":
+            placed_at.setdefault(job_id, time.perf_counter())
+        elif kind == "unschedulable":
+            unschedulable.add(job_id)
+        else:  # rejected, failed (never fits)
+            try:
+                payload = json.loads(msg.data)["payload"]
+                reasons = payload.get("reasons") or [payload.get("reason") or {}]
+                refused[job_id] = f"{kind}:{reasons[0].get('code', '?')}"
+            except (ValueError, KeyError, IndexError, AttributeError):
+                refused[job_id] = f"{kind}:?"
+
+    subs = [await bus.nc.subscribe(f"fleet.evt.*.job.*.{kind}", cb=on_msg)
+            for kind in ("placed", "unschedulable", "rejected", "failed")]
+    envs = []
+    job_ids: list[str] = []
+    for i in range(jobs):
+        spec = {
+            "name": f"bench-{i}", "tenant": f"team{i % 4}", "type": "batch",
+            "resources": {"cpu": 1, "memory": "4Gi", "gpu": GPU_MIX[i % len(GPU_MIX)]},
+            "sim": {"duration": "1h"},
+        }
+        job_ids.append(new_job_id())
+        envs.append(submit_envelope(spec, job_ids[-1], actor="bench"))
+    submitted_at: dict[str, float] = {}
+    t0 = time.perf_counter()
+    last_report = t0
+    for start in range(0, jobs, SUBMIT_BATCH):
+        chunk = envs[start:start + SUBMIT_BATCH]
+        now = time.perf_counter()
+        for job_id in job_ids[start:start + SUBMIT_BATCH]:
+            submitted_at[job_id] = now
+        await bus.publish_batch(chunk)
+        if progress and now - last_report > 2:
+            last_report = now
+            progress(f"submitted {start + len(chunk)}/{jobs}, placed {len(placed_at)}")
+    t_submitted = time.perf_counter()
+    idle_deadline = time.monotonic() + 60
+    seen = -1
+    while len(placed_at.keys() | unschedulable | refused.keys()) < jobs and time.monotonic() < idle_deadline:
+        await asyncio.sleep(0.25)
+        if len(placed_at) != seen:
+            seen = len(placed_at)
+            idle_deadline = time.monotonic() + 60
+            if progress and time.perf_counter() - last_report > 2:
+                last_report = time.perf_counter()
+                progress(f"placed {seen}/{jobs}")
+    for sub in subs:
+        await sub.unsubscribe()
+    await bus.close()
+    lat = [placed_at[j] - submitted_at[j] for j in placed_at if j in submitted_at]
+    t_last = max(placed_at.values()) if placed_at else t0
+    span = t_last - t0
+    return {
+        "sim_nodes": sim_nodes,
+        "jobs": jobs,
+        "placed": len(placed_at),
+        "unschedulable": len(unschedulable - set(placed_at)),
+        # every job's outcome is counted: refused work is reported, and a job with none fails the run
+        "refused": len(set(refused) - set(placed_at)),
+        "refused_by_code": dict(Counter(c for j, c in refused.items() if j not in placed_at)),
+        "unaccounted": jobs - len(placed_at.keys() | unschedulable | refused.keys()),
+        "submit_rate_jobs_s": round(jobs / max(1e-9, t_submitted - t0), 1),
+        "placed_rate_jobs_s": round(len(placed_at) / max(1e-9, span), 1),
+        "latency_p50_ms": round(_pct(lat, 0.50) * 1000, 1),
+        "latency_p99_ms": round(_pct(lat, 0.99) * 1000, 1),
+        "latency_mean_ms": round(statistics.fmean(lat) * 1000, 1) if lat else None,
+        "wall_s": round(span, 2),
+        "cpus": os.cpu_count(),
+    }
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds a process has used so far (Linux /proc)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return round((int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), 2)
+    except (OSError, IndexError, ValueError):
+        return float("nan")
+
+
+def run_e2e(sim_nodes: int = 5000, jobs: int = 20000, postgres: bool = True,
+            progress: Callable[[str], None] | None = None, layouts: tuple[str, ...] = ("grouped", "separate"),
+            syncs: tuple[str, ...] = ("always",)) -> dict[str, Any]:
+    """Run the bench once per layout, the first being the one reported; the others are baselines.
+    With several `syncs` (JetStream fsync policies: `always`, or `lazy` for the server's default),
+    the first layout also runs under each further one, as a baseline of the same run."""
+    runs = {layout: _with_sync(syncs[0], functools.partial(run_layout, sim_nodes, jobs, postgres, layout, progress))
+            for layout in layouts}
+    main = dict(runs[layouts[0]])
+    main["layout"] = layouts[0]
+    main["nats_sync"] = syncs[0]
+    for layout in layouts[1:]:
+        base = runs[layout]
+        main[f"baseline_{layout}"] = base
+        main[f"ratio_vs_{layout}"] = round(main["placed_rate_jobs_s"] / max(1e-9, base["placed_rate_jobs_s"]), 2)
+    for sync in syncs[1:]:
+        base = _with_sync(sync, functools.partial(run_layout, sim_nodes, jobs, postgres, layouts[0], progress))
+        main[f"baseline_sync_{sync}"] = base
+        main[f"ratio_vs_sync_{sync}"] = round(main["placed_rate_jobs_s"] / max(1e-9, base["placed_rate_jobs_s"]), 2)
+    return main
+
+
+def _with_sync(sync: str, run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """Run with the embedded nats-server's fsync policy `sync` (shared/trust/authz.py nats_config)."""
+    old = os.environ.get("GPUFLEET_NATS_SYNC")
+    os.environ["GPUFLEET_NATS_SYNC"] = sync
+    try:
+        return run()
+    finally:
+        if old is None:
+            os.environ.pop("GPUFLEET_NATS_SYNC", None)
+        else:
+            os.environ["GPUFLEET_NATS_SYNC"] = old
+
+
+def run_layout(sim_nodes: int, jobs: int, postgres: bool, layout: str,
+               progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    from gpufleet.mesh import MeshOptions, Supervisor, wait_services_ready
+
+    with tempfile.TemporaryDirectory(prefix="gpufleet-bench-") as tmp:
+        sup = Supervisor(MeshOptions(Path(tmp), sim_nodes=sim_nodes, postgres=postgres, log_level="WARNING",
+                                     layout=layout))
+        try:
+            sup.start_infra()
+            sup.start_services()
+            wait_services_ready(sup.nats_url, timeout_s=120, layout=layout, data_dir=Path(tmp))
+            if progress:
+                progress(f"[{layout}] mesh up with {sim_nodes} sim nodes; registering")
+            pids = {name: c.proc.pid for name, c in sup.children.items() if c.proc}
+            if sup.nats_proc:
+                pids["nats-server"] = sup.nats_proc.pid
+            before: dict[str, float] = {}
+
+            def ready() -> None:  # CPU used by start-up and node registration is not the run's
+                before.update({name: _cpu_s(pid) for name, pid in pids.items()})
+
+            result = asyncio.run(_drive(sup.nats_url, sim_nodes, jobs, progress, ready,
+                                        creds=sup.realm.creds_path("admin") if sup.realm else None))
+            result["postgres"] = postgres
+            result["service_restarts"] = sum(c.restarts for c in sup.children.values())
+            # CPU seconds each process spent from the first submit to the end of the run
+            result["cpu_s"] = {name: round(_cpu_s(pid) - before.get(name, 0.0), 2) for name, pid in pids.items()}
+            return result
+        finally:
+            sup.stop_all()

@@ -1,0 +1,239 @@
+"""`bench ...`: the benchmarks; figures go to docs/benchmarks.md."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from gpufleet.cli.common import (
+    DataDir,
+    JsonOut,
+    _print_json,
+    app,
+)
+
+bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks; figures go to docs/benchmarks.md.")
+app.add_typer(bench_app, name="bench")
+
+
+@bench_app.command("e2e")
+def bench_e2e(
+    sim_nodes: Annotated[int, typer.Option(help="simulated nodes")] = 5000,
+    jobs_n: Annotated[int, typer.Option("--jobs", help="jobs to submit")] = 20000,
+    as_json: JsonOut = False,
+    postgres: Annotated[bool, typer.Option(help="include the PostgreSQL read model in the mesh")] = True,
+    layouts: Annotated[str, typer.Option(help="layouts to run, the first reported, the rest as baselines")] = "grouped,separate",
+    nats_sync: Annotated[str, typer.Option(
+        help="JetStream fsync policies: always (the mesh's), lazy (the server's default: every 2 min); "
+             "the first reported, the rest as baselines of the first layout")] = "always",
+) -> None:
+    """Submit jobs as fast as the mesh takes them; report submit->placed rate and latency."""
+    from gpufleet.bench.e2e import run_e2e
+
+    syncs = tuple(x.strip() for x in nats_sync.split(",") if x.strip())
+    if not syncs or any(x not in ("always", "lazy") for x in syncs):
+        typer.echo("error: --nats-sync: a list of always / lazy", err=True)
+        raise typer.Exit(2)
+    result = run_e2e(sim_nodes=sim_nodes, jobs=jobs_n, postgres=postgres,
+                     progress=None if as_json else (lambda s: typer.echo(s, err=True)),
+                     layouts=tuple(x.strip() for x in layouts.split(",") if x.strip()), syncs=syncs)
+    if as_json:
+        _print_json(result)
+    else:
+        for k, v in result.items():
+            typer.echo(f"{k:>24}: {v}")
+    runs = [result, *(v for k, v in result.items() if k.startswith("baseline_") and isinstance(v, dict))]
+    lost = sum(int(r.get("unaccounted", 0)) for r in runs)
+    refused = sum(int(r.get("refused", 0)) for r in runs)
+    if refused:
+        typer.echo(f"warning: {refused} job(s) refused ({result.get('refused_by_code')}): the rate counts placed jobs only",
+                   err=True)
+    if lost:
+        typer.echo(f"error: {lost} job(s) have no outcome (neither placed, told why it waits, nor refused)", err=True)
+        raise typer.Exit(1)
+
+
+def _seeds(text: str) -> list[int]:
+    out: list[int] = []
+    for part in text.split(","):
+        a, _, b = part.strip().partition("-")
+        out += list(range(int(a), int(b or a) + 1))
+    return out
+
+
+@bench_app.command("placement")
+def bench_placement(
+    pods: Annotated[Path, typer.Option(help="pod list CSV (openb_pod_list_*.csv), or a folder: every pod list in it")],
+    nodes: Annotated[Path, typer.Option(help="node list CSV (openb_node_list_gpu_node.csv)")],
+    policies: Annotated[str, typer.Option(help="random,dotprod,clustering,packing,bestfit,fgd,fragaware")] = "bestfit,fgd,fragaware",
+    seeds: Annotated[str, typer.Option(help="e.g. 42-51 or 42,43")] = "42-51",
+    published: Annotated[Path | None, typer.Option(help="folder of the published results (fgd-expected)")] = None,
+    plot: Annotated[Path | None, typer.Option(help="write the allocation curves to this PNG")] = None,
+    as_json: JsonOut = False,
+) -> None:
+    """Replay an Alibaba GPU trace through the placer's framework, as the FGD paper's simulator does:
+    GPU allocation ratio at 130 % arrived GPU, fragmentation at 80 %, side by side with the
+    published numbers."""
+    from gpufleet.bench.placement import bench, write_plot
+    from gpufleet.bench.placement import published as published_results
+
+    files = sorted(pods.glob("openb_pod_list_*.csv")) if pods.is_dir() else [pods]
+    if not files:
+        typer.echo(f"error: no pod lists in {pods}", err=True)
+        raise typer.Exit(2)
+    if not nodes.exists():
+        typer.echo(f"error: --nodes: {nodes} does not exist", err=True)
+        raise typer.Exit(2)
+    names = [p.strip() for p in policies.split(",") if p.strip()]
+    from gpufleet.services.placer.framework import profiles
+
+    unknown = [n for n in names if n not in profiles()]
+    if unknown:
+        typer.echo(f"error: --policies: unknown {', '.join(unknown)} (one of {', '.join(profiles())})", err=True)
+        raise typer.Exit(2)
+    docs = []
+    for f in files:
+        doc = bench(f, nodes, names, _seeds(seeds), progress=lambda m: typer.echo(m, err=True))
+        if published is not None:
+            doc["published"] = published_results(published, doc["workload"])
+        docs.append(doc)
+    if plot is not None:
+        write_plot(docs, plot)
+    if as_json:
+        _print_json(docs[0] if len(docs) == 1 else {"workloads": docs})
+        return
+    for doc in docs:
+        typer.echo(f"{doc['workload']}: {doc['nodes']} nodes, {doc['gpus']} GPUs, {doc['pods']} pods, "
+                   f"seeds {doc['seeds'][0]}-{doc['seeds'][-1]}")
+        typer.echo(f"  {'policy':<12}{'alloc@130':>10}{'±':>6}{'published':>11}{'frag@80':>9}{'published':>11}{'s/seed':>8}")
+        pub = doc.get("published", {})
+        for name, r in doc["policies"].items():
+            p = pub.get(name, {})
+            typer.echo(f"  {name:<12}{r['alloc_130_mean']:>10.2f}{r['alloc_130_std']:>6.2f}"
+                       f"{p.get('alloc_130_mean', float('nan')):>11.2f}{r['frag_80_mean']:>9.2f}"
+                       f"{p.get('frag_80_mean', float('nan')):>11.2f}{r['seconds_per_seed']:>8.1f}")
+
+
+@bench_app.command("history")
+def bench_history(
+    events: Annotated[str, typer.Option(help="log sizes, comma-separated (100000,1000000)")] = "100000",
+    services: Annotated[str, typer.Option(help="the service cores to restart")] = "admission,quota,placer,guardian,billing,telemetry",
+    pending: Annotated[str | None, typer.Option(
+        help="instead: a backlog of this many waiting jobs (1000000), folded by every core in one process: "
+             "memory per job and the cost of a decision against 1,000")] = None,
+    as_json: JsonOut = False,
+) -> None:
+    """Restart cost as the log grows: each core's full fold beside its start from a snapshot (+ tail),
+    replay at three points from view snapshots, explain; or, with --pending, a deep backlog."""
+    from gpufleet.bench.history import run as run_history
+
+    try:
+        sizes = [int(x.replace("_", "")) for x in (pending or events).split(",") if x.strip()]
+    except ValueError:
+        typer.echo("error: --events / --pending: comma-separated counts, e.g. 100000,1000000", err=True)
+        raise typer.Exit(2) from None
+    if pending is not None:
+        from gpufleet.bench.history import pending as run_pending
+
+        doc = run_pending(sizes, progress=None if as_json else (lambda s: typer.echo(s, err=True)))
+        if as_json:
+            _print_json(doc)
+            return
+        for row in doc["sizes"]:
+            per_core = ", ".join(f"{k} {v}" for k, v in row["snapshot_bytes_per_job"].items())
+            typer.echo(f"{row['pending']:>9,} pending: {row['rss_bytes_per_job']:,} bytes of memory per job "
+                       f"(all eight cores), a delivered submit {row['decide_us']} us ({row['decide_vs_1000']}x 1,000); "
+                       f"snapshot bytes per job: {per_core}")
+        return
+    doc = run_history(sizes, tuple(x.strip() for x in services.split(",") if x.strip()),
+                      progress=None if as_json else (lambda s: typer.echo(s, err=True)))
+    if as_json:
+        _print_json(doc)
+        return
+    for size in doc["sizes"]:
+        typer.echo(f"{size['events']:,} events")
+        for name, row in size["cores"].items():
+            typer.echo(f"  {name:<11} full fold {row['full_fold_s']:>7.2f} s ({row['full_fold_events']:,} events)   "
+                       f"from snapshot {row['snapshot_start_s']:>6.3f} s (+{row['tail_events']} events, "
+                       f"{row['snapshot_bytes'] / 1e6:.1f} MB)   {row['speedup']}x")
+        rp = size.get("replay", {})
+        for p in rp.get("points", []):
+            typer.echo(f"  replay --seq {p['seq']:<9,} {p['snapshot_s']:>6.2f} s from the view snapshot at "
+                       f"{p['from_snapshot']:,}   {p['full_fold_s']:>6.2f} s from seq 1")
+        for j in size.get("explain", {}).get("jobs", []):
+            typer.echo(f"  explain {j['job_id']}: {j['s']:.3f} s ({j['events']} events)")
+    for name, g in doc.get("growth", {}).items():
+        typer.echo(f"  growth {name}: full fold {g['full_fold']}x, snapshot start {g['snapshot_start']}x")
+
+
+@bench_app.command("replay")
+def bench_replay(
+    events: Annotated[int, typer.Option(help="events in the synthetic log to build")] = 100_000,
+    repeat: Annotated[int, typer.Option(help="rounds; the median is reported")] = 5,
+    mesh_log: Annotated[bool, typer.Option("--mesh-log", help="read the running mesh's log instead (--data-dir)")] = False,
+    data_dir: DataDir = None,
+    as_json: JsonOut = False,
+) -> None:
+    """Fold speed of the log (what `replay` does) beside the raw JetStream read rate, same run."""
+    from gpufleet.bench.replay import run
+    from gpufleet.shared.contract.config import resolve_nats_url
+
+    doc = run(events, repeat, resolve_nats_url(data_dir) if mesh_log else None,
+              progress=None if as_json else (lambda m: typer.echo(m, err=True)))
+    if as_json:
+        _print_json(doc)
+        return
+    typer.echo(f"{doc['raw_read']['events']:,} events ({doc['source']}), median of {doc['repeat']} rounds:")
+    for m in ("raw_read", "parse", "fold"):
+        r = doc[m]
+        typer.echo(f"  {m:<9} {r['events_per_s']:>10,} events/s   {r['median_s']:>8} s   x{r['vs_raw_read']} of raw read")
+
+
+@bench_app.command("decide")
+def bench_decide(
+    nodes: Annotated[int, typer.Option(help="sim nodes")] = 5000,
+    jobs: Annotated[int, typer.Option(help="decisions to time")] = 2000,
+    fill: Annotated[float, typer.Option(help="GPU fill kept while timing")] = 0.6,
+    profiles_: Annotated[str, typer.Option("--profiles", help="placement profiles")] = "default,fragaware",
+    as_json: JsonOut = False,
+) -> None:
+    """Milliseconds per placement decision at scale: the candidate cap vs scoring every node."""
+    from gpufleet.bench.placement import decide_speed
+
+    doc = decide_speed(nodes=nodes, jobs=jobs, fill=fill, profiles_=[p.strip() for p in profiles_.split(",")],
+                       progress=None if as_json else (lambda m: typer.echo(m, err=True)))
+    if as_json:
+        _print_json(doc)
+        return
+    typer.echo(f"{doc['nodes']} nodes, {doc['gpus']} GPUs, filled to {doc['fill']:.0%}, {doc['jobs']} decisions each")
+    for name, r in doc["profiles"].items():
+        extra = f"  ({r['speedup_vs_every_node']}x faster than every node)" if "speedup_vs_every_node" in r else ""
+        typer.echo(f"  {name:<28} median {r['median_ms']:>8} ms   p99 {r['p99_ms']:>8} ms{extra}")
+
+
+@bench_app.command("billing")
+def bench_billing(
+    events: Annotated[int, typer.Option("--events", help="events of synthetic job lifecycles to fold")] = 200_000,
+    repeat: Annotated[int, typer.Option(help="folds timed per fold kind (the median reported)")] = 5,
+    as_json: JsonOut = False,
+) -> None:
+    """The billing core's fold rate (events/s) and state size, beside the cluster view's fold of the same events."""
+    from gpufleet.bench.billing import run as run_billing
+
+    if events < 100 or repeat < 1:
+        typer.echo("error: --events must be at least 100 and --repeat at least 1", err=True)
+        raise typer.Exit(2)
+    doc = run_billing(events, repeat)
+    if as_json:
+        _print_json(doc)
+        return
+    typer.echo(f"{doc['events']} events, {doc['jobs']} jobs, {doc['log_hours']} h of log; median of {doc['repeat']}")
+    typer.echo(f"  {'fold':<26}{'events/s':>10}{'x baseline':>11}{'peak KiB':>10}{'kept KiB':>10}  entries")
+    for name, r in doc["folds"].items():
+        entries = " ".join(f"{k}={v}" for k, v in r["entries"].items() if v)
+        typer.echo(f"  {name:<26}{r['events_per_s_median']:>10}{r['rate_vs_baseline']:>11}{r['peak_kib']:>10}"
+                   f"{r['kept_kib']:>10}  {entries}")
+
+

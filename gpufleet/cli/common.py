@@ -1,0 +1,135 @@
+"""What every command group of the CLI shares: the app, its options, running a client command (errors as one line, not a traceback), the mesh's config."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from collections.abc import Awaitable, Callable, Coroutine
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import typer
+
+from gpufleet.shared.contract.config import data_dir as resolve_data_dir
+from gpufleet.shared.contract.errors import GpufleetError, SpecError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="gpufleet: a control plane for GPU clusters, on one event log.")
+
+
+@app.callback()
+def _identity(creds: Annotated[str | None, typer.Option(
+        "--creds", envvar="GPUFLEET_CREDS",
+        help="credentials file: who you are to NATS (default: the data dir's admin credentials)")] = None) -> None:
+    """Every client command connects as --creds (or $GPUFLEET_CREDS), else as the data dir's admin."""
+    if creds:
+        from gpufleet.shared.trust.authz import CredsError, load_creds
+
+        try:
+            load_creds(creds)
+        except CredsError as exc:
+            typer.echo(f"error: --creds: {exc}", err=True)
+            raise typer.Exit(2) from None
+        os.environ["GPUFLEET_CREDS"] = str(Path(creds).resolve())
+
+T = TypeVar("T")
+DataDir = Annotated[str | None, typer.Option("--data-dir", envvar="GPUFLEET_DATA_DIR", help="the mesh's data dir")]
+JsonOut = Annotated[bool, typer.Option("--json", help="machine-readable output")]
+ConfigOpt = Annotated[Path | None, typer.Option(
+    "--config", help="cluster config with prices and budgets (default: GPUFLEET_CONFIG, else the mesh's copy)")]
+
+
+def _run(coro: Coroutine[Any, Any, T]) -> T:
+    import nats.errors
+    import nats.js.errors
+
+    try:
+        return asyncio.run(coro)
+    except GpufleetError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+    except (nats.js.errors.ServiceUnavailableError, nats.errors.TimeoutError, nats.errors.NoRespondersError) as exc:
+        # connected, but JetStream does not answer: a cluster electing its leader, a server restarting
+        typer.echo(f"error: JetStream does not answer ({type(exc).__name__}): the stream may have no leader "
+                   "yet or its server is restarting; try again in a few seconds (`gpufleet status`)", err=True)
+        raise typer.Exit(1) from None
+
+
+def _print_json(obj: Any) -> None:
+    typer.echo(json.dumps(obj, indent=None, default=str))
+
+
+async def _with_fleet(data_dir: str | None, fn: Callable[[Any], Awaitable[T]]) -> T:
+    from gpufleet.sdk import Fleet
+    from gpufleet.shared.runtime.archive import ARCHIVE_DIR_ENV
+
+    archive = resolve_data_dir(data_dir) / "archive"
+    if ARCHIVE_DIR_ENV not in os.environ and archive.is_dir():
+        os.environ[ARCHIVE_DIR_ENV] = str(archive)  # what left the stream is read back from its archive
+    fleet = await Fleet.connect(data_dir=data_dir)
+    try:
+        return await fn(fleet)
+    finally:
+        await fleet.close()
+
+
+async def _reading(data_dir: str | None, fn: Callable[[Any], Awaitable[T]], within_s: float = 10.0) -> T:
+    """`_with_fleet` for a command that only reads: again while JetStream does not answer (a
+    cluster electing a leader, a server restarting), for up to `within_s`."""
+    import nats.errors
+    import nats.js.errors
+
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            return await _with_fleet(data_dir, fn)
+        except (nats.js.errors.ServiceUnavailableError, nats.errors.TimeoutError):
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.5)
+
+
+
+def _parse_time(text: str) -> float:
+    """'10m' / '2h' / '30s' ago, or an ISO 8601 time (UTC when it names no zone) -> unix seconds."""
+    from datetime import UTC, datetime
+
+    from gpufleet.shared.contract.spec import parse_duration_s
+
+    try:
+        return time.time() - parse_duration_s(text)
+    except (ValueError, TypeError):
+        pass
+    try:
+        t = datetime.fromisoformat(text)
+    except ValueError:
+        typer.echo(f"error: {text!r} is neither a duration (10m) nor an ISO time (2026-11-30T05:00:00)", err=True)
+        raise typer.Exit(2) from None
+    return (t if t.tzinfo else t.replace(tzinfo=UTC)).timestamp()
+
+
+
+def _mesh_config(data_dir: str | None) -> Any:
+    from gpufleet.shared.contract.clusterconfig import load_config
+
+    path = resolve_data_dir(data_dir) / "cluster.yaml"
+    return load_config(path if path.exists() else os.environ.get("GPUFLEET_CONFIG"))
+
+
+
+def _cluster_config(data_dir: str | None, path: Path | None) -> Any:
+    """--config, else GPUFLEET_CONFIG, else the copy `gpufleet up --config` keeps in the data dir."""
+    from gpufleet.shared.contract.clusterconfig import ClusterConfig, load_config
+
+    candidates = [path, Path(os.environ["GPUFLEET_CONFIG"]) if os.environ.get("GPUFLEET_CONFIG") else None,
+                  resolve_data_dir(data_dir) / "cluster.yaml"]
+    for c in candidates:
+        if c is not None and (c is path or c.exists()):
+            try:
+                return load_config(c)
+            except (SpecError, OSError) as exc:
+                typer.echo(f"error: cluster config {c}: {exc}", err=True)
+                raise typer.Exit(2) from None
+    return ClusterConfig()
+

@@ -1,0 +1,246 @@
+"""View snapshots: the cluster view at points of the log, so `replay --seq N`, `replay --until`,
+`jobs` / `nodes` without PostgreSQL and the dashboard start from the nearest one at or before
+the point asked for and fold only the tail, whatever the length of the history.
+
+The view is the dashboard's `Board` (the `ClusterView` rows, each GPU's cell, queue usage),
+without what only a live page keeps (its feed, recent jobs, per-job histories). A process of the
+mesh, `view` (its own identity, which may write only the bucket `SNAP_view`), folds the log
+behind the services at a low CPU priority (nice 10: under load the services come first, it
+catches up when they are idle) and stores a snapshot every `GPUFLEET_VIEW_SNAPSHOT_EVENTS`
+(50,000) events. Each is the object `view-<seq>-<ms>` (the sequence it covers and the stored
+time of its last event, zero-padded so the names sort) in the same container as the cores'
+snapshots (shared/runtime/snapshots.py: state format, the log it belongs to, an HMAC with the view key;
+the admin's creds hold the key to check them). Past `KEEP` snapshots the older half is thinned
+to every other one, so the points stay spread over the whole history.
+
+A snapshot that does not check out is skipped, loudly, for an older one or a fold from sequence 1:
+a snapshot only ever saves time, the log holds everything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from gpufleet.shared.contract.events import STREAM, parse_envelope
+from gpufleet.shared.runtime.engine import refusal
+from gpufleet.shared.runtime.snapshots import SnapshotStore, take
+from gpufleet.tools.dashboard import Board
+
+log = logging.getLogger(__name__)
+
+VIEW = "view"
+EVERY = int(os.environ.get("GPUFLEET_VIEW_SNAPSHOT_EVENTS", "50000"))
+KEEP = 48
+NICE = 10
+
+
+class _ViewKind:
+    """What the snapshot container needs of a core: its name and its state's format."""
+
+    name = VIEW
+    state_format = 1
+
+
+KIND = _ViewKind()
+
+
+@dataclass(frozen=True)
+class Point:
+    seq: int
+    stored_ms: int  # when the last event it covers was stored (the server's clock)
+    name: str
+
+
+def object_name(seq: int, stored_ms: int) -> str:
+    return f"{VIEW}-{seq:012d}-{stored_ms:015d}"
+
+
+def parse_name(name: str) -> Point | None:
+    parts = name.split("-")
+    if len(parts) != 3 or parts[0] != VIEW or not (parts[1].isdecimal() and parts[2].isdecimal()):
+        return None
+    return Point(int(parts[1]), int(parts[2]), name)
+
+
+def stripped(board: Board) -> Board:
+    """The board as a snapshot keeps it: the view and the cells, not what a live page shows."""
+    return Board(view=board.view, gpus=board.gpus, held=board.held, placed=board.placed, attempt=board.attempt,
+                 bad=board.bad, queues=board.queues, reserved=board.reserved, counts=board.counts)
+
+
+class ViewSnapshots:
+    """The bucket of view snapshots, read with `key` (the admin's or the view process's)."""
+
+    def __init__(self, bus: Any, key: bytes | None) -> None:
+        self.bus, self.key = bus, key
+        self.store = SnapshotStore(bus, KIND, key)  # (signing, checking, reading and writing the objects)
+        self._created: str | None = None
+
+    async def _store(self, create: bool) -> Any:
+        return await self.store._store(create)
+
+    async def stream_created(self) -> str:
+        if self._created is None:
+            info = await self.bus.js.stream_info(STREAM)
+            self._created = str(info.created or "")
+        return self._created
+
+    async def points(self) -> list[Point]:
+        """The stored snapshots, oldest first ([] when there is no bucket)."""
+        import nats.js.errors
+
+        try:
+            obs = await self._store(create=False)
+            if obs is None:
+                return []
+            infos = await obs.list(ignore_deletes=True)
+        except (nats.js.errors.NotFoundError, nats.js.errors.BucketNotFoundError, nats.js.errors.ObjectNotFoundError):
+            return []
+        pts = [p for i in infos if (p := parse_name(i.name)) is not None]
+        return sorted(pts, key=lambda p: p.seq)
+
+    async def save(self, board: Board, seq: int, stored_ms: int) -> Point:
+        snap = take(KIND, stripped(board), seq, 0, set(), await self.stream_created())
+        point = Point(seq, stored_ms, object_name(seq, stored_ms))
+        await self.store.save(snap, point.name)
+        return point
+
+    async def load(self, point: Point) -> Board | None:
+        """The board of a stored point, checked; None (the reason logged) if it does not check out."""
+        snap = await self.store.load(Board(), await self.stream_created(), point.name)
+        if snap is None:
+            return None
+        board: Board = snap.state()
+        board.view.seq = max(board.view.seq, snap.seq)
+        return board
+
+    async def nearest(self, until_seq: int | None = None, until_ms: int | None = None) -> tuple[Board, int] | None:
+        """The newest snapshot at or before `until_seq` (and `until_ms`) that checks out, with its
+        sequence; older ones are tried when a newer does not; None when there is none."""
+        if self.key is None:
+            return None
+        try:
+            points = await self.points()
+        except Exception as exc:  # noqa: BLE001 - an optimisation: the log holds everything
+            log.warning("view snapshots unreadable (%s: %s); folding from sequence 1", type(exc).__name__, exc)
+            return None
+        for p in reversed(points):
+            if (until_seq is not None and p.seq > until_seq) or (until_ms is not None and p.stored_ms > until_ms):
+                continue
+            board = await self.load(p)
+            if board is not None:
+                return board, p.seq
+        return None
+
+    async def thin(self) -> int:
+        """Past KEEP snapshots, delete every other one of the older half: the points stay spread
+        over the whole history (dense near the head). The number deleted."""
+        pts = await self.points()
+        if len(pts) <= KEEP:
+            return 0
+        old = pts[: len(pts) // 2]
+        gone = old[1::2]
+        obs = await self._store(create=False)
+        for p in gone:
+            await obs.delete(p.name)
+        return len(gone)
+
+
+def fold_message(board: Board, msg: Any) -> None:
+    """One message of the log into the board, by the engine's rules (shared/runtime/engine.py)."""
+    seq = int(msg.metadata.sequence.stream)
+    try:
+        env = parse_envelope(msg.data)
+    except Exception:  # noqa: BLE001 - dead-lettered by the services
+        board.view.seq = max(board.view.seq, seq)
+        return
+    if refusal(env, msg.subject, msg.headers) is not None:
+        board.view.seq = max(board.view.seq, seq)
+        return
+    board.fold(seq, env)
+
+
+async def fold_board(bus: Any, board: Board, until_seq: int | None = None, until_ms: int | None = None) -> int:
+    """Fold the log after `board.view.seq` into it (to `until_seq`, or up to the last event stored
+    by `until_ms`); returns the stored time (ms) of the last event folded (0: none)."""
+    from gpufleet.shared.runtime.log import read_stream
+
+    last_ms = 0
+    async for msgs in read_stream(bus, ("fleet.evt.>",), from_seq=board.view.seq + 1, until_seq=until_seq):
+        for msg in msgs:
+            stored = msg.metadata.timestamp
+            ms = int(stored.timestamp() * 1000) if stored is not None else 0
+            if until_ms is not None and ms > until_ms:
+                return last_ms
+            fold_message(board, msg)
+            last_ms = ms
+    return last_ms
+
+
+# ---------------------------------------------------------------- the mesh's view process
+
+
+async def catch_up(bus: Any, snaps: ViewSnapshots, board: Board, last: int, every: int,
+                   stop: asyncio.Event | None = None) -> int:
+    """Fold the log into `board` and store a snapshot at each multiple of `every` events past
+    `last` up to the head (one at each, catching up too: the points stay spread). The new last."""
+    head = await bus.last_seq()
+    while head - last >= every and not (stop is not None and stop.is_set()):
+        target = last + every
+        ms = await fold_board(bus, board, until_seq=target)
+        board.view.seq = max(board.view.seq, target)
+        p = await snaps.save(board, target, ms)
+        last = target
+        board.history.clear()  # (what only a live page shows)
+        board.feed.clear()
+        log.info("view: snapshot at seq %d stored (%s)", target, p.name)
+        await snaps.thin()
+    return last
+
+
+async def keep(bus: Any, key: bytes | None, stop: asyncio.Event, every: int = EVERY, poll_s: float = 5.0) -> None:
+    """Fold the log behind the services; store a snapshot each time `every` events have passed."""
+    snaps = ViewSnapshots(bus, key)
+    start = await snaps.nearest()
+    board, last = start if start is not None else (Board(), 0)
+    log.info("view: from %s", f"its snapshot at seq {last}" if last else "seq 1")
+    from gpufleet.shared.runtime.loop import every as every_period
+
+    async def snapshot_round() -> None:
+        nonlocal last
+        last = await catch_up(bus, snaps, board, last, every, stop)
+
+    await every_period(stop, poll_s, snapshot_round, "view")
+
+
+def main(argv: list[str] | None = None) -> None:
+    from gpufleet.shared.runtime.bus import Bus, Looping, run_until_signal
+
+    ap = argparse.ArgumentParser(prog="gpufleet.tools.viewsnap", description=__doc__.splitlines()[0])
+    ap.add_argument("--nats-url", default=os.environ.get("GPUFLEET_NATS_URL", "nats://127.0.0.1:4222"))
+    ap.add_argument("--every", type=int, default=EVERY)
+    ap.add_argument("--log-level", default="INFO")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s view %(levelname)s %(message)s")
+    try:
+        os.nice(NICE)  # behind the services: it only saves later reads time
+    except OSError:
+        pass
+
+    def worker(bus: Bus) -> Looping:
+        key = bus.creds.snapshot_key(VIEW) if bus.creds is not None else None
+        return Looping(bus, lambda stop: keep(bus, key, stop, every=args.every))
+
+    t0 = time.monotonic()
+    asyncio.run(run_until_signal(args.nats_url, "gpufleet-view", worker))
+    log.info("view: stopped after %.0f s", time.monotonic() - t0)
+
+
+if __name__ == "__main__":
+    main()

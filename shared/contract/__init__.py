@@ -1,0 +1,1 @@
+"""The contract: the events, the job spec, the cluster config, ids, subjects and the published schemas."""

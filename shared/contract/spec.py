@@ -1,0 +1,488 @@
+"""The job spec: YAML in Kubernetes conventions, validated into a frozen model.
+
+    name: resnet50
+    tenant: acme
+    queue: default
+    type: training
+    priority: 100
+    replicas: 1            # > 1 is a gang: all replicas or none
+    resources:             # per replica
+      cpu: 8               # or "500m"
+      memory: 64Gi
+      gpu: 8               # or a share of one GPU: gpu: 0.25 with gpuSharing: shared
+      gpuModel: H100       # or gpuModels: [H100, A100]
+      gpuMemory: 80Gi      # per GPU, at least
+      # or, instead of whole GPUs, MIG instances: mig: {1g.10gb: 2}
+    maxRuntime: 2h
+    checkpoint: {path: /ckpt/resnet50, interval: 30m}
+    sim: {duration: 20s, exitCode: 0}   # for the sim driver
+    autoscale:             # type: inference only: a service of replica jobs (docs/autoscaling.md)
+      minReplicas: 1
+      maxReplicas: 8
+      targetRpsPerReplica: 100     # and / or targetP99Ms: 250
+      scaleUpCooldown: 15s
+      scaleDownCooldown: 5m
+      scaleToZeroAfter: 10m        # optional: no requests this long -> 0 replicas
+
+Every error names the field (`resources.gpu: must be >= 0`).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from decimal import Decimal
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictInt,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+from gpufleet.shared.contract.errors import SpecError
+from gpufleet.shared.contract.ids import check_token
+
+JobType = Literal["training", "finetune", "batch", "inference", "interactive"]
+JOB_TYPES: tuple[JobType, ...] = ("training", "finetune", "batch", "inference", "interactive")
+
+_MEM_UNITS = {
+    "": 1 / (1024 * 1024), "k": 1000 / 1048576, "M": 1e6 / 1048576, "G": 1e9 / 1048576, "T": 1e12 / 1048576,
+    "Ki": 1 / 1024, "Mi": 1.0, "Gi": 1024.0, "Ti": 1024.0 * 1024,
+}
+_MEM_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*(Ki|Mi|Gi|Ti|k|M|G|T)?\s*$")
+_CPU_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*(m)?\s*$")
+_DUR_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*(ms|s|m|h|d)?\s*$")
+_DUR_UNITS = {"ms": 0.001, "s": 1.0, "": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def parse_cpu_milli(value: Any) -> int:
+    """'500m' -> 500, 2 -> 2000, '1.5' -> 1500."""
+    if isinstance(value, bool):
+        raise ValueError("must be a CPU quantity such as 2 or '500m', not a boolean")
+    if isinstance(value, int | float):
+        text = repr(value)
+    elif isinstance(value, str):
+        text = value
+    else:
+        raise ValueError(f"must be a CPU quantity such as 2 or '500m', got {type(value).__name__}")
+    m = _CPU_RE.match(text)
+    if not m:
+        raise ValueError(f"must be a CPU quantity such as 2 or '500m', got {value!r}")
+    number = Decimal(m.group(1))  # exact: with floats, '1.001' * 1000 is not 1001
+    milli = number if m.group(2) else number * 1000
+    if milli != milli.to_integral_value():
+        raise ValueError(f"finer than 1m: {value!r}")
+    return int(milli)
+
+
+def parse_memory_mib(value: Any) -> int:
+    """'128Gi' -> 131072 (MiB). A bare number is bytes, as in Kubernetes."""
+    if isinstance(value, bool):
+        raise ValueError("must be a memory quantity such as '128Gi', not a boolean")
+    if isinstance(value, int | float):
+        text = repr(value)
+    elif isinstance(value, str):
+        text = value
+    else:
+        raise ValueError(f"must be a memory quantity such as '128Gi', got {type(value).__name__}")
+    m = _MEM_RE.match(text)
+    if not m:
+        raise ValueError(f"must be a memory quantity such as '512Mi' or '128Gi', got {value!r}")
+    mib = float(m.group(1)) * _MEM_UNITS[m.group(2) or ""]
+    return int(-(-mib // 1))  # round up: never under-reserve
+
+
+def parse_duration_s(value: Any) -> float:
+    """'90s', '30m', '2h', '1d' or a number of seconds."""
+    if isinstance(value, bool):
+        raise ValueError("must be a duration such as '30m', not a boolean")
+    if isinstance(value, int | float):
+        seconds = float(value)
+    elif isinstance(value, str):
+        m = _DUR_RE.match(value)
+        if not m:
+            raise ValueError(f"must be a duration such as '90s', '30m' or '2h', got {value!r}")
+        seconds = float(m.group(1)) * _DUR_UNITS[m.group(2) or ""]
+    else:
+        raise ValueError(f"must be a duration such as '30m', got {type(value).__name__}")
+    if not math.isfinite(seconds):  # JSON has no infinity: the event would not parse downstream
+        raise ValueError(f"must be a finite duration, got {value!r}")
+    if seconds < 0:
+        raise ValueError("must not be negative")
+    return seconds
+
+
+def _canonical_to_quantities(data: dict[str, Any]) -> dict[str, Any]:
+    """Accept the canonical wire names (cpu_milli, memory_mib, ...) as the quantities they are."""
+    names = (("cpu_milli", "m"), ("memory_mib", "Mi"), ("gpu_memory_mib", "Mi"), ("gpu_mem_used_mib", "Mi"))
+    if not any(k in data for k, _ in names):
+        return data
+    data = dict(data)
+    for name, unit in names:
+        if name in data and isinstance(data[name], int) and not isinstance(data[name], bool):
+            data[name] = f"{data[name]}{unit}"
+    return data
+
+
+CpuMilli = Annotated[int, BeforeValidator(parse_cpu_milli)]
+MemoryMiB = Annotated[int, BeforeValidator(parse_memory_mib)]
+DurationS = Annotated[float, BeforeValidator(parse_duration_s)]
+
+
+MIG_PROFILE = re.compile(r"[1-8]g\.[1-9][0-9]{0,3}gb(\+me|\+gfx|-me)?")
+
+
+def _token(field: str) -> BeforeValidator:
+    return BeforeValidator(lambda v: check_token(v, field))
+
+
+class _Spec(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True, strict=False)
+
+
+class Resources(_Spec):
+    """Per replica."""
+
+    cpu_milli: CpuMilli = Field(default=1000, alias="cpu", ge=0)
+    memory_mib: MemoryMiB = Field(default=1024, alias="memory", ge=0)
+    # shared: `gpu` may be a fraction of one GPU (0.001 .. 1), placed beside other shares on a GPU
+    gpu_sharing: Literal["exclusive", "shared"] = Field(default="exclusive", alias="gpuSharing")
+    gpu: int = Field(default=0, ge=0, le=1024)
+    gpu_milli: int = Field(default=1000, ge=1, le=1000, alias="gpuMilli")  # of each GPU; < 1000: a share
+    # MIG instances by profile (`1g.10gb`, `3g.40gb`, `1g.18gb+me`): the sharing mode for less
+    # than a GPU; not together with whole GPUs
+    mig: dict[str, StrictInt] = Field(default_factory=dict)
+    gpu_models: tuple[str, ...] = Field(default=(), alias="gpuModels")
+    gpu_memory_mib: MemoryMiB = Field(default=0, alias="gpuMemory", ge=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_model(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            data = _canonical_to_quantities(data)
+        if isinstance(data, dict) and data.get("gpuSharing", data.get("gpu_sharing")) == "shared":
+            gpu = data.get("gpu")
+            if isinstance(gpu, int | float | Decimal) and not isinstance(gpu, bool) and 0 < gpu < 1:
+                data = {**data, "gpu": 1, "gpu_milli": math.ceil(gpu * 1000)}
+        if isinstance(data, dict) and "gpuModel" in data:
+            data = dict(data)
+            model = data.pop("gpuModel")
+            if "gpuModels" in data or "gpu_models" in data:
+                raise ValueError("give gpuModel or gpuModels, not both")
+            data["gpuModels"] = [model] if isinstance(model, str) else model
+        return data
+
+    @field_validator("gpu", mode="before")
+    @classmethod
+    def _whole_gpus(cls, v: Any, info: ValidationInfo) -> Any:
+        if isinstance(v, bool) or (isinstance(v, float) and v != int(v)):
+            if info.data.get("gpu_sharing") == "shared":
+                raise ValueError("a shared GPU is a fraction of one GPU (0.001 to 1), or whole GPUs")
+            raise ValueError("must be a whole number of GPUs (fractional GPUs need gpuSharing: shared)")
+        if isinstance(v, str):
+            raise ValueError("must be a whole number of GPUs, not a string")
+        return v
+
+    @field_validator("gpu_milli")
+    @classmethod
+    def _share(cls, v: int, info: ValidationInfo) -> int:
+        if v < 1000 and (info.data.get("gpu_sharing") != "shared" or info.data.get("gpu") != 1):
+            raise ValueError("a share of a GPU needs gpuSharing: shared and one GPU")
+        return v
+
+    @field_validator("mig")
+    @classmethod
+    def _mig_profiles(cls, v: dict[str, int], info: ValidationInfo) -> dict[str, int]:
+        for profile, n in v.items():
+            if not MIG_PROFILE.fullmatch(profile):
+                raise ValueError(f"{profile!r} is not a MIG profile (like 1g.10gb, 3g.40gb, 1g.18gb+me)")
+            if not 1 <= n <= 64:
+                raise ValueError(f"{profile}: must be a whole number of instances from 1 to 64")
+        if v and info.data.get("gpu"):
+            raise ValueError("give whole GPUs (gpu) or MIG instances (mig), not both")
+        return v
+
+    @field_validator("gpu_models")
+    @classmethod
+    def _models_need_gpus(cls, v: Any, info: ValidationInfo) -> Any:
+        # a field validator (not a model one) so that the error names the field
+        if v and info.data.get("gpu") == 0 and not info.data.get("mig"):
+            raise ValueError("given but gpu is 0: ask for at least one GPU (or MIG instance)")
+        return v
+
+    @field_validator("gpu_memory_mib")
+    @classmethod
+    def _memory_needs_gpus(cls, v: Any, info: ValidationInfo) -> Any:
+        if v and info.data.get("gpu") == 0:
+            raise ValueError("given but gpu is 0: ask for at least one GPU")
+        return v
+
+
+class CheckpointSpec(_Spec):
+    path: str | None = None
+    interval_s: DurationS = Field(default=1800.0, alias="interval")
+    keep: int = Field(default=3, ge=1, le=1000)
+
+
+class SimRun(_Spec):
+    """One run of a job on the sim driver (a what-if replays each run as it went)."""
+
+    duration_s: DurationS = Field(alias="duration")
+    exit_code: int = Field(default=0, alias="exitCode", ge=0, le=255)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _wire(cls, data: Any) -> Any:
+        return _canonical_to_quantities(data) if isinstance(data, dict) else data
+
+
+class SimSpec(_Spec):
+    """How the sim driver plays the job: how long it runs and how it ends. `runs` plays the first
+    runs (attempts) one by one; later ones play `duration` and `exitCode`."""
+
+    duration_s: DurationS = Field(default=10.0, alias="duration")
+    exit_code: int = Field(default=0, alias="exitCode", ge=0, le=255)
+    # what the simulated GPUs and CPUs show while it runs (telemetry's sim backend)
+    gpu_util_pct: float = Field(default=90.0, alias="gpuUtil", ge=0, le=100)
+    cpu_util_pct: float = Field(default=50.0, alias="cpuUtil", ge=0, le=100)  # of the CPUs it asked for
+    iowait_pct: float = Field(default=0.0, alias="ioWait", ge=0, le=100)
+    gpu_mem_used_mib: MemoryMiB = Field(default=2048, alias="gpuMemoryUsed", ge=0)
+    leave_zombie: bool = Field(default=False, alias="leaveZombie")  # its GPU process outlives it
+    runs: tuple[SimRun, ...] = Field(default=(), max_length=100)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _wire(cls, data: Any) -> Any:
+        return _canonical_to_quantities(data) if isinstance(data, dict) else data
+
+
+class AutoscaleSpec(_Spec):
+    """An inference service's replicas, driven by the load reported for it (`cmd.report_load`).
+
+    Kubernetes HPA target tracking: desired = ceil(replicas x metric / target) per metric, the
+    largest wins, within [minReplicas, maxReplicas]; no change while every metric is within
+    `tolerance` of its target; scale-up waits `scaleUpCooldown` after the last change, scale-down
+    takes the largest recommendation of the last `scaleDownCooldown` (no flapping)."""
+
+    min_replicas: int = Field(default=1, alias="minReplicas", ge=1, le=1024)
+    max_replicas: int = Field(default=1, alias="maxReplicas", ge=1, le=1024)
+    target_rps_per_replica: float | None = Field(default=None, alias="targetRpsPerReplica", gt=0, le=1e9,
+                                                 allow_inf_nan=False)
+    target_p99_ms: float | None = Field(default=None, alias="targetP99Ms", gt=0, le=3_600_000, allow_inf_nan=False,
+                                        validate_default=True)
+    tolerance: float = Field(default=0.1, ge=0, le=1, allow_inf_nan=False)
+    scale_up_cooldown_s: DurationS = Field(default=15.0, alias="scaleUpCooldown", le=86400)
+    scale_down_cooldown_s: DurationS = Field(default=300.0, alias="scaleDownCooldown", le=86400)
+    # no requests for this long: 0 replicas; the next report with requests starts them again
+    scale_to_zero_after_s: DurationS | None = Field(default=None, alias="scaleToZeroAfter", gt=0, le=30 * 86400)
+
+    @field_validator("min_replicas", "max_replicas", mode="before")
+    @classmethod
+    def _whole(cls, v: Any) -> Any:
+        if isinstance(v, bool) or isinstance(v, str) or (isinstance(v, float) and v != int(v)):
+            raise ValueError("must be a whole number")
+        if v == 0:
+            raise ValueError("must be >= 1 (to scale to zero when idle, give scaleToZeroAfter)")
+        return v
+
+    @field_validator("max_replicas")
+    @classmethod
+    def _max_over_min(cls, v: int, info: ValidationInfo) -> int:
+        lo = info.data.get("min_replicas")
+        if lo is not None and v < lo:
+            raise ValueError(f"must be >= minReplicas ({lo})")
+        return v
+
+    @field_validator("target_p99_ms")
+    @classmethod
+    def _a_target(cls, v: float | None, info: ValidationInfo) -> float | None:
+        if v is None and info.data.get("target_rps_per_replica") is None and "target_rps_per_replica" in info.data:
+            raise ValueError("give targetRpsPerReplica or targetP99Ms (or both): what to scale on")
+        return v
+
+
+class JobSpec(_Spec):
+    name: Annotated[str, _token("name")]
+    tenant: Annotated[str, _token("tenant")]
+    queue: Annotated[str, _token("queue")] = "default"
+    type: JobType = "batch"
+    priority: int = Field(default=0, ge=-1_000_000, le=1_000_000)
+    # a named class from the cluster config (priorityClasses); admission turns it into `priority`
+    priority_class: Annotated[str, _token("priorityClass")] | None = Field(default=None, alias="priorityClass")
+    replicas: int = Field(default=1, ge=1, le=4096)
+    resources: Resources = Resources()
+    max_runtime_s: DurationS = Field(default=86400.0, alias="maxRuntime", gt=0)
+    # how often the job is run again after its node was lost or its GPU failed under it
+    max_retries: int = Field(default=3, alias="maxRetries", ge=0, le=100)
+    # OnFailure: a replica that exits with an error runs again too (same budget), after a backoff
+    # that doubles from retryBackoff (capped at 10 minutes); Never: an error fails the job
+    restart_policy: Literal["Never", "OnFailure"] = Field(default="Never", alias="restartPolicy")
+    retry_backoff_s: DurationS = Field(default=10.0, alias="retryBackoff", ge=0)
+    image: str | None = Field(default=None, max_length=512)
+    command: tuple[str, ...] = Field(default=(), max_length=256)
+    env: dict[str, str] = Field(default_factory=dict)
+    checkpoint: CheckpointSpec | None = None
+    node_selector: dict[str, str] = Field(default_factory=dict, alias="nodeSelector")  # node labels required
+    tolerations: tuple[str, ...] = ()  # node taints tolerated
+    dataset: str | None = Field(default=None, max_length=256)  # prefers nodes with it in their local cache
+    sim: SimSpec = SimSpec()
+    # type: inference only: the job is a service whose replicas the autoscaler runs as jobs of their own
+    autoscale: AutoscaleSpec | None = None
+
+    @field_validator("replicas", "priority", mode="before")
+    @classmethod
+    def _ints(cls, v: Any) -> Any:
+        if isinstance(v, bool) or isinstance(v, str) or (isinstance(v, float) and v != int(v)):
+            raise ValueError("must be a whole number")
+        return v
+
+    @field_validator("tenant")
+    @classmethod
+    def _not_sys(cls, v: str) -> str:
+        if v == "sys":
+            raise ValueError("'sys' is reserved for cluster events")
+        return v
+
+    @field_validator("autoscale")
+    @classmethod
+    def _inference_only(cls, v: AutoscaleSpec | None, info: ValidationInfo) -> AutoscaleSpec | None:
+        if v is not None and info.data.get("type") not in (None, "inference"):
+            raise ValueError(f"only for type: inference (this job is {info.data.get('type')})")
+        return v
+
+    @model_validator(mode="after")
+    def _compact(self) -> JobSpec:
+        """Share what equals another spec's (shared/contract/spec.py `compact`): a backlog of jobs of a few
+        shapes holds each shape once."""
+        compact(self)
+        return self
+
+    @property
+    def gpus_total(self) -> int:
+        return self.resources.gpu * self.replicas
+
+    @property
+    def mig_total(self) -> dict[str, int]:
+        """MIG instances by profile, all replicas together."""
+        return {p: n * self.replicas for p, n in self.resources.mig.items()}
+
+
+# ---------------------------------------------------------------- compact specs
+#
+# A pending job's spec is most of what a core keeps of it: 4 KB as parsed, of which the
+# resources and the sim behaviour are 1.1 KB each and the set of fields given 0.7 KB. Jobs of a
+# backlog share a few shapes, so equal parts are shared: a frozen model never changes, and its
+# set of given fields is copied (not shared) by `model_copy`. Bounded: past INTERN_MAX distinct
+# parts of a kind the table starts again (what was shared stays shared).
+
+INTERN_MAX = 4096
+_INTERNED: dict[type, dict[Any, Any]] = {}
+_FIELDS_SETS: dict[frozenset[str], set[str]] = {}
+
+
+def _key(v: Any) -> Any:
+    if isinstance(v, BaseModel):
+        return (type(v), frozenset(v.__pydantic_fields_set__), tuple(_key(x) for x in v.__dict__.values()))
+    if isinstance(v, dict):
+        return ("dict", tuple((k, _key(x)) for k, x in v.items()))
+    if isinstance(v, list | tuple):
+        return (type(v).__name__, tuple(_key(x) for x in v))
+    return v
+
+
+def _shared(v: Any) -> Any:
+    table = _INTERNED.setdefault(type(v), {})
+    k = _key(v)
+    try:
+        got = table.get(k)
+    except TypeError:  # a value that does not hash: kept as it is
+        return v
+    if got is not None:
+        return got
+    if len(table) >= INTERN_MAX:
+        table.clear()
+    table[k] = v
+    return v
+
+
+def _shared_fields_set(m: BaseModel) -> None:
+    fs = frozenset(m.__pydantic_fields_set__)
+    got = _FIELDS_SETS.get(fs)
+    if got is None:
+        if len(_FIELDS_SETS) >= INTERN_MAX:
+            _FIELDS_SETS.clear()
+        got = _FIELDS_SETS[fs] = set(fs)
+    object.__setattr__(m, "__pydantic_fields_set__", got)
+
+
+def compact(spec: JobSpec) -> None:
+    """Share the spec's resources, sim behaviour, checkpoint and autoscale settings, and its set
+    of given fields, with equal ones of other specs (they are frozen)."""
+    for name in ("resources", "sim", "checkpoint", "autoscale"):
+        part = spec.__dict__.get(name)
+        if isinstance(part, BaseModel):
+            _shared_fields_set(part)
+            object.__setattr__(spec, name, _shared(part))
+    _shared_fields_set(spec)
+
+
+def _field_path(loc: tuple[int | str, ...]) -> str:
+    aliases = {
+        "cpu_milli": "cpu", "memory_mib": "memory", "gpu_models": "gpuModels", "gpu_memory_mib": "gpuMemory",
+        "gpu_sharing": "gpuSharing", "gpu_milli": "gpuMilli", "node_selector": "nodeSelector",
+        "max_runtime_s": "maxRuntime", "interval_s": "interval", "duration_s": "duration", "exit_code": "exitCode",
+        "priority_class": "priorityClass", "max_retries": "maxRetries", "restart_policy": "restartPolicy", "retry_backoff_s": "retryBackoff", "gpu_util_pct": "gpuUtil",
+        "cpu_util_pct": "cpuUtil", "iowait_pct": "ioWait", "gpu_mem_used_mib": "gpuMemoryUsed",
+        "leave_zombie": "leaveZombie",
+        "min_replicas": "minReplicas", "max_replicas": "maxReplicas",
+        "target_rps_per_replica": "targetRpsPerReplica", "target_p99_ms": "targetP99Ms",
+        "scale_up_cooldown_s": "scaleUpCooldown", "scale_down_cooldown_s": "scaleDownCooldown",
+        "scale_to_zero_after_s": "scaleToZeroAfter",
+    }
+    parts = [str(aliases.get(str(p), p)) for p in loc if not str(p).startswith("function-")]
+    return ".".join(parts) or "spec"
+
+
+def spec_error_from(exc: ValidationError) -> SpecError:
+    """The first validation error as a SpecError naming the field; all of them in the reason."""
+    errs = exc.errors()
+    first = errs[0]
+    field = _field_path(tuple(first["loc"]))
+    each: list[tuple[str, str]] = []
+    for e in errs:
+        msg = str(e["msg"]).removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown field"
+        each.append((_field_path(tuple(e["loc"])), msg))
+    return SpecError(field, "; ".join(f"{f}: {m}" for f, m in each), errors=each)
+
+
+def parse_spec(data: Any) -> JobSpec:
+    """Validate a mapping into a JobSpec, or raise SpecError naming the field."""
+    if not isinstance(data, dict):
+        raise SpecError("spec", f"must be a mapping, got {type(data).__name__}")
+    try:
+        return JobSpec.model_validate(data)
+    except ValidationError as exc:
+        raise spec_error_from(exc) from None
+
+
+def load_spec_yaml(text: str) -> JobSpec:
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise SpecError("spec", f"not valid YAML: {exc}") from None
+    return parse_spec(data)
+
+
+def spec_to_wire(spec: JobSpec) -> dict[str, Any]:
+    """The canonical JSON form (aliases, quantities normalised to milli-CPU / MiB / seconds)."""
+    return spec.model_dump(mode="json", by_alias=False)

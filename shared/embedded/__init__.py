@@ -1,0 +1,1 @@
+"""The embedded stack: nats-server and PostgreSQL run from their wheels."""

@@ -1,0 +1,365 @@
+"""The bus: NATS JetStream connection, the two streams, and the publish paths.
+
+- `publish_batch` writes a list of events as one *atomic batch* (NATS 2.12+): all of them or
+  none, optionally guarded by a compare-and-set on a wildcard subject
+  (`Nats-Expected-Last-Subject-Sequence` + `-Subject`). This makes a gang placement, or a whole
+  batch of decisions, a single conditional write.
+- Every message carries `Nats-Msg-Id` = event id, so the server drops re-published copies.
+- nats-py 2.16's `publish_async` never resolves a future whose publish the server rejected
+  (PROBE.md), so every wait here is bounded by a timeout.
+- With tracing set up (shared/runtime/otel.py) every event also carries W3C `traceparent` (and
+  `tracestate`): the context of the span that decided it, else the caller's current span.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import nats
+from nats.aio.client import Client as NatsClient
+from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
+from nats.js.client import JetStreamContext
+
+from gpufleet.shared.contract.errors import CasConflict, GpufleetError, PermanentError, RetryableError
+from gpufleet.shared.contract.events import STREAM, TELEMETRY_STREAM, Envelope
+from gpufleet.shared.runtime import otel
+from gpufleet.shared.trust.authz import Creds, find_creds
+
+log = logging.getLogger(__name__)
+
+ATOMIC_BATCH_MAX = 500  # the server accepts up to 1000 messages in one atomic batch
+ERR_WRONG_LAST_SEQ = 10071
+ERR_BATCH_DUP_ID = 10201
+DUPLICATE_WINDOW_S = 120.0
+TELEMETRY_MAX_AGE_S = 6 * 3600.0
+PUBLISH_TIMEOUT_S = 10.0
+STREAM_WAIT_S = 300.0
+
+
+def fleet_stream_config(replicas: int = 1) -> StreamConfig:
+    from gpufleet.shared.runtime.archive import retention_s
+
+    archived = retention_s() is not None  # with a retention the archive process purges what it archived
+    return StreamConfig(
+        name=STREAM,
+        subjects=["fleet.cmd.>", "fleet.evt.>"],
+        retention=RetentionPolicy.LIMITS,
+        storage=StorageType.FILE,
+        num_replicas=replicas,
+        duplicate_window=DUPLICATE_WINDOW_S,
+        allow_atomic=True,
+        allow_direct=True,
+        max_msg_size=1024 * 1024,
+        # the log cannot be erased through the API: no deletion of a message, and no purge but the
+        # archive process's of what it has archived first (shared/runtime/archive.py), when a retention is set
+        deny_delete=True,
+        deny_purge=not archived,
+        # at a limit (the server's max_file_store, a max_bytes) refuse new writes, loudly, instead
+        # of dropping the oldest events: a fold from sequence 1 of a log without its head is wrong
+        discard=DiscardPolicy.NEW,
+    )
+
+
+def telemetry_stream_config(replicas: int = 1) -> StreamConfig:
+    return StreamConfig(
+        name=TELEMETRY_STREAM,
+        subjects=["fleet.tel.>"],
+        retention=RetentionPolicy.LIMITS,
+        storage=StorageType.FILE,
+        num_replicas=replicas,
+        max_age=TELEMETRY_MAX_AGE_S,
+        discard=DiscardPolicy.OLD,
+        duplicate_window=10.0,
+        allow_direct=True,
+    )
+
+
+def _covers(have: StreamConfig, want: StreamConfig) -> bool:
+    """The stream as it is already has what `want` asks for (no update needed)."""
+    keys = ("subjects", "retention", "storage", "num_replicas", "duplicate_window", "allow_atomic",
+            "allow_direct", "max_msg_size", "deny_delete", "deny_purge", "max_age", "discard")
+    return all(getattr(have, k, None) == getattr(want, k, None) or getattr(want, k, None) is None
+               for k in keys)
+
+
+@dataclass(frozen=True)
+class Cas:
+    """Publish only if the last message on `subject` (wildcards allowed) has sequence `last_seq`."""
+
+    subject: str
+    last_seq: int
+
+
+def _headers(env: Envelope) -> dict[str, str]:
+    """Nats-Msg-Id (the server drops a re-published copy), and the trace context if tracing."""
+    headers = {"Nats-Msg-Id": env.event_id}
+    if otel.TRACING:
+        headers.update(otel.inject_headers(env))
+    return headers
+
+
+def subject_matches(pattern: str, subject: str) -> bool:
+    """NATS wildcard match: '*' one token, '>' one or more trailing tokens."""
+    p = pattern.split(".")
+    s = subject.split(".")
+    for i, tok in enumerate(p):
+        if tok == ">":
+            return len(s) > i
+        if i >= len(s) or (tok != "*" and tok != s[i]):
+            return False
+    return len(p) == len(s)
+
+
+class Bus:
+    def __init__(self, nc: NatsClient, replicas: int | None = None) -> None:
+        self.nc = nc
+        self.js: JetStreamContext = nc.jetstream(timeout=PUBLISH_TIMEOUT_S)
+        # 1 on one machine, 3 in a cluster (GPUFLEET_STREAM_REPLICAS=3 in docker-compose / k8s)
+        self.replicas = int(os.environ.get("GPUFLEET_STREAM_REPLICAS", "1")) if replicas is None else replicas
+        self._batch_counter = 0
+        self.creds: Creds | None = None  # who this connection is (None: a server without auth)
+
+    @property
+    def tenant_scope(self) -> str | None:
+        """The tenant this connection may read for, when it is a tenant's (it reads its own
+        subjects only, through push consumers: shared/runtime/log.py)."""
+        return self.creds.tenant if self.creds is not None else None
+
+    @classmethod
+    async def connect(cls, url: str, name: str = "gpufleet", replicas: int | None = None,
+                      creds: Creds | str | Path | None = None, **kw: Any) -> Bus:
+        """`url` may list several servers, comma-separated (a cluster). `creds`: the identity
+        (shared/trust/authz.py), by default $GPUFLEET_CREDS's; none for a server without auth."""
+        servers = [u.strip() for u in url.split(",") if u.strip()]
+        ident = creds if isinstance(creds, Creds) else find_creds(creds)
+        opts: dict[str, Any] = {"name": name, "max_reconnect_attempts": -1, "reconnect_time_wait": 0.5,
+                                "connect_timeout": 5}
+        if ident is not None:
+            opts.update(ident.connect_options())
+        opts.update(kw)
+        nc = await nats.connect(servers, **opts)
+        bus = cls(nc, replicas=replicas)
+        bus.creds = ident
+        return bus
+
+    async def close(self) -> None:
+        if not self.nc.is_closed:
+            try:
+                await asyncio.wait_for(self.nc.flush(), 2.0)
+            except Exception:  # noqa: BLE001 - closing anyway
+                pass
+            await self.nc.close()
+
+    async def ensure_streams(self) -> None:
+        """Create or update FLEET and FLEET_TELEMETRY; safe to call from every service at start.
+        A stream already as configured is left alone (only the admin may create or update one:
+        a service with the mesh's permissions just checks)."""
+        if self.creds is None or self.creds.is_admin:
+            from gpufleet.shared.runtime.lease import ensure_bucket
+
+            await ensure_bucket(self)  # one active instance of a leased service (shared/runtime/lease.py)
+        for name, cfg in ((STREAM, fleet_stream_config(self.replicas)),
+                          (TELEMETRY_STREAM, telemetry_stream_config(self.replicas))):
+            try:
+                info = await self.js.stream_info(name)
+                if (info.config.num_replicas or 1) > (cfg.num_replicas or 1):
+                    # never lower a cluster's replication from a service started with the default
+                    cfg.num_replicas = info.config.num_replicas
+                if _covers(info.config, cfg) or (self.creds is not None and not self.creds.is_admin):
+                    continue  # (a service or tenant may not change it: the admin's config holds)
+                if name == STREAM and info.config.deny_purge and not cfg.deny_purge:
+                    raise GpufleetError(
+                        "retention: this log was created to keep everything (the server forbids purging it for "
+                        "good), so a retention cannot be added to it; keep it without --retention, or start a "
+                        "new data dir with one")
+                await self.js.update_stream(cfg)
+            except nats.js.errors.NotFoundError:
+                if self.creds is not None and not self.creds.is_admin:
+                    await self._wait_for_stream(name)
+                    continue
+                try:
+                    await self.js.add_stream(cfg)
+                except nats.js.errors.BadRequestError as exc:
+                    # a concurrent creator won the race
+                    if "already in use" not in str(exc):
+                        raise
+
+    async def _wait_for_stream(self, name: str, timeout_s: float = STREAM_WAIT_S) -> None:
+        """A service started before the admin created the streams (a fresh cluster, a cluster
+        without quorum yet): wait for it, saying so, instead of failing on a create it may not do."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        said = 0.0
+        while True:
+            try:
+                await self.js.stream_info(name)
+                return
+            except (nats.js.errors.NotFoundError, nats.errors.TimeoutError, nats.js.errors.ServiceUnavailableError):
+                now = asyncio.get_running_loop().time()
+                if now > deadline:
+                    raise RetryableError(f"stream {name} does not exist after {timeout_s:.0f}s: the admin creates it "
+                                         "(gpufleet up does; in a cluster, the streams job)") from None
+                if now - said > 10:
+                    log.warning("waiting for stream %s (the admin creates it; or JetStream has no quorum yet)", name)
+                    said = now
+                await asyncio.sleep(0.5)
+
+    async def last_seq(self, stream: str = STREAM) -> int:
+        info = await self.js.stream_info(stream)
+        return int(info.state.last_seq)
+
+    async def publish(self, env: Envelope, cas: Cas | None = None, headers_extra: dict[str, str] | None = None) -> int:
+        """Publish one event and wait for its ack; returns the stream sequence."""
+        headers = {**(headers_extra or {}), "Nats-Msg-Id": env.event_id}
+        if otel.TRACING:
+            headers.update(otel.inject_headers(env))
+        if cas is not None:
+            headers["Nats-Expected-Last-Subject-Sequence"] = str(cas.last_seq)
+            headers["Nats-Expected-Last-Subject-Sequence-Subject"] = cas.subject
+        try:
+            ack = await self.js.publish(env.subject(), env.to_json(), headers=headers)
+        except nats.js.errors.BadRequestError as exc:
+            if exc.err_code == ERR_WRONG_LAST_SEQ:
+                raise CasConflict(str(exc)) from None
+            raise PermanentError(str(exc)) from None
+        except (nats.errors.TimeoutError, nats.js.errors.NoStreamResponseError, nats.errors.NoRespondersError,
+                nats.js.errors.ServiceUnavailableError) as exc:
+            raise RetryableError(f"publish {env.type}: {exc!r}") from None
+        return int(ack.seq)
+
+    async def publish_many(self, envs: Sequence[Envelope]) -> list[int]:
+        """Publish unconditionally, pipelined (publish_async), every ack awaited with a timeout.
+
+        Not atomic: after a crash some of these may be written and others not; the derived ids
+        and idempotent decisions make the re-decision write only the missing ones.
+        """
+        if not envs:
+            return []
+        futs = [
+            await self.js.publish_async(e.subject(), e.to_json(), headers=_headers(e))
+            for e in envs
+        ]
+        try:
+            acks = await asyncio.wait_for(asyncio.gather(*futs), PUBLISH_TIMEOUT_S)
+        except (TimeoutError, nats.errors.TimeoutError, nats.js.errors.APIError) as exc:
+            for f in futs:
+                f.cancel()
+            raise RetryableError(f"publish of {len(envs)} events: {exc!r}") from None
+        return [int(a.seq) for a in acks]
+
+    async def publish_batch(self, envs: Sequence[Envelope], cas: Cas | None = None) -> list[int]:
+        """Publish events as atomic batches of up to ATOMIC_BATCH_MAX; returns their sequences.
+
+        With `cas`, the first batch is conditional on `cas.last_seq`, and each following batch on
+        the last matching sequence the previous one wrote, so the whole list is one decision.
+        Raises CasConflict when someone else wrote on the guarded subject first.
+        """
+        seqs: list[int] = []
+        guard = cas
+        for start in range(0, len(envs), ATOMIC_BATCH_MAX):
+            chunk = envs[start:start + ATOMIC_BATCH_MAX]
+            chunk_seqs = await self._atomic(chunk, guard)
+            seqs.extend(chunk_seqs)
+            if guard is not None:
+                last = guard.last_seq
+                for env, seq in zip(chunk, chunk_seqs, strict=True):
+                    if subject_matches(guard.subject, env.subject()):
+                        last = seq
+                guard = Cas(guard.subject, last)
+        return seqs
+
+    async def _atomic(self, envs: Sequence[Envelope], cas: Cas | None) -> list[int]:
+        if not envs:
+            return []
+        if len(envs) == 1 and cas is None:
+            return [await self.publish(envs[0])]
+        self._batch_counter += 1
+        batch_id = f"{envs[0].event_id}-{self._batch_counter}"
+        n = len(envs)
+        for i, env in enumerate(envs, 1):
+            headers = {"Nats-Msg-Id": env.event_id, "Nats-Batch-Id": batch_id, "Nats-Batch-Sequence": str(i)}
+            if otel.TRACING:
+                headers.update(otel.inject_headers(env))
+            if i == 1 and cas is not None:
+                headers["Nats-Expected-Last-Subject-Sequence"] = str(cas.last_seq)
+                headers["Nats-Expected-Last-Subject-Sequence-Subject"] = cas.subject
+            if i < n:
+                await self.nc.publish(env.subject(), env.to_json(), headers=headers)
+                continue
+            headers["Nats-Batch-Commit"] = "1"
+            try:
+                reply = await self.nc.request(env.subject(), env.to_json(), headers=headers, timeout=PUBLISH_TIMEOUT_S)
+            except (nats.errors.TimeoutError, nats.errors.NoRespondersError) as exc:
+                raise RetryableError(f"atomic batch of {n}: {exc!r}") from None
+            ack = json.loads(reply.data)
+            err = ack.get("error")
+            if err:
+                code = err.get("err_code")
+                if code == ERR_WRONG_LAST_SEQ:
+                    raise CasConflict(err.get("description", "wrong last sequence"))
+                if code == ERR_BATCH_DUP_ID:
+                    # Some of these were written before (a crash between publish and ack):
+                    # fall back to one-by-one, where the server drops the duplicates.
+                    return await self._one_by_one(envs, cas)
+                raise RetryableError(f"atomic batch rejected: {err}")
+            last = int(ack["seq"])
+            return list(range(last - n + 1, last + 1))
+        raise AssertionError("unreachable")
+
+    async def _one_by_one(self, envs: Sequence[Envelope], cas: Cas | None) -> list[int]:
+        seqs = []
+        guard = cas
+        for env in envs:
+            seq = await self.publish(env, guard if guard and subject_matches(guard.subject, env.subject()) else None)
+            seqs.append(seq)
+            if guard is not None and subject_matches(guard.subject, env.subject()):
+                guard = Cas(guard.subject, seq)
+        return seqs
+
+    async def publish_telemetry(self, subject: str, data: bytes) -> None:
+        """Samples: fire-and-forget into FLEET_TELEMETRY (the stream captures core publishes)."""
+        await self.nc.publish(subject, data)
+
+
+async def wait_for(coro: Any, timeout_s: float) -> Any:
+    return await asyncio.wait_for(coro, timeout_s)
+
+
+async def run_until_signal(nats_url: str, name: str, make: Callable[[Bus], Any]) -> None:
+    """Connect as `name`, build the worker (anything with `run()` and `stop()`: the read-model
+    projector, billing's ledger) and run it until SIGINT / SIGTERM."""
+    import signal
+
+    bus = await Bus.connect(nats_url, name=name)
+    worker = make(bus)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            loop.add_signal_handler(sig, worker.stop)
+    try:
+        await worker.run()
+    finally:
+        await bus.close()
+
+
+class Looping:
+    """A worker for `run_until_signal`: waits for FLEET (the admin creates it), then runs
+    `body(stop)` until SIGINT / SIGTERM sets `stop` (the view and archive processes)."""
+
+    def __init__(self, bus: Bus, body: Callable[[asyncio.Event], Awaitable[None]]) -> None:
+        self.bus, self.body, self._stop = bus, body, asyncio.Event()
+
+    async def run(self) -> None:
+        await self.bus._wait_for_stream(STREAM)
+        await self.body(self._stop)
+
+    def stop(self) -> None:
+        self._stop.set()
+

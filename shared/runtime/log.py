@@ -1,0 +1,134 @@
+"""Reading the log: every event of FLEET (or a filtered part) in sequence order, fast.
+
+Used by a service's fold, `gpufleet replay`, `watch --from-start` and tests. An ephemeral,
+unacknowledged consumer is fetched in large batches until it has nothing pending.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Sequence
+from datetime import datetime
+from typing import Any
+
+import nats
+from nats.aio.msg import Msg
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+from gpufleet.shared.contract.events import STREAM
+from gpufleet.shared.runtime.archive import Archive, archive_dir
+from gpufleet.shared.runtime.bus import Bus
+
+READ_BATCH = 2048
+
+
+async def read_stream(bus: Bus, subjects: Sequence[str] = ("fleet.>",), from_seq: int = 1,
+                      until_seq: int | None = None, stream: str = STREAM,
+                      from_time: datetime | None = None) -> AsyncIterator[list[Msg]]:
+    """Yield batches of messages on `subjects` from `from_seq` (or those stored since `from_time`)
+    to the head (or `until_seq`). On a tenant's connection, only what it may read (its own
+    subjects: read_tenant_stream)."""
+    if bus.tenant_scope is not None:
+        async for msgs in read_tenant_stream(bus, bus.tenant_scope, subjects, until_seq):
+            yield msgs
+        return
+    if stream == STREAM and from_time is None and (root := archive_dir()) is not None:
+        # what the archive process moved out of the stream is read back from the archive first
+        sinfo = await bus.js.stream_info(stream)
+        first = int(sinfo.state.first_seq)
+        if from_seq < first:
+            for archived in Archive(root).read(subjects, from_seq, min(until_seq or first - 1, first - 1)):
+                yield archived  # type: ignore[misc]  # (ArchivedMsg has the Msg attributes a reader uses)
+            if until_seq is not None and until_seq < first:
+                return
+            from_seq = first
+    js = bus.js
+    name = f"read-{time.time_ns()}"
+    policy = (DeliverPolicy.BY_START_TIME if from_time is not None else
+              DeliverPolicy.BY_START_SEQUENCE if from_seq > 1 else DeliverPolicy.ALL)
+    cfg = ConsumerConfig(
+        name=name, filter_subjects=list(subjects), ack_policy=AckPolicy.NONE, deliver_policy=policy,
+        opt_start_seq=from_seq if from_seq > 1 and from_time is None else None, opt_start_time=from_time,
+        inactive_threshold=120.0, mem_storage=True,
+    )
+    info = await js.add_consumer(stream, cfg)
+    try:
+        if not info.num_pending:
+            return
+        psub = await js.pull_subscribe_bind(name, stream=stream)
+        try:
+            while True:
+                try:
+                    msgs = await psub.fetch(READ_BATCH, timeout=2.0)
+                except (nats.errors.TimeoutError, TimeoutError):
+                    return
+                if until_seq is not None:
+                    kept = [m for m in msgs if m.metadata.sequence.stream <= until_seq]
+                    if kept:
+                        yield kept
+                    if len(kept) < len(msgs) or (kept and kept[-1].metadata.sequence.stream >= until_seq):
+                        return
+                else:
+                    yield msgs
+                if msgs[-1].metadata.num_pending == 0:
+                    return
+        finally:
+            await psub.unsubscribe()
+    finally:
+        try:
+            await js.delete_consumer(stream, name)
+        except Exception:  # noqa: BLE001 - it expires by itself
+            pass
+
+
+def scoped(subject: str, tenant: str) -> str:
+    """`subject` narrowed to what `tenant` may read: its own events (`fleet.evt.<tenant>.…`) and
+    commands. A subject that cannot be narrowed to them raises PermissionError."""
+    toks = subject.split(".")
+    if toks == ["fleet", ">"] or toks == ["fleet", "evt", ">"]:
+        return f"fleet.evt.{tenant}.>"
+    if len(toks) >= 3 and toks[0] == "fleet" and toks[1] in ("evt", "cmd") and toks[2] in ("*", tenant):
+        return ".".join(["fleet", toks[1], tenant, *toks[3:]]) if len(toks) > 3 else f"fleet.{toks[1]}.{tenant}.>"
+    raise PermissionError(f"tenant {tenant} may read only fleet.evt.{tenant}.> and fleet.cmd.{tenant}.>, not {subject}")
+
+
+async def tenant_subscribe(bus: Bus, subject: str, deliver_policy: DeliverPolicy = DeliverPolicy.ALL,
+                           opt_start_seq: int | None = None, opt_start_time: Any = None) -> Any:
+    """A push consumer on one of the tenant's own subjects, delivered to its private inbox.
+
+    A tenant's permissions allow only this shape (shared/trust/authz.py): the consumer-create subject
+    carries the filter, so the server checks it against the tenant's own subjects, and no pull
+    (`MSG.NEXT`, which names any consumer) is needed. Returns a core subscription whose messages
+    are the stream's, with JetStream metadata."""
+    name = f"t{time.time_ns()}"
+    inbox = bus.nc.new_inbox()
+    sub = await bus.nc.subscribe(inbox)
+    cfg = ConsumerConfig(
+        name=name, filter_subject=subject, deliver_subject=inbox, ack_policy=AckPolicy.NONE,
+        deliver_policy=deliver_policy, opt_start_seq=opt_start_seq, opt_start_time=opt_start_time,
+        inactive_threshold=60.0, mem_storage=True,
+    )
+    await bus.js.add_consumer(STREAM, cfg)
+    return sub
+
+
+async def read_tenant_stream(bus: Bus, tenant: str, subjects: Sequence[str], until_seq: int | None = None,
+                             idle_s: float = 1.0) -> AsyncIterator[list[Msg]]:
+    """read_stream for a tenant's connection: each subject narrowed to its own, read through a
+    push consumer until nothing is pending (or nothing came for `idle_s`)."""
+
+    for subject in subjects:
+        sub = await tenant_subscribe(bus, scoped(subject, tenant))
+        try:
+            while True:
+                try:
+                    msg = await sub.next_msg(timeout=idle_s)
+                except (nats.errors.TimeoutError, TimeoutError):
+                    break
+                if until_seq is not None and msg.metadata.sequence.stream > until_seq:
+                    break
+                yield [msg]
+                if msg.metadata.num_pending == 0:
+                    break
+        finally:
+            await sub.unsubscribe()

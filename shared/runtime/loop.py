@@ -1,0 +1,825 @@
+"""The runtime loop every service runs: fold, then consume in batches, decide, publish, ack.
+
+    durable pull consumer ──fetch(batch)──► evolve ─► decide ─► outputs (evolved at once, so
+    the next decision in the batch sees them) ─► one atomic batch publish (CAS if it takes
+    capacity) ─► ack the inputs
+
+- On start the state is rebuilt by folding the stream (the service's filter subjects) to its
+  head before the first decision. A delivered event the fold already covered is decided but
+  not evolved twice; a service's own outputs coming back are recognised by event id.
+- Output ids derive from the input event id, so re-deciding after a crash re-publishes the
+  same ids and the server drops them; decisions are also idempotent on the folded state.
+- A lost compare-and-set (another writer took the resource) re-folds and decides again.
+- A message that is not valid JSON / not the contract, or that a core cannot handle, is
+  acknowledged and recorded as a `sys.dead_letter` event with the reason; a message delivered
+  more than MAX_DELIVER times likewise.
+- One ack per batch (AckAll). After any failure in a batch the service re-folds and recreates
+  its consumer at the ack floor, so what was not decided is delivered again, in order.
+- With shared/runtime/otel.py set up: a span per decision that published something (or failed),
+  parented to the decided message's `traceparent` (else in the job's own trace), whose context
+  its outputs carry; counters of what was consumed and published, by type.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Generic, Protocol, TypeVar
+
+import nats
+from nats.aio.msg import Msg
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+from gpufleet.shared.contract.errors import CasConflict, RetryableError
+from gpufleet.shared.contract.events import (
+    STREAM,
+    SYS_TENANT,
+    DeadLetter,
+    Envelope,
+    Payload,
+    parse_envelope,
+    subject_for,
+    utc,
+)
+from gpufleet.shared.contract.ids import derive_id, is_token
+from gpufleet.shared.contract.subjects import consumer_filter
+from gpufleet.shared.runtime import otel
+from gpufleet.shared.runtime.bus import Bus, Cas
+from gpufleet.shared.runtime.engine import Engine, FoldStats, fold_tail, refusal
+from gpufleet.shared.runtime.snapshots import Snapshot, SnapshotStore
+
+log = logging.getLogger(__name__)
+
+S = TypeVar("S")
+MAX_DELIVER = 20
+REDECIDE_MAX = 8
+NAK_DELAY_S = 1.0
+FOLD_BATCH = 2048
+SNAPSHOT_EVENTS = int(os.environ.get("GPUFLEET_SNAPSHOT_EVENTS", "2000"))  # the in-memory rollback point
+SNAPSHOT_STORE_EVENTS = int(os.environ.get("GPUFLEET_SNAPSHOT_STORE_EVENTS", "20000"))  # and stored, for restarts
+SNAPSHOT_STORE_S = float(os.environ.get("GPUFLEET_SNAPSHOT_STORE_S", "60"))
+SNAPSHOT_MIN_S = float(os.environ.get("GPUFLEET_SNAPSHOT_MIN_S", "5"))
+SNAPSHOT_CPU_SHARE = 0.02  # of the wall time, at most, spent taking rollback points
+# A client that wants its command's verdict at once names an inbox of its own in this header; once
+# the verdict is in the log, admission answers there too (docs/clients.md). Best effort: the log
+# is the truth, and a redelivered command may be answered twice.
+REPLY_HEADER = "Gpufleet-Reply"
+_VERDICTS = ("job.admitted", "job.rejected", "job.request_refused", "job.cancel_requested")
+
+
+@dataclass
+class Ctx:
+    """What a pure decision may know about the world: the time, who it is, and what caused it."""
+
+    now: datetime
+    actor: str
+    cause: Envelope | None = None
+    _n: int = 0
+
+    def emit(self, payload: Payload, tenant: str | None = None, *, key: str | None = None,
+             cause_id: str | None = None, correlation_id: str | None = None) -> Envelope:
+        """An output event with an id derived from its cause (or from `cause_id` + `key`)."""
+        parent = cause_id or (self.cause.event_id if self.cause else None)
+        if key is None:
+            key = str(self._n)
+            self._n += 1
+        if parent is None:
+            event_id = derive_id(f"{self.actor}:{key}", 0, time_ms=int(self.now.timestamp() * 1000))
+        else:
+            event_id = derive_id(parent, key)
+        if tenant is None:
+            tenant = self.cause.tenant if self.cause else SYS_TENANT
+        job_id = getattr(payload, "job_id", None)
+        return Envelope(
+            event_id=event_id,
+            type=payload.type,
+            occurred_at=self.now,
+            tenant=tenant,
+            causation_id=parent,
+            correlation_id=correlation_id or job_id or (self.cause.correlation_id if self.cause else None),
+            actor=self.actor,
+            payload=payload,
+        )
+
+
+class Core(Protocol[S]):
+    """A service's pure core. No I/O, no clock, no randomness: all of that comes in `ctx`."""
+
+    # Read-only, so a core may set them as plain class attributes of a narrower type
+    # (`subjects = ("a", "b")` is a tuple of two, `cas_subject = "x"` a str).
+    @property
+    def name(self) -> str: ...
+    @property
+    def subjects(self) -> tuple[str, ...]: ...  # what it folds and decides on
+    @property
+    def cas_subject(self) -> str | None: ...  # wildcard subject its capacity decisions are serialised on
+    @property
+    def tick_s(self) -> float | None: ...  # how often `tick` runs (None: never)
+
+    def initial_state(self) -> S: ...
+    def evolve(self, state: S, env: Envelope) -> S: ...
+    def decide(self, state: S, env: Envelope, ctx: Ctx) -> list[Envelope]: ...
+    def tick(self, state: S, ctx: Ctx) -> list[Envelope]: ...
+    def on_start(self, state: S, ctx: Ctx) -> list[Envelope]: ...
+    def on_invalid(self, state: S, bad: InvalidMessage, ctx: Ctx) -> list[Envelope]: ...
+
+
+class BaseCore(Generic[S]):
+    """Defaults for the optional parts of a core."""
+
+    name = "core"
+    subjects: tuple[str, ...] = ()
+    cas_subject: str | None = None
+    tick_s: float | None = None
+
+    def decide(self, state: S, env: Envelope, ctx: Ctx) -> list[Envelope]:
+        return []
+
+    def tick(self, state: S, ctx: Ctx) -> list[Envelope]:
+        return []
+
+    def on_start(self, state: S, ctx: Ctx) -> list[Envelope]:
+        return []
+
+    def on_invalid(self, state: S, bad: InvalidMessage, ctx: Ctx) -> list[Envelope]:
+        """Answer a message that is not the contract (besides its dead letter): nothing by default."""
+        return []
+
+
+@dataclass(frozen=True)
+class InvalidMessage:
+    """A message that is not the contract, as far as it can be read: its subject, the tenant the
+    subject names (a command's sender), the job id in its raw payload, and every error found."""
+
+    subject: str
+    stream_seq: int
+    event_id: str  # a deterministic id for an answer to it
+    tenant: str | None
+    job_id: str | None
+    errors: tuple[tuple[str, str], ...]  # (field, message)
+
+
+def read_invalid(subject: str, data: bytes, seq: int, errors: list[tuple[str, str]], ts_ms: int) -> InvalidMessage:
+    """What can be read of a bad message: the subject's tenant (`fleet.cmd.<tenant>.<verb>`,
+    `fleet.evt.<tenant>.job.<id>.<type>`) and the raw payload's job id, each only if a valid token."""
+    toks = subject.split(".")
+    tenant = toks[2] if len(toks) > 3 and toks[1] in ("cmd", "evt") and is_token(toks[2]) else None
+    job_id = None
+    try:
+        doc = json.loads(data)
+        if isinstance(doc, dict) and isinstance(doc.get("payload"), dict):
+            jid = doc["payload"].get("job_id")
+            job_id = jid if isinstance(jid, str) and is_token(jid) else None
+    except ValueError:
+        pass
+    return InvalidMessage(subject, seq, derive_id(f"invalid:{seq}", "answer", time_ms=ts_ms), tenant, job_id,
+                          tuple(errors))
+
+
+def validation_errors(exc: BaseException) -> list[tuple[str, str]]:
+    """One (field, message) per error of a failed parse (pydantic's, or a plain exception's)."""
+    errs = getattr(exc, "errors", None)
+    if callable(errs):
+        try:
+            out = []
+            for e in errs():
+                loc = [str(x) for x in e.get("loc", ()) if not str(x).startswith(("cmd.", "job.", "node."))]
+                out.append((".".join(loc) or "envelope", str(e.get("msg", ""))))
+            if out:
+                return out
+        except Exception:  # noqa: BLE001 - fall back to the text
+            pass
+    return [("envelope", _short(exc))]
+
+
+@dataclass
+class RuntimeStats:
+    consumed: int = 0
+    published: int = 0
+    dead_letters: int = 0
+    cas_conflicts: int = 0
+    refolds: int = 0
+    batches: int = 0
+    last_batch_s: float = 0.0
+
+
+@dataclass
+class ServiceRuntime(Generic[S]):
+    core: Core[S]
+    bus: Bus
+    instance: str = "0"
+    batch: int = 256
+    fetch_timeout_s: float = 0.25
+    ack_wait_s: float = 30.0  # an unacked message (a crash before the ack) comes back after this
+    clock: Callable[[], float] = time.time
+    group: RuntimeGroup | None = None  # set when co-located: the group owns consumer and acks
+    # one active instance (shared/runtime/lease.py): the consumer is the service's, shared by its instances,
+    # and nothing is committed unless `fence()` says the lease is still held
+    shared_durable: bool = False
+    fence: Callable[[], bool] | None = None
+    stats: RuntimeStats = field(default_factory=RuntimeStats)
+
+    def __post_init__(self) -> None:
+        # the state and where it stands in the log, with the delivery rules (shared/runtime/engine.py)
+        self.engine: Engine[S] = Engine(self.core)
+        # The last committed point (shared/runtime/snapshots.py): a refold restores it and folds the tail
+        # only. Kept in memory every SNAPSHOT_EVENTS events, stored for restarts every
+        # SNAPSHOT_STORE_EVENTS events or SNAPSHOT_STORE_S seconds.
+        key = self.bus.creds.snapshot_key(self.core.name) if self.bus.creds is not None else None
+        self.snapshots = SnapshotStore(self.bus, self.core, key)
+        self._snap: Snapshot | None = None
+        self._since_snap = 0
+        self._snap_at = 0.0
+        self._snap_cost_s = 0.0
+        self._stored_seq = 0
+        self._stored_at = time.monotonic()
+        self._save_task: asyncio.Task[None] | None = None
+        self._stream_created = ""
+        self.last_fold = FoldStats()
+        self._decided_cas_seq: int | None = None  # what the batch's first capacity decision saw
+        self._replies: list[tuple[str, list[Envelope]]] = []  # (inbox, verdicts) of the batch's commands
+        self._stop = asyncio.Event()
+        # One writer of the state at a time: the consume loop, ticks, refolds and a shell's local
+        # outputs (an agent's reconcile or sampling round) take turns.
+        self._lock = asyncio.Lock()
+        self._dirty = False  # the state may hold outputs the log does not: refold before trusting it
+        self._next_tick = 0.0
+        self._psub: Any = None
+        self._parsed: dict[int, Envelope] | None = None  # a group's parse cache for one batch
+        self._batch_types: dict[str, int] | None = None  # the batch's decided events by type (metrics)
+        # one broad server-side filter, the rest in the client (see shared/contract/subjects.py)
+        self.filter_subject = consumer_filter(self.core.subjects)
+
+    @property
+    def actor(self) -> str:
+        return f"{self.core.name}/{self.instance}"
+
+    @property
+    def durable(self) -> str:
+        return f"{self.core.name}-{self.instance}" if self.instance != "0" and not self.shared_durable else self.core.name
+
+    def ctx(self, cause: Envelope | None = None) -> Ctx:
+        return Ctx(now=utc(self.clock()), actor=self.actor, cause=cause)
+
+    @property
+    def state(self) -> S:
+        return self.engine.state
+
+    @property
+    def applied_seq(self) -> int:
+        """Every event of the core's subjects up to here is folded into the state."""
+        return self.engine.seq
+
+    @property
+    def last_cas_seq(self) -> int:
+        return self.engine.last_cas_seq
+
+    # ---------------------------------------------------------------- fold
+
+    async def refold(self) -> int:
+        """Rebuild the state from the stream (the core's subjects) up to its head."""
+        async with self._lock:
+            return await self._refold()
+
+    async def _refold(self, full: bool = False) -> int:
+        """The rebuild, in a new state swapped in at the end: a reader (an agent's loop) sees the
+        old state or the new one, never one half folded. It starts from the last committed point
+        (in memory, else the stored snapshot) and folds only what came after it; `full` (or no
+        snapshot that checks out) folds from sequence 1."""
+        self.stats.refolds += 1
+        otel.count_refold(self.core.name)
+        self._dirty = True  # until this fold completes
+        t0 = time.perf_counter()
+        snap = None if full else await self._restore_point()
+        engine: Engine[S] = Engine(self.core)  # (a new state also resets a core's caches of derived data)
+        engine.restore(snap)
+        # the tail, by the same rules as a delivered message: a fold equals the live state
+        n = await fold_tail(self.bus, engine, subject=self.filter_subject)
+        self.engine = engine
+        self._dirty = False
+        self.last_fold = FoldStats(from_seq=snap.seq if snap else 0, events=n, to_seq=engine.seq,
+                                   seconds=time.perf_counter() - t0)
+        log.info("%s folded %d events up to seq %d (%s)", self.actor, n, self.applied_seq,
+                 f"from its snapshot at seq {snap.seq}" if snap else "from seq 1")
+        self._take_snapshot()  # what it folded is all in the log: the next rollback point
+        return n
+
+    async def _restore_point(self) -> Snapshot | None:
+        """The in-memory committed point, else the stored snapshot (checked), else None."""
+        if self._snap is not None:
+            return self._snap
+        if not self._stream_created:
+            try:
+                info = await self.bus.js.stream_info(STREAM)
+                self._stream_created = str(info.created or "")
+            except Exception:  # noqa: BLE001 - no snapshot without knowing which log it is
+                return None
+        snap = await self.snapshots.load(self.core.initial_state(), self._stream_created)
+        if snap is not None:
+            self._stored_seq = snap.seq
+            self._snap = snap
+        return snap
+
+    def _take_snapshot(self, store: bool = True) -> None:
+        """Keep the state as the last committed point (after a successful commit: every output it
+        holds is in the log); store it when enough has happened since the stored one."""
+        if self._dirty or not self._stream_created:
+            return
+        t0 = time.perf_counter()
+        self._snap = self.engine.point(self._stream_created)
+        self._snap_cost_s = time.perf_counter() - t0
+        self._snap_at = time.monotonic()
+        self._since_snap = 0
+        due = (self.applied_seq - self._stored_seq >= SNAPSHOT_STORE_EVENTS
+               or (self.applied_seq > self._stored_seq and time.monotonic() - self._stored_at >= SNAPSHOT_STORE_S))
+        if store and due:
+            self._store_snapshot(self._snap)
+
+    def _store_snapshot(self, snap: Snapshot) -> None:
+        if self._save_task is not None and not self._save_task.done():
+            return  # one write at a time; the next committed point goes next
+        self._stored_seq, self._stored_at = snap.seq, time.monotonic()
+
+        async def save() -> None:
+            try:
+                await self.snapshots.save(snap)
+                log.info("%s: snapshot at seq %d stored (%d bytes)", self.actor, snap.seq, len(snap.blob))
+            except Exception as exc:  # noqa: BLE001 - an optimisation: the log holds everything
+                log.warning("%s: storing its snapshot failed (%s: %s)", self.actor, type(exc).__name__, exc)
+                self._stored_seq = 0
+
+        self._save_task = asyncio.create_task(save())
+
+    def _committed(self, n: int) -> None:
+        """After a successful commit: a new rollback point every SNAPSHOT_EVENTS events, but never
+        more than SNAPSHOT_CPU_SHARE of the time on taking them (a placer's state at 5,000 nodes
+        pickles in ~0.25 s: then every ~12 s; a small core's in 1 ms: every SNAPSHOT_MIN_S)."""
+        self._since_snap += n
+        if (self._since_snap >= SNAPSHOT_EVENTS
+                and time.monotonic() - self._snap_at >= max(SNAPSHOT_MIN_S, self._snap_cost_s / SNAPSHOT_CPU_SHARE)):
+            self._take_snapshot()
+
+    async def flush_snapshot(self) -> None:
+        """Store the current committed point now and wait for it (a clean stop, tests)."""
+        if self._save_task is not None:
+            await asyncio.gather(self._save_task, return_exceptions=True)
+        self._take_snapshot(store=False)  # stored here, once, and awaited
+        if self._snap is not None and self._snap.seq > 0:
+            await self.snapshots.save(self._snap)
+            self._stored_seq = self._snap.seq
+
+    # ---------------------------------------------------------------- consume
+
+    async def _first_fold(self, within_s: float = 60.0) -> int:
+        """The fold on start, again while JetStream does not answer (a cluster still electing the
+        stream's leader, a server restarting), saying so."""
+        deadline = time.monotonic() + within_s
+        while True:
+            try:
+                return await self._refold()
+            except (nats.js.errors.ServiceUnavailableError, nats.errors.TimeoutError) as exc:
+                if time.monotonic() > deadline:
+                    raise
+                log.warning("%s: JetStream does not answer yet (%s); folding again", self.actor, type(exc).__name__)
+                await asyncio.sleep(0.5)
+
+    async def start(self) -> None:
+        await self.bus.ensure_streams()
+        async with self._lock:
+            await self._first_fold()
+            await self._open_consumer()
+            await self._publish_and_apply(self.engine.start(self.ctx()), evolved=True)
+
+    async def _open_consumer(self) -> None:
+        if self.group is not None:
+            await self.group.reopen()
+            return
+        self._psub = await open_durable(self.bus, self.durable, self.filter_subject, self.ack_wait_s, self._psub)
+
+    async def _recover(self, reason: str) -> None:
+        async with self._lock:
+            await self._recover_locked(reason)
+
+    async def _recover_locked(self, reason: str) -> None:
+        """After a failed batch: rebuild the state from the log, redeliver from the ack floor."""
+        log.warning("%s: %s; re-folding and redelivering from the ack floor", self.actor, reason)
+        await self._refold()
+        await self._open_consumer()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    async def run(self) -> None:
+        """Run until `stop()`; call `start()` first."""
+        await run_steps(self._stop, self.step, lambda: self._recover("a step failed"), self.actor)
+
+    async def step(self) -> int:
+        """Fetch and handle one batch, then tick if due. Returns the number of messages handled."""
+        msgs = await fetch_batch(self._psub, self.batch, self.fetch_timeout_s)
+        if msgs:
+            await self.handle_batch(msgs)
+        await self.tick_if_due()
+        return len(msgs)
+
+    async def tick_if_due(self) -> None:
+        if self.core.tick_s is not None and self.clock() >= self._next_tick:
+            self._next_tick = self.clock() + self.core.tick_s
+            async with self._lock:
+                await self._publish_and_apply(self.engine.tick(self.ctx()), evolved=True)
+
+    def _says_bad(self, subject: str) -> bool:
+        """Who records a message that is not the contract: for a client's command, admission alone
+        (it answers commands; the autoscaler also reads them, and two dead letters per bad
+        command said the same thing twice); for anything else, every service that reads it."""
+        return self.core.name == "admission" or not subject.startswith("fleet.cmd.")
+
+    def _invalid(self, msg: Msg, reason: str, errors: list[tuple[str, str]]) -> list[Envelope]:
+        """The dead letter of a message that is not the contract (naming its tenant and job when
+        they can be read), and the core's answer to its sender, if any (admission: `job.rejected`
+        / `job.request_refused` on the job's own subject)."""
+        md = msg.metadata
+        ts_ms = int(md.timestamp.timestamp() * 1000) if md.timestamp else 0
+        bad = read_invalid(msg.subject, msg.data, md.sequence.stream, errors, ts_ms)
+        out = [self._dead_letter(msg, reason, bad)]
+        try:
+            out += self.core.on_invalid(self.state, bad, self.ctx())
+        except Exception:  # noqa: BLE001 - the dead letter is said either way
+            log.exception("%s: answering the invalid message at seq %d failed", self.actor, bad.stream_seq)
+        return out
+
+    def _dead_letter(self, msg: Msg, reason: str, bad: InvalidMessage | None = None) -> Envelope:
+        md = msg.metadata
+        seq = md.sequence.stream
+        ts_ms = int(md.timestamp.timestamp() * 1000) if md.timestamp else 0
+        self.stats.dead_letters += 1
+        otel.count_dead_letter(self.core.name)
+        log.warning("%s: dead letter seq %d on %s: %s", self.actor, seq, msg.subject, reason)
+        payload = DeadLetter(
+            service=self.core.name, subject=msg.subject, stream_seq=seq, reason=reason[:2000],
+            data_excerpt=msg.data[:512].decode("utf-8", "replace"),
+            tenant=bad.tenant if bad else None, about_job=bad.job_id if bad else None,
+        )
+        return Envelope(
+            event_id=derive_id(f"{self.durable}:{seq}", "dead", time_ms=ts_ms), type=payload.type,
+            occurred_at=utc(self.clock()), tenant=SYS_TENANT, actor=self.actor, payload=payload,
+        )
+
+    def _reply_to(self, msg: Msg) -> str | None:
+        """The inbox a command asks its verdict on, when admission answers it and the inbox is the
+        sender's own (a tenant's `_INBOX.tenant.<t>.`, the admin's `_INBOX.admin.`): never another's."""
+        reply = (msg.headers or {}).get(REPLY_HEADER)
+        if not reply or self.core.name != "admission" or not msg.subject.startswith("fleet.cmd."):
+            return None
+        if self.bus.creds is None:
+            return reply  # a server without identities: nobody to tell apart
+        tenant = msg.subject.split(".")[2]
+        own = "_INBOX.admin." if tenant == SYS_TENANT else f"_INBOX.tenant.{tenant}."
+        return reply if reply.startswith(own) and ">" not in reply and "*" not in reply else None
+
+    async def _send_replies(self) -> None:
+        for reply, answers in self._replies:
+            doc = {"accepted": bool(answers) and all(a.type != "job.rejected" and a.type != "job.request_refused"
+                                                     for a in answers),
+                   "events": [json.loads(a.to_json()) for a in answers]}
+            try:
+                await self.bus.nc.publish(reply, json.dumps(doc).encode())
+            except Exception as exc:  # noqa: BLE001 - best effort: the verdict is in the log
+                log.debug("%s: reply to %s failed (%s)", self.actor, reply, exc)
+        self._replies = []
+
+    def _decide_batch(self, msgs: Sequence[Msg]) -> tuple[list[Envelope], list[Msg], list[Msg]]:
+        self._decided_cas_seq = None
+        self._replies = []
+        outputs: list[Envelope] = []
+        good: list[Msg] = []
+        bad: list[Msg] = []
+        spans = otel.decisions(self.core.name)  # None unless tracing is set up
+        types: dict[str, int] | None = {} if otel.METRICS else None
+        self._batch_types = types
+        for msg in msgs:
+            if not self.engine.wants(msg.subject):
+                good.append(msg)  # not this service's business; acked with the batch
+                continue
+            md = msg.metadata
+            seq = md.sequence.stream
+            try:
+                cached = self._parsed.get(seq) if self._parsed is not None else None
+                env = cached or parse_envelope(msg.data)
+                if self._parsed is not None:
+                    self._parsed[seq] = env
+            except Exception as exc:  # noqa: BLE001 - any parse failure is a bad message
+                if self._says_bad(msg.subject):
+                    said = self._invalid(msg, f"invalid message: {_short(exc)}", validation_errors(exc))
+                    outputs.extend(said)
+                    if (reply := self._reply_to(msg)) is not None:
+                        self._replies.append((reply, [e for e in said if e.type in _VERDICTS]))
+                bad.append(msg)
+                if types is not None:
+                    types["invalid"] = types.get("invalid", 0) + 1
+                continue
+            if types is not None:
+                types[env.type] = types.get(env.type, 0) + 1
+            refused = refusal(env, msg.subject, msg.headers)
+            if refused is not None:
+                reason, fields = refused
+                if not fields:  # a foreign author: a service's fact, nobody to answer
+                    outputs.append(self._dead_letter(msg, reason))
+                elif self._says_bad(msg.subject):
+                    said = self._invalid(msg, reason, fields)
+                    outputs.extend(said)
+                    if (reply := self._reply_to(msg)) is not None:
+                        self._replies.append((reply, [e for e in said if e.type in _VERDICTS]))
+                bad.append(msg)
+                continue
+            if md.num_delivered > MAX_DELIVER:
+                outputs.append(self._dead_letter(msg, f"delivered {md.num_delivered} times"))
+                bad.append(msg)
+                continue
+            t0 = time.time_ns() if spans is not None else 0
+            try:
+                outs = self.engine.deliver(env, seq, self.ctx(env))
+                if (reply := self._reply_to(msg)) is not None:
+                    self._replies.append((reply, [o for o in outs if o.type in _VERDICTS]))
+                if self._decided_cas_seq is None and self.engine.takes_capacity(outs):
+                    # The guard is what this decision saw: a rival's write consumed later in the
+                    # same batch must fail the CAS, not move the guard past itself.
+                    self._decided_cas_seq = self.last_cas_seq
+            except Exception as exc:  # noqa: BLE001 - a core bug must not stop the service
+                log.exception("%s: core failed on seq %d", self.actor, seq)
+                outputs.append(self._dead_letter(msg, f"{type(exc).__name__}: {_short(exc)}"))
+                bad.append(msg)
+                if spans is not None:
+                    spans.decided(env, msg.headers, seq, outputs[-1:], t0, exc)
+                raise _CoreFailed(outputs, good, bad) from exc
+            if spans is not None and outs:
+                spans.decided(env, msg.headers, seq, outs, t0)
+            outputs.extend(outs)
+            good.append(msg)
+        return outputs, good, bad
+
+    async def handle_batch(self, msgs: Sequence[Msg]) -> None:
+        async with self._lock:
+            await self._handle_batch(msgs)
+
+    async def _handle_batch(self, msgs: Sequence[Msg]) -> None:
+        t0 = time.perf_counter()
+        for _attempt in range(REDECIDE_MAX):
+            try:
+                outputs, good, bad = self._decide_batch(msgs)
+            except _CoreFailed as failed:
+                # Publish what was decided before the failure plus the dead letter, ack up to
+                # there; the rest comes again after a re-fold, since the state may be torn.
+                await self._commit(failed.outputs, [*failed.good, *failed.bad], self._decided_cas_seq)
+                await self._recover_locked("a core failed")
+                return
+            try:
+                await self._commit(outputs, [*good, *bad], self._decided_cas_seq)
+            except CasConflict:
+                self.stats.cas_conflicts += 1
+                otel.count_cas_conflict(self.core.name)
+                await self._refold()  # the batch is not acked: decide it again on the new state
+                continue
+            except Exception as exc:  # noqa: BLE001 - retryable or not: the state holds unpublished outputs
+                await asyncio.sleep(NAK_DELAY_S)
+                await self._recover_locked(f"publish failed ({type(exc).__name__}: {exc})")
+                return
+            if self._replies:
+                await self._send_replies()  # (the verdicts are in the log now)
+            self.stats.batches += 1
+            self.stats.consumed += len(msgs)
+            self._committed(len(msgs))
+            self.stats.last_batch_s = time.perf_counter() - t0
+            if otel.METRICS:
+                otel.count_consumed(self.core.name, self._batch_types or {})
+                otel.observe_batch(self.core.name, self.stats.last_batch_s)
+            return
+        await asyncio.sleep(NAK_DELAY_S)
+        await self._recover_locked(f"{REDECIDE_MAX} compare-and-set conflicts in a row")
+
+    async def _commit(self, outputs: list[Envelope], handled: Sequence[Msg], cas_seq: int | None = None) -> None:
+        """Publish the outputs, then ack the handled messages (one AckAll for all of them)."""
+        if self.fence is not None and not self.fence():
+            self.stop()
+            raise LeaseLost(f"{self.actor}: its lease is not held: nothing more is committed")
+        if outputs:
+            spans = otel.decisions(self.core.name)  # None unless tracing is set up
+            if spans is not None:
+                spans.emitted(outputs)  # a span for each output of a job no decision span carries
+            cas = None
+            if self.core.cas_subject and self.engine.takes_capacity(outputs):
+                cas = Cas(self.core.cas_subject, self.last_cas_seq if cas_seq is None else cas_seq)
+            main = [o for o in outputs if not o.subject().startswith("fleet.tel.")]
+            seqs = await (self.bus.publish_batch(main, cas=cas) if cas else self.bus.publish_many(main))
+            self.stats.published += len(main)
+            if cas is not None:
+                for o, seq in zip(main, seqs, strict=True):
+                    if self.engine.takes(o.subject()) and seq > self.engine.last_cas_seq:
+                        self.engine.last_cas_seq = seq
+            for o in outputs:
+                if o.subject().startswith("fleet.tel."):
+                    await self.bus.publish_telemetry(o.subject(), o.to_json())
+            if spans is not None:
+                otel.release(outputs)  # (after a failed publish the same ids are bound again)
+            otel.count_published(self.core.name, outputs)
+        if handled and self.group is None:
+            await max(handled, key=lambda m: m.metadata.sequence.stream).ack()
+
+    async def publish_local(self, outputs: list[Envelope]) -> None:
+        """Publish outputs a shell decided from what it observed (a driver, NVML, heartbeats), not
+        from a consumed message: they are evolved into the state like any decision's outputs.
+        If the publish fails the state is rebuilt from the log and the error raised, so the shell
+        does not act (remove a container, forget an exit) on something the log does not hold."""
+        async with self._lock:
+            if self._dirty:
+                await self._refold()
+            await self._publish_and_apply(outputs, evolved=False, raise_errors=True)
+
+    async def ensure_fresh(self) -> None:
+        """Before a shell reads the state to act on it: rebuild it if a failure left it doubtful."""
+        if self._dirty:
+            async with self._lock:
+                if self._dirty:
+                    await self._refold()
+
+    async def _publish_and_apply(self, outputs: list[Envelope], evolved: bool, raise_errors: bool = False) -> None:
+        """Outputs not caused by a consumed message (start-up, ticks)."""
+        if not outputs:
+            return
+        if not evolved:
+            self.engine.apply(outputs)
+        try:
+            await self._commit(outputs, ())
+        except Exception as exc:
+            self._dirty = True  # what was evolved above may not be in the log
+            if not raise_errors and not isinstance(exc, CasConflict | RetryableError):
+                raise
+            log.warning("%s: publish of %d outputs failed (%s); re-folding", self.actor, len(outputs), exc)
+            await self._refold()
+            if raise_errors:
+                raise
+
+
+async def every(stop: asyncio.Event, period_s: float, fn: Callable[[], Awaitable[Any]], who: str) -> None:
+    """Run `fn` every `period_s` until `stop` is set (a shell's loop beside the runtime: heartbeats,
+    a driver's reconcile, GPU sampling); a failed round is logged and the next one tries again."""
+    while not stop.is_set():
+        try:
+            await fn()
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: BLE001 - the loop must outlive any one failure
+            log.exception("%s: %s failed; again in %.1fs", who, getattr(fn, "__name__", fn), period_s)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), period_s)
+
+
+async def fetch_batch(psub: Any, batch: int, timeout_s: float) -> list[Msg]:
+    """Up to `batch` messages, [] when none came in time or the connection is away."""
+    try:
+        return list(await psub.fetch(batch, timeout=timeout_s))
+    except (TimeoutError, nats.errors.TimeoutError):  # nats-py also raises a bare asyncio one
+        return []
+    except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError):
+        await asyncio.sleep(0.2)
+        return []
+
+
+async def run_steps(stop: asyncio.Event, step: Callable[[], Awaitable[int]],
+                    recover: Callable[[], Awaitable[None]], who: str) -> None:
+    """Step until `stop` is set; a failed step re-folds (`recover`) and the loop goes on."""
+    while not stop.is_set():
+        try:
+            await step()
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: BLE001 - the loop must outlive any one failure
+            log.exception("%s: step failed; re-folding", who)
+            await asyncio.sleep(0.5)
+            try:
+                await recover()
+            except Exception:  # noqa: BLE001 - NATS may be away; the next step tries again
+                log.exception("%s: recovery failed", who)
+
+
+async def open_durable(bus: Bus, durable: str, filter_subject: str, ack_wait_s: float, old_psub: Any = None) -> Any:
+    """(Re)create a durable consumer at its ack floor + 1 and bind a pull subscription to it.
+
+    AckAll acknowledges everything up to the acked message, so the ack floor is exactly what
+    has been decided. Recreating the consumer there (on start, and after any failure in a
+    batch) redelivers the rest in stream order — never a newer message before an older one,
+    so one ack per batch cannot acknowledge a message that was not decided.
+    """
+    js = bus.js
+    floor = 0
+    try:
+        info = await js.consumer_info(STREAM, durable)
+        floor = int(info.ack_floor.stream_seq or 0) if info.ack_floor else 0
+        await js.delete_consumer(STREAM, durable)
+    except nats.js.errors.NotFoundError:
+        pass
+    cfg = ConsumerConfig(
+        durable_name=durable, filter_subject=filter_subject,
+        ack_policy=AckPolicy.ALL,
+        deliver_policy=DeliverPolicy.BY_START_SEQUENCE if floor else DeliverPolicy.ALL,
+        opt_start_seq=floor + 1 if floor else None,
+        max_deliver=-1, ack_wait=ack_wait_s, max_ack_pending=20_000,
+    )
+    await js.add_consumer(STREAM, cfg)
+    if old_psub is not None:
+        try:
+            await old_psub.unsubscribe()
+        except Exception:  # noqa: BLE001 - the old subscription is gone either way
+            pass
+    return await js.pull_subscribe_bind(durable, stream=STREAM)
+
+
+class RuntimeGroup:
+    """Several cores co-located in one process, sharing one durable consumer.
+
+    Each core keeps its own state, fold, decisions and compare-and-set; what they share is the
+    delivery: every event is received and parsed once per process instead of once per service
+    (on 2 cores the client-side cost of a delivery dominates). A failure in any core re-folds
+    that core and redelivers the batch to all, whose decisions are idempotent on their state.
+    """
+
+    def __init__(self, cores: Sequence[Core[Any]], bus: Bus, instance: str = "0", batch: int = 256,
+                 fetch_timeout_s: float = 0.25, ack_wait_s: float = 30.0) -> None:
+        self.bus = bus
+        self.runtimes: list[ServiceRuntime[Any]] = [
+            ServiceRuntime(core, bus, instance=instance, batch=batch, fetch_timeout_s=fetch_timeout_s,
+                           ack_wait_s=ack_wait_s, group=self)
+            for core in cores
+        ]
+        names = "-".join(c.name for c in cores)
+        self.durable = f"group-{names}" + (f"-{instance}" if instance != "0" else "")
+        self.filter_subject = consumer_filter([p for c in cores for p in c.subjects])
+        self.batch, self.fetch_timeout_s, self.ack_wait_s = batch, fetch_timeout_s, ack_wait_s
+        self._psub: Any = None
+        self._generation = 0
+        self._stop = asyncio.Event()
+
+    async def start(self) -> None:
+        await self.bus.ensure_streams()
+        for rt in self.runtimes:
+            async with rt._lock:
+                await rt._first_fold()
+        await self.reopen()
+        for rt in self.runtimes:
+            await rt._publish_and_apply(rt.engine.start(rt.ctx()), evolved=True)
+
+    async def reopen(self) -> None:
+        self._generation += 1
+        self._psub = await open_durable(self.bus, self.durable, self.filter_subject, self.ack_wait_s, self._psub)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    async def run(self) -> None:
+        await run_steps(self._stop, self.step, self._recover, f"group {self.durable}")
+
+    async def _recover(self) -> None:
+        for rt in self.runtimes:
+            await rt.refold()
+        await self.reopen()
+
+    async def step(self) -> int:
+        msgs = await fetch_batch(self._psub, self.batch, self.fetch_timeout_s)
+        if msgs:
+            generation = self._generation
+            parsed: dict[int, Envelope] = {}
+            for rt in self.runtimes:
+                rt._parsed = parsed
+                try:
+                    await rt.handle_batch(msgs)
+                finally:
+                    rt._parsed = None
+            if generation == self._generation:  # no member recreated the consumer meanwhile
+                await max(msgs, key=lambda m: m.metadata.sequence.stream).ack()
+        for rt in self.runtimes:
+            await rt.tick_if_due()
+        return len(msgs)
+
+
+class LeaseLost(RuntimeError):
+    """The instance no longer holds its service's lease (shared/runtime/lease.py): it stops."""
+
+
+class _CoreFailed(Exception):
+    def __init__(self, outputs: list[Envelope], good: list[Msg], bad: list[Msg]) -> None:
+        super().__init__("core failed")
+        self.outputs, self.good, self.bad = outputs, good, bad
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc)
+    return text if len(text) < 1500 else text[:1500] + "..."
+
+
+__all__ = ["BaseCore", "Core", "Ctx", "ServiceRuntime", "subject_for"]

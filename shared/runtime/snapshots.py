@@ -1,0 +1,175 @@
+"""Snapshots of a core's folded state, so that no cost of a service grows with the log.
+
+A snapshot is the state after stream sequence `seq` (every event of the core's subjects up to
+it folded), plus what the runtime needs to go on from there exactly as if it had folded: the
+last sequence on its compare-and-set subject and the ids of its own outputs it has already
+evolved but not yet seen come back (they are skipped when the tail brings them). A start, a lost
+compare-and-set and a failed publish each restore the newest snapshot and fold only the tail.
+
+- Kept twice: in memory (the last committed point, for a rollback) and in a JetStream object
+  store bucket per core (`SNAP_<core>`, object `<core>`), for a restart; replicas of one core
+  share it (the fold is deterministic).
+- Stamped with the core, a format (the core's `state_format` and the fields of its state
+  type: a changed state class never loads an old snapshot), the stream's creation time (a
+  snapshot of another log is not this one's) and an HMAC-SHA256 of the blob with the core's
+  snapshot key from its credentials (shared/trust/authz.py), so a tampered snapshot is refused
+  before it is unpickled. Only the core's own identity may write its bucket.
+- A snapshot that does not check out is skipped, loudly, for a full fold.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import hmac
+import json
+import logging
+import pickle
+import struct
+import time
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+SNAPSHOT_FORMAT = 1  # of the container (header + blob); a core's own format is its `state_format`
+BUCKET_PREFIX = "SNAP_"
+
+
+def bucket_for(core: str) -> str:
+    return f"{BUCKET_PREFIX}{core}"
+
+
+def state_fingerprint(core: Any, state: Any) -> str:
+    """The core's state format: its `state_format` and the fields of its state type (a state class
+    that gained or lost a field reads no snapshot of the old shape)."""
+    kind = type(state)
+    fields = [f"{f.name}:{f.type}" for f in dataclasses.fields(kind)] if dataclasses.is_dataclass(kind) else []
+    text = f"{getattr(core, 'state_format', 1)}|{kind.__module__}.{kind.__qualname__}|{','.join(fields)}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """One committed point of a core: the pickled state and where it stands in the log."""
+
+    core: str
+    fingerprint: str
+    seq: int  # every event of the core's subjects up to here is folded
+    last_cas_seq: int
+    own: tuple[str, ...]  # own outputs evolved already, published after `seq`
+    stream_created: str  # the log it belongs to
+    blob: bytes  # zlib(pickle(state))
+    taken_at: float = 0.0
+
+    def state(self) -> Any:
+        return pickle.loads(zlib.decompress(self.blob))  # noqa: S301 - checked by its HMAC first
+
+    def encode(self, key: bytes | None) -> bytes:
+        header = {"format": SNAPSHOT_FORMAT, "core": self.core, "fingerprint": self.fingerprint, "seq": self.seq,
+                  "last_cas_seq": self.last_cas_seq, "own": list(self.own), "stream_created": self.stream_created,
+                  "taken_at": self.taken_at, "size": len(self.blob), "mac": _mac(key, self.blob, self.seq)}
+        h = json.dumps(header).encode()
+        return struct.pack(">I", len(h)) + h + self.blob
+
+
+def take(core: Any, state: Any, seq: int, last_cas_seq: int, own: set[str], stream_created: str) -> Snapshot:
+    blob = zlib.compress(pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL), 1)
+    return Snapshot(core.name, state_fingerprint(core, state), seq, last_cas_seq, tuple(sorted(own)),
+                    stream_created, blob, time.time())
+
+
+class SnapshotRefused(ValueError):
+    """Why a stored snapshot is not used (the runtime folds in full instead)."""
+
+
+def decode(data: bytes, key: bytes | None, core: Any, state_template: Any, stream_created: str) -> Snapshot:
+    """The stored snapshot, checked: container format, core, state format, log, size and MAC."""
+    try:
+        (n,) = struct.unpack(">I", data[:4])
+        header = json.loads(data[4:4 + n])
+        blob = data[4 + n:]
+    except (struct.error, ValueError) as exc:
+        raise SnapshotRefused(f"not a snapshot ({exc})") from None
+    if header.get("format") != SNAPSHOT_FORMAT:
+        raise SnapshotRefused(f"container format {header.get('format')}, this code reads {SNAPSHOT_FORMAT}")
+    if header.get("core") != core.name:
+        raise SnapshotRefused(f"a snapshot of {header.get('core')!r}, not {core.name!r}")
+    want = state_fingerprint(core, state_template)
+    if header.get("fingerprint") != want:
+        raise SnapshotRefused(f"state format {header.get('fingerprint')}, this code's is {want}")
+    if header.get("stream_created") != stream_created:
+        raise SnapshotRefused("it belongs to another log (the stream was created at "
+                              f"{header.get('stream_created')}, this one at {stream_created})")
+    if header.get("size") != len(blob):
+        raise SnapshotRefused(f"truncated: {len(blob)} of {header.get('size')} bytes")
+    seq = int(header["seq"])
+    if not hmac.compare_digest(str(header.get("mac", "")), _mac(key, blob, seq)):
+        raise SnapshotRefused("its MAC does not match: corrupt, or not written by this core's identity")
+    return Snapshot(core.name, want, seq, int(header["last_cas_seq"]), tuple(header.get("own", ())),
+                    stream_created, blob, float(header.get("taken_at", 0.0)))
+
+
+def _mac(key: bytes | None, blob: bytes, seq: int) -> str:
+    msg = seq.to_bytes(8, "big") + blob
+    if key is None:  # a server without identities: integrity only
+        return "sha256:" + hashlib.sha256(msg).hexdigest()
+    return "hmac:" + hmac.new(key, msg, hashlib.sha256).hexdigest()
+
+
+async def open_bucket(bus: Any, bucket: str, create: bool, description: str) -> Any:
+    """A snapshot bucket (JetStream object store, file storage); None when it is not there and
+    `create` is false."""
+    import nats.js.errors
+
+    try:
+        return await bus.js.object_store(bucket)
+    except (nats.js.errors.NotFoundError, nats.js.errors.BucketNotFoundError):
+        if not create:
+            return None
+        from nats.js.api import ObjectStoreConfig, StorageType
+
+        return await bus.js.create_object_store(bucket, ObjectStoreConfig(
+            description=description, storage=StorageType.FILE, replicas=bus.replicas))
+
+
+class SnapshotStore:
+    """A core's snapshots in its JetStream object store bucket (`SNAP_<name>`), one object per
+    point: `<name>` for a core's newest, others by name (the view's points, shared by its readers)."""
+
+    def __init__(self, bus: Any, core: Any, key: bytes | None) -> None:
+        self.bus, self.core, self.key = bus, core, key
+        self._obs: Any = None
+
+    async def _store(self, create: bool) -> Any:
+        if self._obs is None:
+            self._obs = await open_bucket(self.bus, bucket_for(self.core.name), create,
+                                          f"snapshots of the {self.core.name} core's state (shared/runtime/snapshots.py)")
+        return self._obs
+
+    async def save(self, snap: Snapshot, name: str | None = None) -> None:
+        obs = await self._store(create=True)
+        await obs.put(name or self.core.name, snap.encode(self.key))
+
+    async def load(self, state_template: Any, stream_created: str, name: str | None = None) -> Snapshot | None:
+        """The stored snapshot (the newest, or object `name`) if it checks out; None (with the
+        reason logged) if not."""
+        import nats.js.errors
+
+        try:
+            obs = await self._store(create=False)
+            if obs is None:
+                return None
+            res = await obs.get(name or self.core.name)
+        except (nats.js.errors.NotFoundError, nats.js.errors.ObjectNotFoundError, nats.js.errors.BucketNotFoundError):
+            return None
+        except Exception as exc:  # noqa: BLE001 - a snapshot is an optimisation: fold in full
+            log.warning("%s: cannot read its snapshot (%s: %s); folding the whole log", self.core.name,
+                        type(exc).__name__, exc)
+            return None
+        try:
+            return decode(res.data or b"", self.key, self.core, state_template, stream_created)
+        except SnapshotRefused as exc:
+            log.warning("%s: snapshot refused: %s; folding the whole log", self.core.name, exc)
+            return None

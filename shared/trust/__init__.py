@@ -1,0 +1,1 @@
+"""Trust: who may write what (the generated NATS authorization, identities) and TLS."""
