@@ -125,7 +125,7 @@ def test_a_mesh_with_a_retention_archives_and_still_replays_and_audits_its_whole
         while not archived():
             assert time.monotonic() < deadline, "nothing archived"
             time.sleep(0.5)
-        replay = json.loads(cli(d, "replay", "--json").stdout)
+        replay = json.loads(cli(d, "replay", "--json", "--all").stdout)
         assert {j["job_id"]: j["status"] for j in replay["jobs"] if j["job_id"] in ids} == {i: "succeeded" for i in ids}
         audit = json.loads(cli(d, "audit", "--json", "--full", check=False).stdout)
         assert audit["ok"], audit

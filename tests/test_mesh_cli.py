@@ -83,7 +83,7 @@ def test_a_training_job_runs_end_to_end_and_replay_equals_the_read_model(mesh: P
     # the read model catches up asynchronously; replay at the head must then equal it exactly
     deadline = time.monotonic() + 20
     while True:
-        replay = json.loads(cli(mesh, "replay", "--json").stdout)
+        replay = json.loads(cli(mesh, "replay", "--json", "--all").stdout)
         live_jobs = jobs(mesh)
         live_nodes = json.loads(cli(mesh, "nodes", "--json").stdout)
         if replay["jobs"] == live_jobs and replay["nodes"] == live_nodes:

@@ -198,7 +198,7 @@ def test_a_view_snapshot_at_any_point_plus_the_tail_is_the_full_fold(seed: int, 
     """The view (gpufleet/tools/viewsnap.py: the board's rows, GPU cells, queue usage and counts) stored
     at a random point of a stress log and folded on equals the view folded from sequence 1."""
     from gpufleet.tools.dashboard import Board
-    from gpufleet.tools.viewsnap import KIND, stripped
+    from gpufleet.tools.viewsnap import KIND, ended_rows, live, stripped
 
     log = _sim(seed).log
     k = int(len(log) * cut)
@@ -213,3 +213,13 @@ def test_a_view_snapshot_at_any_point_plus_the_tail_is_the_full_fold(seed: int, 
         back.fold(seq, env)
     assert stripped(back) == stripped(full), f"view snapshot at {k} of {len(log)} + tail != full fold"
     assert back.state() == {**full.state(), "recent": back.state()["recent"]}  # (recent: what a live page saw)
+    # a point as the view process stores it: the live board, the ended jobs' rows put away in a segment
+    segment = ended_rows(part)
+    lean: Board = decode(take(KIND, live(part), seq=k, last_cas_seq=0, own=set(), stream_created="t").encode(
+        b"v" * 32), b"v" * 32, KIND, Board(), "t").state()
+    assert not set(segment) & set(lean.view.jobs)
+    for seq, env in enumerate(log[k:], k + 1):
+        lean.fold(seq, env)
+    assert live(lean) == live(full), f"live point at {k} of {len(log)} + tail != full fold"
+    assert {**segment, **lean.view.jobs} == full.view.jobs, "the put-away rows + the tail's rows != every row"
+    assert lean.counts == full.counts

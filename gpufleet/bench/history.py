@@ -122,10 +122,14 @@ async def _reads(url: str, admin_creds: Path, view_creds: Path, head: int, event
             await _full_state(fleet, seq)
             full_s = time.perf_counter() - t1
             rows.append({"seq": seq, "from_snapshot": doc["from_snapshot"], "snapshot_s": round(snap_s, 3),
-                         "full_fold_s": round(full_s, 3), "jobs": len(doc["jobs"])})
+                         "full_fold_s": round(full_s, 3), "live_jobs": len(doc["jobs"]),
+                         "jobs": sum(doc["job_counts"].values())})
             if progress:
                 progress(f"[{events:,}] replay --seq {seq}: {snap_s:.2f}s from the view snapshot at "
                          f"{doc['from_snapshot']}, {full_s:.2f}s from seq 1")
+        t1 = time.perf_counter()
+        every_row = await fleet.state_at(until_seq=points[-1], ended=True)  # `replay --all`: grows with the jobs
+        all_s = time.perf_counter() - t1
         jobs = [e.job_id for _, e in await fleet.history("fleet.evt.*.job.*.succeeded", until_seq=min(head, 20_000))]
         explain = []
         for job_id in rng.sample([j for j in jobs if j], min(3, len(jobs))):
@@ -133,7 +137,8 @@ async def _reads(url: str, admin_creds: Path, view_creds: Path, head: int, event
             ex = await fleet.explain(job_id)
             explain.append({"job_id": job_id, "s": round(time.perf_counter() - t1, 3),
                             "events": len(ex.history) if ex is not None else 0})
-        return ({"view_snapshot_every": every, "view_snapshots_s": round(built_s, 2), "points": rows},
+        return ({"view_snapshot_every": every, "view_snapshots_s": round(built_s, 2), "points": rows,
+                 "all_rows_s": round(all_s, 3), "all_rows": len(every_row["jobs"])},
                 {"jobs": explain})
     finally:
         await fleet.close()

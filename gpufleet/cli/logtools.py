@@ -29,24 +29,28 @@ def replay(data_dir: DataDir = None, as_json: JsonOut = False,
            until: Annotated[str | None, typer.Option(help="the state at this time: 10m (ago), or an ISO time")] = None,
            what_if: Annotated[Path | None, typer.Option("--what-if", exists=True, dir_okay=False,
                                                         help="re-run the recorded workload under this cluster config")] = None,
+           all_jobs: Annotated[bool, typer.Option("--all", help="list the jobs that had ended too (read from the "
+                                                                "view's row segments: grows with the history)")] = False,
            ) -> None:
-    """Fold the log (to the head, --seq or --until) and print the cluster state it gives; or,
-    with --what-if, run the recorded workload again through the real cores under another config."""
+    """Fold the log (to the head, --seq or --until) and print the cluster state it gives: nodes,
+    GPUs, queues, the jobs not ended and every job's count by status (--all: the ended jobs' rows
+    too); or, with --what-if, run the recorded workload again through the real cores under another config."""
     if what_if is not None:
         _what_if(data_dir, what_if, as_json)
         return
     at = _parse_time(until) if until else None
-    doc = _run(_reading(data_dir, lambda f: f.state_at(until_seq=seq, until_time=at)))
+    doc = _run(_reading(data_dir, lambda f: f.state_at(until_seq=seq, until_time=at, ended=all_jobs)))
     if as_json:
         _print_json(doc)
         return
-    by_status: dict[str, int] = {}
-    for j in doc["jobs"]:
-        by_status[j["status"]] = by_status.get(j["status"], 0) + 1
     gpus = sum(n["gpus_total"] for n in doc["nodes"])
     used = sum(n["gpus_allocated"] for n in doc["nodes"])
-    typer.echo(f"state at seq {doc['seq']}: {len(doc['jobs'])} jobs {by_status}, {len(doc['nodes'])} nodes, "
+    total = sum(doc["job_counts"].values())
+    typer.echo(f"state at seq {doc['seq']}: {total} jobs {doc['job_counts']}, {len(doc['nodes'])} nodes, "
                f"GPUs {used}/{gpus} allocated")
+    if all_jobs:
+        for j in doc["jobs"]:
+            typer.echo(f"  {j['job_id']:<28} {j['tenant']:<12} {j['status']:<10} {j['reason'][:60]}")
     for node_id, cells in doc["gpus"].items():
         held = [f"{c['gpu']}:{c['state']}" + (f"({c['job']})" if c["job"] else "") for c in cells if c["state"] != "free"]
         if held:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -41,6 +42,8 @@ from gpufleet.shared.read.view import ClusterView
 from gpufleet.shared.runtime.bus import Bus
 from gpufleet.shared.runtime.log import read_stream
 from gpufleet.shared.trust.authz import ADMIN, find_creds
+
+log = logging.getLogger(__name__)
 
 COMMAND_RETRY_S = 10.0  # how long a command is sent again while the stream does not answer
 
@@ -228,19 +231,29 @@ class Fleet:
         await self._send(env)
         return env
 
-    async def board_at(self, until_seq: int | None = None, until_time: float | None = None) -> tuple[Board, int]:
+    async def board_at(self, until_seq: int | None = None, until_time: float | None = None,
+                       ended: bool = True) -> tuple[Board, int]:
         """The cluster's board (the view's jobs and nodes, every GPU's cell, queue usage) after
         `until_seq` (default: the head), or as it was at `until_time` (the last event stored by
         then), with the sequence of the view snapshot it started from (0: sequence 1). The admin
         starts from the nearest snapshot at or before that point (gpufleet/tools/viewsnap.py) and folds
-        only the tail; a tenant folds its own events."""
+        only the tail; a tenant folds its own events. With `ended=False` the rows of jobs that ended
+        before that snapshot are left out (what costs the same at any length of history); some
+        that ended after it may be there."""
         from gpufleet.tools.dashboard import Board
-        from gpufleet.tools.viewsnap import VIEW, ViewSnapshots, fold_board
+        from gpufleet.tools.viewsnap import VIEW, RowsMissing, ViewSnapshots, fold_board
 
         until_ms = int(until_time * 1000) if until_time is not None else None
         start = None
         if self.tenant is None and self.bus.creds is not None:
-            start = await ViewSnapshots(self.bus, self.bus.creds.snapshot_key(VIEW)).nearest(until_seq, until_ms)
+            snaps = ViewSnapshots(self.bus, self.bus.creds.snapshot_key(VIEW))
+            start = await snaps.nearest(until_seq, until_ms)
+            if start is not None and ended:
+                try:
+                    start[0].view.jobs.update(await snaps.rows_until(start[1]))
+                except RowsMissing as exc:
+                    log.warning("%s; folding from sequence 1", exc)
+                    start = None
         board, from_seq = start if start is not None else (Board(), 0)
         await fold_board(self.bus, board, until_seq, until_ms)
         if until_time is None and self.tenant is None:
@@ -255,14 +268,26 @@ class Fleet:
         board, _ = await self.board_at(until_seq, until_time)
         return board.view
 
-    async def state_at(self, until_seq: int | None = None, until_time: float | None = None) -> dict[str, Any]:
+    async def state_at(self, until_seq: int | None = None, until_time: float | None = None,
+                       ended: bool = False) -> dict[str, Any]:
         """What `gpufleet replay --json` prints: the fold (`seq`, `jobs`, `nodes`: what the read
         model holds), each node's GPUs (free, allocated or shared to which jobs, unhealthy,
         quarantined), each queue's usage and waiting jobs, as the dashboard shows them, and
-        `from_snapshot`: the sequence of the view snapshot the fold started from (0: none)."""
-        board, from_seq = await self.board_at(until_seq, until_time)
+        `from_snapshot`: the sequence of the view snapshot the fold started from (0: none).
+
+        `jobs` are the jobs that had not ended by then (the state; its cost does not grow with the
+        history), `job_counts` every job by status; with `ended=True` (`replay --all`) `jobs` holds
+        the ended ones too, read from the view's row segments."""
+        from gpufleet.shared.read.view import TERMINAL_STATUSES
+
+        board, from_seq = await self.board_at(until_seq, until_time, ended=ended)
         extra = board.state()
-        return {**board.view.as_json(), "gpus": {n["node_id"]: n["gpus"] for n in extra["nodes"]},
+        doc = board.view.as_json(None if ended else lambda r: r.status not in TERMINAL_STATUSES)
+        counts: dict[str, int] = {}
+        for (_t, _q, status), n in board.counts.items():
+            counts[status] = counts.get(status, 0) + n
+        return {**doc, "job_counts": dict(sorted(counts.items())), "ended_included": ended,
+                "gpus": {n["node_id"]: n["gpus"] for n in extra["nodes"]},
                 "queues": extra["queues"], "from_snapshot": from_seq}
 
     async def history(self, subject: str | Sequence[str] = "fleet.>", until_seq: int | None = None,

@@ -54,8 +54,9 @@ from gpufleet.shared.contract.events import (
     parse_envelope,
 )
 from gpufleet.shared.contract.ids import check_token
-from gpufleet.shared.read.view import ClusterView, apply, interruptions, pending_reasons
+from gpufleet.shared.read.view import TERMINAL_STATUSES, ClusterView, apply, interruptions, pending_reasons
 from gpufleet.shared.runtime.engine import refusal
+from gpufleet.shared.runtime.retention import EndedJobs
 
 log = logging.getLogger(__name__)
 ENDED = RUN_ENDED_JOB_TYPES
@@ -88,14 +89,24 @@ class Board:
     # (tenant, queue, status) -> jobs: what the page counts, kept as the jobs move (no scan of every
     # job ever at each state push)
     counts: dict[tuple[str, str, str], int] = field(default_factory=dict)
+    # jobs whose row ended (succeeded, failed, cancelled, rejected), for the retention window of log
+    # time: a fact about one whose row was put away (a view snapshot's row segment) changes nothing
+    ended: EndedJobs = field(default_factory=EndedJobs)
 
     def fold(self, seq: int, env: Envelope) -> None:
-        row = self.view.jobs.get(env.job_id) if env.job_id else None
+        job_id = env.job_id
+        row = self.view.jobs.get(job_id) if job_id else None
+        if row is None and job_id and job_id in self.ended:  # (its end is final: shared/read/view.py)
+            self.view.seq = max(self.view.seq, seq)
+            self.fold_extra(seq, env)
+            return
         before = (row.tenant, row.queue, row.status) if row is not None else None
         apply(self.view, env, seq)
-        if env.job_id:
-            row = self.view.jobs.get(env.job_id)
+        if job_id:
+            row = self.view.jobs.get(job_id)
             after = (row.tenant, row.queue, row.status) if row is not None else None
+            if row is not None and row.status in TERMINAL_STATUSES and (before is None or before[2] != row.status):
+                self.ended.add(job_id, env.occurred_at)
             if after != before:
                 if before is not None:
                     self.counts[before] -= 1
@@ -142,6 +153,7 @@ class Board:
         if env.type in ENDED and env.job_id:
             self._release(env.job_id)
             self._unreserve(env.job_id)
+            self.attempt.pop(env.job_id, None)  # (placed again: the placement says its attempt)
         if env.job_id:
             hist = self.history.pop(env.job_id, None) or []
             hist.append((seq, env))
@@ -270,11 +282,19 @@ class Board:
         """The job's page (from its events: those the board keeps, else `hist`); with `tenant`,
         None unless it is that tenant's job (as for an unknown id)."""
         hist = self.history.get(job_id) or hist
-        if tenant is not None and hist:
-            hist = [(s, e) for s, e in hist if e.tenant in (tenant, SYS_TENANT)] if self.owner(job_id) == tenant else []
         if not hist:
             return None
         row = self.view.jobs.get(job_id)
+        if row is None:  # an ended job whose row the board put away (or never had): its row from its events
+            own = ClusterView()
+            for s, e in hist:
+                apply(own, e, s)
+            row = own.jobs.get(job_id)
+        if tenant is not None:
+            owner = row.tenant if row is not None else self.owner(job_id)
+            hist = [(s, e) for s, e in hist if e.tenant in (tenant, SYS_TENANT)] if owner == tenant else []
+            if not hist:
+                return None
         doc = {"job_id": job_id, "status": row.status if row else "?", "reason": row.reason if row else "",
                "timeline": [event_doc(s, e) for s, e in hist],
                "interruptions": [i.line() for i in interruptions(hist)],
@@ -639,7 +659,7 @@ class Dashboard:
         """A job's page; the events of one the board no longer keeps (or never saw: it started from a
         view snapshot) are read from the log by the job's own subjects (its id is in them)."""
         hist = None
-        if job_id not in self.board.history and job_id in self.board.view.jobs:
+        if job_id not in self.board.history:  # (also one the board never had a row of: ended before its snapshot)
             from gpufleet.shared.contract.ids import is_token
             from gpufleet.shared.runtime.log import read_stream
 

@@ -6,12 +6,21 @@ The view is the dashboard's `Board` (the `ClusterView` rows, each GPU's cell, qu
 without what only a live page keeps (its feed, recent jobs, per-job histories). A process of the
 mesh, `view` (its own identity, which may write only the bucket `SNAP_view`), folds the log
 behind the services at a low CPU priority (nice 10: under load the services come first, it
-catches up when they are idle) and stores a snapshot every `GPUFLEET_VIEW_SNAPSHOT_EVENTS`
-(50,000) events. Each is the object `view-<seq>-<ms>` (the sequence it covers and the stored
-time of its last event, zero-padded so the names sort) in the same container as the cores'
-snapshots (shared/runtime/snapshots.py: state format, the log it belongs to, an HMAC with the view key;
-the admin's creds hold the key to check them). Past `KEEP` snapshots the older half is thinned
-to every other one, so the points stay spread over the whole history.
+catches up when they are idle) and stores a point every `GPUFLEET_VIEW_SNAPSHOT_EVENTS`
+(10,000) events, in two parts, so that no point's cost grows with the history:
+
+- `view-<seq>-<ms>` (the sequence it covers and the stored time of its last event, zero-padded
+  so the names sort): the live board - nodes, GPU cells, queues, the rows of jobs that have not
+  ended, the counts of all jobs by status, the ended jobs' ids for the retention window;
+- `rows-<seq>`: the rows of the jobs that ended since the point before (written once: a job's
+  end is final, shared/read/view.py), put away from the process's own board once stored.
+
+`replay --seq N` restores the live board at the nearest point and folds at most 10,000 events;
+the ended jobs' rows are read from the segments only when asked for (`replay --all`, `Fleet.fold`
+for `jobs` without PostgreSQL). Both kinds of object live in the same container as the cores'
+snapshots (shared/runtime/snapshots.py: state format, the log it belongs to, an HMAC with the
+view key; the admin's creds hold the key to check them). Past `KEEP` points the older half is
+thinned to every other one (a live board is small; the row segments are never thinned).
 
 A snapshot that does not check out is skipped, loudly, for an older one or a fold from sequence 1:
 a snapshot only ever saves time, the log holds everything.
@@ -24,10 +33,11 @@ import asyncio
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from gpufleet.shared.contract.events import STREAM, parse_envelope
+from gpufleet.shared.read.view import TERMINAL_STATUSES, ClusterView, JobRow
 from gpufleet.shared.runtime.engine import refusal
 from gpufleet.shared.runtime.snapshots import SnapshotStore, take
 from gpufleet.tools.dashboard import Board
@@ -35,8 +45,9 @@ from gpufleet.tools.dashboard import Board
 log = logging.getLogger(__name__)
 
 VIEW = "view"
-EVERY = int(os.environ.get("GPUFLEET_VIEW_SNAPSHOT_EVENTS", "50000"))
-KEEP = 48
+EVERY = int(os.environ.get("GPUFLEET_VIEW_SNAPSHOT_EVENTS", "10000"))
+KEEP = 1000  # live points (10M events at the default spacing) before the oldest are thinned
+ROWS = "rows"
 NICE = 10
 
 
@@ -71,7 +82,37 @@ def parse_name(name: str) -> Point | None:
 def stripped(board: Board) -> Board:
     """The board as a snapshot keeps it: the view and the cells, not what a live page shows."""
     return Board(view=board.view, gpus=board.gpus, held=board.held, placed=board.placed, attempt=board.attempt,
-                 bad=board.bad, queues=board.queues, reserved=board.reserved, counts=board.counts)
+                 bad=board.bad, queues=board.queues, reserved=board.reserved, counts=board.counts,
+                 ended=board.ended)
+
+
+def live(board: Board) -> Board:
+    """`stripped`, with only the rows of jobs that have not ended (a point's live part)."""
+    v = board.view
+    out = stripped(board)
+    out.view = ClusterView(seq=v.seq, jobs={k: r for k, r in v.jobs.items() if r.status not in TERMINAL_STATUSES},
+                           nodes=v.nodes, allocations=v.allocations)
+    return out
+
+
+def ended_rows(board: Board, after_seq: int = 0) -> dict[str, JobRow]:
+    """The rows of jobs that ended after `after_seq` (a point's row segment)."""
+    return {k: r for k, r in board.view.jobs.items() if r.status in TERMINAL_STATUSES and r.last_seq > after_seq}
+
+
+@dataclass
+class RowSegment:
+    """The rows of the jobs that ended between two points (`rows-<seq>`)."""
+
+    rows: dict[str, JobRow] = field(default_factory=dict)
+
+
+def rows_name(seq: int) -> str:
+    return f"{ROWS}-{seq:012d}"
+
+
+class RowsMissing(RuntimeError):
+    """A row segment that does not check out: the ended rows come from a fold from sequence 1."""
 
 
 class ViewSnapshots:
@@ -91,8 +132,7 @@ class ViewSnapshots:
             self._created = str(info.created or "")
         return self._created
 
-    async def points(self) -> list[Point]:
-        """The stored snapshots, oldest first ([] when there is no bucket)."""
+    async def _names(self) -> list[str]:
         import nats.js.errors
 
         try:
@@ -102,14 +142,36 @@ class ViewSnapshots:
             infos = await obs.list(ignore_deletes=True)
         except (nats.js.errors.NotFoundError, nats.js.errors.BucketNotFoundError, nats.js.errors.ObjectNotFoundError):
             return []
-        pts = [p for i in infos if (p := parse_name(i.name)) is not None]
+        return [i.name for i in infos]
+
+    async def points(self) -> list[Point]:
+        """The stored snapshots, oldest first ([] when there is no bucket)."""
+        pts = [p for n in await self._names() if (p := parse_name(n)) is not None]
         return sorted(pts, key=lambda p: p.seq)
 
-    async def save(self, board: Board, seq: int, stored_ms: int) -> Point:
-        snap = take(KIND, stripped(board), seq, 0, set(), await self.stream_created())
+    async def save(self, board: Board, seq: int, stored_ms: int, after_seq: int = 0) -> Point:
+        """Store the point at `seq`: first the rows of the jobs that ended after `after_seq` (the
+        point before), then the live board (a point that exists has its segments)."""
+        created = await self.stream_created()
+        rows = ended_rows(board, after_seq)
+        if rows:
+            await self.store.save(take(KIND, RowSegment(rows), seq, 0, set(), created), rows_name(seq))
         point = Point(seq, stored_ms, object_name(seq, stored_ms))
-        await self.store.save(snap, point.name)
+        await self.store.save(take(KIND, live(board), seq, 0, set(), created), point.name)
         return point
+
+    async def rows_until(self, seq: int) -> dict[str, JobRow]:
+        """The rows of every job that ended by the point at `seq` (all its row segments)."""
+        created = await self.stream_created()
+        names = sorted(n for n in await self._names() if n.startswith(ROWS + "-") and n[len(ROWS) + 1:].isdecimal()
+                       and int(n[len(ROWS) + 1:]) <= seq)
+        out: dict[str, JobRow] = {}
+        for name in names:
+            snap = await self.store.load(RowSegment(), created, name)
+            if snap is None:
+                raise RowsMissing(f"view row segment {name} does not check out (logged)")
+            out.update(snap.state().rows)
+        return out
 
     async def load(self, point: Point) -> Board | None:
         """The board of a stored point, checked; None (the reason logged) if it does not check out."""
@@ -195,7 +257,9 @@ async def catch_up(bus: Any, snaps: ViewSnapshots, board: Board, last: int, ever
         target = last + every
         ms = await fold_board(bus, board, until_seq=target)
         board.view.seq = max(board.view.seq, target)
-        p = await snaps.save(board, target, ms)
+        p = await snaps.save(board, target, ms, after_seq=last)
+        for job_id in ended_rows(board):  # stored: put away (its end is final; `ended` remembers it)
+            del board.view.jobs[job_id]
         last = target
         board.history.clear()  # (what only a live page shows)
         board.feed.clear()

@@ -18,7 +18,6 @@ before that start.
 
 from __future__ import annotations
 
-import random
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 
@@ -647,7 +646,7 @@ class PlacerCore(BaseCore[PlacerState]):
         allocs: list[ReplicaAllocation] = []
         ctx = state.scratch.ctx
         ctx.gang = {}
-        ctx.rng = random.Random(state.shapes_seen)  # ties drawn from the state alone: any replica, any restart
+        ctx.rng.seed(state.shapes_seen)  # ties drawn from the state alone: any replica, any restart
         for replica in range(spec.replicas):
             if r.mig:
                 got = self._pick_mig(state, a, r.mig, plan, avoid)

@@ -6,7 +6,8 @@ the log and the live read model are the same by construction (and a test checks 
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from gpufleet.shared.contract.events import (
@@ -38,12 +39,6 @@ JOB_STATUSES: tuple[str, ...] = (
 )
 TERMINAL_STATUSES = frozenset({"succeeded", "failed", "cancelled", "rejected"})
 NODE_STATUSES: tuple[str, ...] = ("ready", "cordoned", "lost")
-
-
-_LATE_AFTER_END = frozenset({
-    "job.submitted", "job.admitted", "job.queued", "job.quota_reserved", "job.unschedulable", "job.placed",
-    "job.started", "job.cancel_requested", "job.resume_requested", "job.scaled",
-})
 
 
 @dataclass
@@ -85,12 +80,23 @@ class ClusterView:
     # job_id -> {replica: (node_id, GPUs it holds)}; a gang's replicas end one by one
     allocations: dict[str, dict[int, tuple[str, int]]] = field(default_factory=dict)
 
-    def as_json(self) -> dict[str, Any]:
+    def as_json(self, keep: Callable[[JobRow], bool] | None = None) -> dict[str, Any]:
+        """`seq`, the job rows (those `keep` keeps) and the node rows, by id, as plain dicts."""
+        rows = (self.jobs[k] for k in sorted(self.jobs))
         return {
             "seq": self.seq,
-            "jobs": [asdict(self.jobs[k]) for k in sorted(self.jobs)],
-            "nodes": [asdict(self.nodes[k]) for k in sorted(self.nodes)],
+            "jobs": [_row_doc(r) for r in rows if keep is None or keep(r)],
+            "nodes": [_row_doc(self.nodes[k]) for k in sorted(self.nodes)],
         }
+
+
+def _row_doc(row: JobRow | NodeRow) -> dict[str, Any]:
+    """`asdict` of a row, without its deep copy of every field (10x faster: replay prints 100k rows)."""
+    d = dict(row.__dict__)
+    for k, v in d.items():
+        if isinstance(v, list):
+            d[k] = list(v)
+    return d
 
 
 def _release(view: ClusterView, job_id: str, seq: int, touched: set[str], replica: int | None = None) -> None:
@@ -161,8 +167,11 @@ def apply(view: ClusterView, env: Envelope, seq: int) -> tuple[set[str], set[str
         if t not in ("job.submitted", "job.rejected"):
             return jobs_touched, nodes_touched
         job = view.jobs[job_id] = JobRow(job_id=job_id, tenant=env.tenant, submitted_at=at)
-    if job.status in TERMINAL_STATUSES and t in _LATE_AFTER_END:
-        return jobs_touched, nodes_touched  # a decision that raced the job's end changes nothing
+    if job.status in TERMINAL_STATUSES:
+        # A job's end is final: a decision that raced it, a late exit of another replica, a copy,
+        # change nothing in its row (what it held was released at the end). So a view that put
+        # the rows of ended jobs away (gpufleet/tools/viewsnap.py) folds on exactly as one that kept them.
+        return jobs_touched, nodes_touched
     if isinstance(p, JobSubmitted):
         spec = p.spec
         job.queue, job.name, job.type = spec.queue, spec.name, spec.type
