@@ -16,6 +16,7 @@ from gpufleet.shared.contract.spec import (
     parse_duration_s,
     parse_memory_mib,
     parse_spec,
+    spec_to_user,
     spec_to_wire,
 )
 
@@ -125,8 +126,23 @@ def test_valid_spec(job: JobBuilder, expected: dict[str, Any]) -> None:
 def test_wire_round_trip(job: JobBuilder) -> None:
     spec = parse_spec(job.dict())
     wire = spec_to_wire(spec)
-    assert parse_spec(wire) == spec
-    assert spec_to_wire(parse_spec(wire)) == wire  # the canonical form is a fixed point
+    assert parse_spec(wire, user=False) == spec
+    assert spec_to_wire(parse_spec(wire, user=False)) == wire  # the canonical form is a fixed point
+    assert parse_spec(spec_to_user(spec)) == spec  # and the form a client writes
+
+
+def test_a_client_writes_one_spelling_per_field() -> None:
+    """`cmd.submit` takes the user-facing names only (docs/schemas/jobspec.schema.json); the
+    normalised ones the events carry are refused, each naming the spelling to write."""
+    with pytest.raises(SpecError) as err:
+        parse_spec({"name": "x", "tenant": "acme", "resources": {"cpu_milli": 500, "gpu": 1},
+                    "sim": {"duration_s": 5}, "max_runtime_s": 60})
+    fields = dict(err.value.errors)
+    assert set(fields) == {"resources.cpu_milli", "sim.duration_s", "max_runtime_s"}, fields
+    assert "write `cpu`" in fields["resources.cpu_milli"] and "write `duration`" in fields["sim.duration_s"]
+    assert "write `maxRuntime`" in fields["max_runtime_s"]
+    assert parse_spec({"name": "x", "tenant": "acme", "resources": {"cpu": "500m"}, "sim": {"duration": 5},
+                       "maxRuntime": 60}).resources.cpu_milli == 500
 
 
 def test_wire_form_is_canonical_units() -> None:

@@ -20,6 +20,7 @@ Figures go to docs/benchmarks.md.
 from __future__ import annotations
 
 import asyncio
+import pickle
 import tempfile
 import time
 from collections.abc import Callable
@@ -49,7 +50,12 @@ async def _start(nats_url: str, creds: Path, name: str) -> tuple[ServiceRuntime[
     return rt, time.perf_counter() - t0
 
 
-async def measure_size(events: int, cores: tuple[str, ...], progress: Callable[[str], None] | None) -> dict[str, Any]:
+NODES = 300  # a fixed fleet: the cluster stays the size it is, the history grows
+JOB_GAP_S = 10.0  # log time between jobs (a job every 10 s: 14k jobs = 40 h, past the 24 h window)
+
+
+async def measure_size(events: int, cores: tuple[str, ...], progress: Callable[[str], None] | None,
+                       nodes: int = NODES, job_gap_s: float = JOB_GAP_S) -> dict[str, Any]:
     from gpufleet.shared.embedded.procs import free_port, start_nats, stop_process
     from gpufleet.shared.trust.authz import ADMIN, ensure_realm, nats_config, write_nats_config
 
@@ -63,24 +69,30 @@ async def measure_size(events: int, cores: tuple[str, ...], progress: Callable[[
         try:
             admin = await Bus.connect(url, name="bench-history", creds=realm.creds_path(ADMIN))
             await admin.ensure_streams()
-            envs = synthetic_log(events)
+            envs = synthetic_log(events, nodes=nodes, job_gap_s=job_gap_s)
             if progress:
                 progress(f"[{events:,}] writing {len(envs):,} events ...")
             await _publish(admin, envs, progress)
             head = await admin.last_seq()
             await admin.close()
-            out: dict[str, Any] = {"events": head, "cores": {}}
+            out: dict[str, Any] = {"events": head, "nodes": nodes, "job_gap_s": job_gap_s,
+                                   "log_hours": round(len(envs) / 7 * job_gap_s / 3600, 1), "cores": {}}
             for name in cores:
                 creds = realm.creds_path(f"svc-{name}")
+                rss0 = _rss()
                 rt, full_s = await _start(url, creds, name)
                 full_events = rt.last_fold.events
+                state_bytes = len(pickle.dumps(rt.state, protocol=5))
+                held = _rss() - rss0
                 await rt.flush_snapshot()
                 size = len(rt._snap.blob) if rt._snap is not None else 0
+                await _decided_to_head(rt, head)
                 await rt.bus.close()
                 rt2, snap_s = await _start(url, creds, name)
                 row = {"full_fold_s": round(full_s, 3), "full_fold_events": full_events,
                        "snapshot_start_s": round(snap_s, 3), "snapshot_from_seq": rt2.last_fold.from_seq,
-                       "tail_events": rt2.last_fold.events, "snapshot_bytes": size,
+                       "tail_events": rt2.last_fold.events, "snapshot_bytes": size, "state_bytes": state_bytes,
+                       "rss_growth_bytes": held,
                        "speedup": round(full_s / max(snap_s, 1e-6), 1)}
                 await rt2.bus.close()
                 if rt2.last_fold.from_seq == 0:
@@ -93,6 +105,26 @@ async def measure_size(events: int, cores: tuple[str, ...], progress: Callable[[
             return out
         finally:
             stop_process(proc)
+
+
+async def _decided_to_head(rt: ServiceRuntime[Any], head: int) -> None:
+    """The service's durable consumer as a running service leaves it: everything to the head
+    decided and acknowledged (its ack floor at the head). The bench folds the log but decides
+    nothing; restarted with a floor at 0 the durable would be recreated from sequence 1, which
+    costs the server O(messages) and is not what a restart of a running service meets."""
+    from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+    from gpufleet.shared.contract.events import STREAM
+
+    js = rt.bus.js
+    try:
+        await js.delete_consumer(STREAM, rt.durable)
+    except Exception:  # noqa: BLE001 - not created yet
+        pass
+    await js.add_consumer(STREAM, ConsumerConfig(
+        durable_name=rt.durable, filter_subject=rt.filter_subject, ack_policy=AckPolicy.ALL,
+        deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=head + 1, max_deliver=-1,
+        ack_wait=rt.ack_wait_s, max_ack_pending=20_000))
 
 
 async def _reads(url: str, admin_creds: Path, view_creds: Path, head: int, events: int,
@@ -156,15 +188,16 @@ async def _full_state(fleet: Any, seq: int) -> Any:
 
 
 def run(sizes: list[int], cores: tuple[str, ...] = CORES,
-        progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    runs = [asyncio.run(measure_size(n, cores, progress)) for n in sizes]
+        progress: Callable[[str], None] | None = None, nodes: int = NODES, job_gap_s: float = JOB_GAP_S) -> dict[str, Any]:
+    runs = [asyncio.run(measure_size(n, cores, progress, nodes, job_gap_s)) for n in sizes]
     doc: dict[str, Any] = {"sizes": runs}
     if len(runs) > 1:
         first, last = runs[0], runs[-1]
         doc["growth"] = {name: {
             "full_fold": round(last["cores"][name]["full_fold_s"] / max(first["cores"][name]["full_fold_s"], 1e-6), 2),
             "snapshot_start": round(last["cores"][name]["snapshot_start_s"]
-                                    / max(first["cores"][name]["snapshot_start_s"], 1e-6), 2)}
+                                    / max(first["cores"][name]["snapshot_start_s"], 1e-6), 2),
+            "state_bytes": round(last["cores"][name]["state_bytes"] / max(first["cores"][name]["state_bytes"], 1), 2)}
             for name in cores}
     return doc
 

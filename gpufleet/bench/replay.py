@@ -50,10 +50,11 @@ T0 = 1_767_225_600.0  # 2026-01-01, the synthetic log's clock
 JOB_EVENTS = 7
 
 
-def synthetic_log(events: int) -> list[Envelope]:
-    """About `events` envelopes: nodes first (one per 50 jobs), then whole job lifecycles."""
+def synthetic_log(events: int, nodes: int | None = None, job_gap_s: float = 0.01) -> list[Envelope]:
+    """About `events` envelopes: nodes first (`nodes`, default one per 50 jobs), then whole job
+    lifecycles, one every `job_gap_s` of log time."""
     jobs = max(1, events // JOB_EVENTS)
-    n_nodes = max(2, jobs // 50)
+    n_nodes = nodes if nodes is not None else max(2, jobs // 50)
     out: list[Envelope] = []
     t = T0
 
@@ -75,7 +76,7 @@ def synthetic_log(events: int) -> list[Envelope]:
         gpus = (2 * (j // n_nodes % 4), 2 * (j // n_nodes % 4) + 1)
         allocs = tuple(ReplicaAllocation(replica=r, node_id=f"n{(node + r) % n_nodes:05d}", gpu_indices=gpus,
                                          cpu_milli=4000, memory_mib=16384) for r in range(spec.replicas))
-        t += 0.01
+        t += job_gap_s
         for payload in (JobSubmitted(job_id=job_id, spec=spec), JobAdmitted(job_id=job_id),
                         JobQuotaReserved(job_id=job_id, queue="default", cpu_milli=4000, memory_mib=16384,
                                          gpus=spec.gpus_total),

@@ -60,7 +60,7 @@ from gpufleet.shared.contract.events import (
     ReportLoadCmd,
     SubmitRequested,
 )
-from gpufleet.shared.contract.spec import AutoscaleSpec, JobSpec, spec_to_wire
+from gpufleet.shared.contract.spec import AutoscaleSpec, JobSpec, spec_to_user
 from gpufleet.shared.runtime.loop import BaseCore, Ctx
 
 from .pools import Room, empty_room, pack, pool_inventory, replica_fits_shape
@@ -648,7 +648,7 @@ class AutoscalerCore(BaseCore[AutoscalerState]):
         return []
 
     def _submit(self, svc: Service, rid: str, index: int, ctx: Ctx, cause: str | None) -> Envelope:
-        wire = spec_to_wire(svc.spec)
+        wire = spec_to_user(svc.spec)  # (the spelling a client writes: admission takes no other)
         wire.pop("autoscale", None)
         wire["name"] = f"{svc.spec.name[:50]}-r{index}"[-64:]
         wire["env"] = {**svc.spec.env, SERVICE_ENV: svc.job_id, REPLICA_ENV: str(index)}

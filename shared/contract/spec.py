@@ -29,8 +29,10 @@ Every error names the field (`resources.gpu: must be >= 0`).
 
 from __future__ import annotations
 
+import functools
 import math
 import re
+import typing
 from decimal import Decimal
 from typing import Annotated, Any, Literal
 
@@ -171,7 +173,7 @@ class Resources(_Spec):
         if isinstance(data, dict) and data.get("gpuSharing", data.get("gpu_sharing")) == "shared":
             gpu = data.get("gpu")
             if isinstance(gpu, int | float | Decimal) and not isinstance(gpu, bool) and 0 < gpu < 1:
-                data = {**data, "gpu": 1, "gpu_milli": math.ceil(gpu * 1000)}
+                data = {**data, "gpu": 1, "gpuMilli": math.ceil(gpu * 1000)}  # (the alias: taken in both spellings)
         if isinstance(data, dict) and "gpuModel" in data:
             data = dict(data)
             model = data.pop("gpuModel")
@@ -454,25 +456,57 @@ def _field_path(loc: tuple[int | str, ...]) -> str:
 def spec_error_from(exc: ValidationError) -> SpecError:
     """The first validation error as a SpecError naming the field; all of them in the reason."""
     errs = exc.errors()
-    first = errs[0]
-    field = _field_path(tuple(first["loc"]))
     each: list[tuple[str, str]] = []
     for e in errs:
         msg = str(e["msg"]).removeprefix("Value error, ")
+        loc = tuple(e["loc"])
         if e["type"] == "extra_forbidden":
-            msg = "unknown field"
-        each.append((_field_path(tuple(e["loc"])), msg))
-    return SpecError(field, "; ".join(f"{f}: {m}" for f, m in each), errors=each)
+            name = str(loc[-1]) if loc else ""
+            alias = _normalised_names().get(name)
+            msg = (f"unknown field: write `{alias}` (`{name}` is the normalised name inside the events)"
+                   if alias else "unknown field")
+            path = ".".join([_field_path(loc[:-1]), name] if loc[:-1] else [name])  # (as it was written)
+            each.append((path, msg))
+            continue
+        each.append((_field_path(loc), msg))
+    return SpecError(each[0][0], "; ".join(f"{f}: {m}" for f, m in each), errors=each)
 
 
-def parse_spec(data: Any) -> JobSpec:
-    """Validate a mapping into a JobSpec, or raise SpecError naming the field."""
+def parse_spec(data: Any, user: bool = True) -> JobSpec:
+    """Validate a mapping into a JobSpec, or raise SpecError naming the field.
+
+    A spec a person or a client wrote (`user`, the default: `cmd.submit`, YAML files, the SDK) has
+    one spelling per field, the one docs/schemas/jobspec.schema.json publishes (`cpu`, `memory`,
+    `sim.duration`, `maxRuntime`, ...); the normalised names (`cpu_milli`, `duration_s`, ...) are
+    refused there. `user=False` reads a spec as the events carry it (normalised, `spec_to_wire`)."""
     if not isinstance(data, dict):
         raise SpecError("spec", f"must be a mapping, got {type(data).__name__}")
     try:
+        if user:
+            return JobSpec.model_validate(data, by_alias=True, by_name=False)
         return JobSpec.model_validate(data)
     except ValidationError as exc:
         raise spec_error_from(exc) from None
+
+
+@functools.cache
+def _normalised_names() -> dict[str, str]:
+    """Each spec field whose user-facing spelling differs: normalised name -> the one to write."""
+    out: dict[str, str] = {}
+    todo: list[type[BaseModel]] = [JobSpec]
+    seen: set[type[BaseModel]] = set()
+    while todo:
+        model = todo.pop()
+        if model in seen:
+            continue
+        seen.add(model)
+        for name, f in model.model_fields.items():
+            if f.alias and f.alias != name:
+                out.setdefault(name, f.alias)
+            for arg in typing.get_args(f.annotation) or (f.annotation,):
+                if isinstance(arg, type) and issubclass(arg, BaseModel):
+                    todo.append(arg)
+    return out
 
 
 def load_spec_yaml(text: str) -> JobSpec:
@@ -481,6 +515,22 @@ def load_spec_yaml(text: str) -> JobSpec:
     except yaml.YAMLError as exc:
         raise SpecError("spec", f"not valid YAML: {exc}") from None
     return parse_spec(data)
+
+
+def spec_to_user(spec: JobSpec) -> dict[str, Any]:
+    """The spec as a person writes it (the one spelling `parse_spec` takes): aliases, CPUs as
+    milli-CPU quantities ("1500m"), memory as MiB quantities ("512Mi"), durations in seconds.
+    `parse_spec(spec_to_user(s)) == s`. What a service submits for a client (the autoscaler's
+    replicas) is written this way, as any client's would be."""
+    doc = spec.model_dump(mode="json", by_alias=True, exclude_defaults=True)
+    res = doc.get("resources")
+    if isinstance(res, dict):
+        if "cpu" in res:
+            res["cpu"] = f"{res['cpu']}m"
+        for key in ("memory", "gpuMemory"):
+            if key in res:
+                res[key] = f"{res[key]}Mi"
+    return doc
 
 
 def spec_to_wire(spec: JobSpec) -> dict[str, Any]:
