@@ -123,6 +123,9 @@ def bench_history(
     pending: Annotated[str | None, typer.Option(
         help="instead: a backlog of this many waiting jobs (1000000), folded by every core in one process: "
              "memory per job and the cost of a decision against 1,000")] = None,
+    nodes: Annotated[int, typer.Option(help="the fleet's size (fixed: the history grows, the cluster does not)")] = 300,
+    job_gap_s: Annotated[float, typer.Option(help="log time between jobs (10 s: 14k jobs span 40 h, past the "
+                                                  "24 h window in which ended jobs are remembered)")] = 10.0,
     as_json: JsonOut = False,
 ) -> None:
     """Restart cost as the log grows: each core's full fold beside its start from a snapshot (+ tail),
@@ -148,7 +151,7 @@ def bench_history(
                        f"snapshot bytes per job: {per_core}")
         return
     doc = run_history(sizes, tuple(x.strip() for x in services.split(",") if x.strip()),
-                      progress=None if as_json else (lambda s: typer.echo(s, err=True)))
+                      progress=None if as_json else (lambda s: typer.echo(s, err=True)), nodes=nodes, job_gap_s=job_gap_s)
     if as_json:
         _print_json(doc)
         return
@@ -237,3 +240,34 @@ def bench_billing(
                    f"{r['kept_kib']:>10}  {entries}")
 
 
+
+
+@bench_app.command("chaos")
+def bench_chaos(
+    seed: Annotated[int, typer.Option(help="draws the workload and the faults' order")] = 1,
+    jobs: Annotated[int, typer.Option(help="jobs in the workload")] = 300,
+    sim_nodes: Annotated[int, typer.Option(help="simulated nodes")] = 8,
+    extra_faults: Annotated[int, typer.Option(help="faults beyond one of each kind")] = 3,
+    as_json: JsonOut = False,
+) -> None:
+    """A seeded fault campaign on a 3-node NATS cluster with every service twice: kill -9 of
+    service instances, NATS nodes (the stream's leader too) and PostgreSQL, a frozen node agent;
+    then every job ended once, the audit, replay = read model, each run billed once. Exit 1 if not."""
+    from gpufleet.bench.chaos import run as run_chaos
+
+    doc = run_chaos(seed, jobs, sim_nodes=sim_nodes, extra_faults=extra_faults,
+                    progress=None if as_json else (lambda s: typer.echo(s, err=True)))
+    if as_json:
+        _print_json(doc)
+    else:
+        typer.echo(f"seed {doc['seed']}: {doc['submitted']} jobs acknowledged ({doc['not_acknowledged']} not), "
+                   f"ended {doc['ended_by_type']}; mesh up in {doc['mesh_start_s']} s")
+        for f in doc["faults"]:
+            rec = f"placed a probe {f['recovery_s']} s later" if f["recovery_s"] is not None else "probe NOT placed"
+            typer.echo(f"  {f['at_s']:>6.1f}s {f['kind']:<17} {f['hit']:<40} {rec}")
+        typer.echo(f"not ended {doc['not_ended_count']}, ended twice {len(doc['ended_twice'])}, audit "
+                   f"{'ok' if doc['audit_ok'] else 'FAILED'}, replay = read model: {doc['replay_equals_read_model']}, "
+                   f"runs started {doc['runs_started']}, charged twice {len(doc['runs_charged_twice'])}, "
+                   f"not charged {doc['runs_not_charged']}")
+    if not doc["ok"]:
+        raise typer.Exit(1)

@@ -25,6 +25,7 @@ import logging
 import os
 import pwd
 import shlex
+import signal
 import stat
 import subprocess
 import time
@@ -96,6 +97,33 @@ def _read_pid_file(data_dir: Path) -> tuple[int, int] | None:
         return int(lines[0]), int(lines[3])
     except (OSError, IndexError, ValueError):
         return None
+
+
+def orphans(data_dir: Path) -> list[int]:
+    """Server processes left from a postmaster that was killed (-9): its backends and background
+    workers run on, with the data dir as their working directory, holding the shared memory a new
+    postmaster refuses to start beside ("Is another postmaster running?") until they exit."""
+    out = []
+    want = data_dir.resolve()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdecimal():
+            continue
+        try:
+            if Path(os.readlink(proc / "cwd")).resolve() != want:
+                continue
+            args = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if args and b"postgres" in args[0]:
+            out.append(int(proc.name))
+    return out
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "X"
 
 
 def _is_postgres_pid(pid: int, data_dir: Path) -> bool:
@@ -260,6 +288,15 @@ class EmbeddedPostgres:
                 self.port = info[1]
             self._ensure_database()
             return
+        left = orphans(self.data_dir)  # (no postmaster runs: what is left of a killed one goes)
+        for pid in left:
+            log.warning("PostgreSQL process %d left from a postmaster that died: stopping it", pid)
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 5.0
+        while left and time.monotonic() < deadline:
+            time.sleep(0.05)
+            left = [pid for pid in left if Path(f"/proc/{pid}").exists() and _state(pid) != "Z"]
         sock = self.socket_dir
         if sock is not None:
             sock.mkdir(mode=0o700, exist_ok=True)

@@ -252,6 +252,8 @@ class ServiceRuntime(Generic[S]):
         self._dirty = False  # the state may hold outputs the log does not: refold before trusting it
         self._next_tick = 0.0
         self._psub: Any = None
+        self.acked_seq = 0  # the newest sequence this process acknowledged on its durable
+        self._watch = ConsumerWatch(self.bus, lambda: self.durable)
         self._parsed: dict[int, Envelope] | None = None  # a group's parse cache for one batch
         self._batch_types: dict[str, int] | None = None  # the batch's decided events by type (metrics)
         # one broad server-side filter, the rest in the client (see shared/contract/subjects.py)
@@ -401,7 +403,8 @@ class ServiceRuntime(Generic[S]):
         if self.group is not None:
             await self.group.reopen()
             return
-        self._psub = await open_durable(self.bus, self.durable, self.filter_subject, self.ack_wait_s, self._psub)
+        self._psub = await open_durable(self.bus, self.durable, self.filter_subject, self.ack_wait_s, self._psub,
+                                        known_floor=self.acked_seq)
 
     async def _recover(self, reason: str) -> None:
         async with self._lock:
@@ -426,6 +429,7 @@ class ServiceRuntime(Generic[S]):
         if msgs:
             await self.handle_batch(msgs)
         await self.tick_if_due()
+        await self._watch.after(len(msgs))
         return len(msgs)
 
     async def tick_if_due(self) -> None:
@@ -629,7 +633,9 @@ class ServiceRuntime(Generic[S]):
                 otel.release(outputs)  # (after a failed publish the same ids are bound again)
             otel.count_published(self.core.name, outputs)
         if handled and self.group is None:
-            await max(handled, key=lambda m: m.metadata.sequence.stream).ack()
+            last = max(handled, key=lambda m: m.metadata.sequence.stream)
+            await last.ack()
+            self.acked_seq = max(self.acked_seq, int(last.metadata.sequence.stream))
 
     async def publish_local(self, outputs: list[Envelope]) -> None:
         """Publish outputs a shell decided from what it observed (a driver, NVML, heartbeats), not
@@ -691,6 +697,41 @@ async def fetch_batch(psub: Any, batch: int, timeout_s: float) -> list[Msg]:
         return []
 
 
+RECOVER_MAX_S = 5.0
+CONSUMER_INFO_TIMEOUT_S = 2.0
+IDLE_PROBE_S = 5.0  # an idle consumer is asked for its info this often
+
+
+class ConsumerStuck(RuntimeError):
+    """The durable consumer does not answer (no leader): the step fails, recovery re-opens it."""
+
+
+class ConsumerWatch:
+    """Tells an idle consumer from a stuck one. A fetch from a replicated consumer that lost its
+    leader times out like one with nothing to deliver; after IDLE_PROBE_S of empty fetches the
+    consumer is asked for its info, and one that does not answer fails the step."""
+
+    def __init__(self, bus: Bus, durable: Callable[[], str]) -> None:
+        self.bus, self.durable = bus, durable
+        self.idle_since: float | None = None
+
+    async def after(self, got: int) -> None:
+        now = time.monotonic()
+        if got or self.idle_since is None:
+            self.idle_since = None if got else now
+            return
+        if now - self.idle_since < IDLE_PROBE_S:
+            return
+        self.idle_since = now
+        try:
+            await self.bus.js.consumer_info(STREAM, self.durable(), timeout=CONSUMER_INFO_TIMEOUT_S)
+        except (TimeoutError, nats.errors.TimeoutError, nats.js.errors.ServiceUnavailableError,
+                nats.js.errors.NotFoundError) as exc:
+            raise ConsumerStuck(f"durable {self.durable()} does not answer ({type(exc).__name__})") from None
+        except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError):
+            pass  # (the connection is away: the fetches say so)
+
+
 async def run_steps(stop: asyncio.Event, step: Callable[[], Awaitable[int]],
                     recover: Callable[[], Awaitable[None]], who: str) -> None:
     """Step until `stop` is set; a failed step re-folds (`recover`) and the loop goes on."""
@@ -701,29 +742,52 @@ async def run_steps(stop: asyncio.Event, step: Callable[[], Awaitable[int]],
             raise
         except Exception:  # noqa: BLE001 - the loop must outlive any one failure
             log.exception("%s: step failed; re-folding", who)
-            await asyncio.sleep(0.5)
-            try:
-                await recover()
-            except Exception:  # noqa: BLE001 - NATS may be away; the next step tries again
-                log.exception("%s: recovery failed", who)
+            delay = 0.5
+            while not stop.is_set():  # no step before a recovery went through: the consumer
+                await asyncio.sleep(delay)  # may be gone, and stepping on it would only idle
+                try:
+                    await recover()
+                    break
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - NATS may be away: again, backing off
+                    log.warning("%s: recovery failed (%s: %s); again in %.1f s", who, type(exc).__name__, exc, delay)
+                    delay = min(RECOVER_MAX_S, delay * 2)
 
 
-async def open_durable(bus: Bus, durable: str, filter_subject: str, ack_wait_s: float, old_psub: Any = None) -> Any:
+async def open_durable(bus: Bus, durable: str, filter_subject: str, ack_wait_s: float, old_psub: Any = None,
+                       known_floor: int = 0) -> Any:
     """(Re)create a durable consumer at its ack floor + 1 and bind a pull subscription to it.
 
     AckAll acknowledges everything up to the acked message, so the ack floor is exactly what
     has been decided. Recreating the consumer there (on start, and after any failure in a
     batch) redelivers the rest in stream order — never a newer message before an older one,
     so one ack per batch cannot acknowledge a message that was not decided.
+
+    A replicated consumer can be left without a leader after its servers were killed in turn
+    (seen in `bench chaos`: minutes, while the stream had one again): its info does not answer.
+    Then a process that acknowledged up to `known_floor` itself deletes it and creates it again
+    there (the messages after it are redelivered; none before it was left undecided by this
+    process); one that acknowledged nothing yet cannot know the floor and raises (tried again).
     """
     js = bus.js
     floor = 0
     try:
-        info = await js.consumer_info(STREAM, durable)
+        info = await js.consumer_info(STREAM, durable, timeout=CONSUMER_INFO_TIMEOUT_S)
         floor = int(info.ack_floor.stream_seq or 0) if info.ack_floor else 0
         await js.delete_consumer(STREAM, durable)
     except nats.js.errors.NotFoundError:
         pass
+    except (TimeoutError, nats.errors.TimeoutError, nats.js.errors.ServiceUnavailableError):
+        if not known_floor:
+            raise
+        log.warning("durable %s does not answer; creating it again at this process's ack floor %d", durable, known_floor)
+        floor = known_floor
+        try:
+            await js.delete_consumer(STREAM, durable)
+        except nats.js.errors.NotFoundError:
+            pass
+    floor = max(floor, known_floor)
     cfg = ConsumerConfig(
         durable_name=durable, filter_subject=filter_subject,
         ack_policy=AckPolicy.ALL,
@@ -761,6 +825,8 @@ class RuntimeGroup:
         self.durable = f"group-{names}" + (f"-{instance}" if instance != "0" else "")
         self.filter_subject = consumer_filter([p for c in cores for p in c.subjects])
         self.batch, self.fetch_timeout_s, self.ack_wait_s = batch, fetch_timeout_s, ack_wait_s
+        self.acked_seq = 0
+        self._watch = ConsumerWatch(bus, lambda: self.durable)
         self._psub: Any = None
         self._generation = 0
         self._stop = asyncio.Event()
@@ -776,7 +842,8 @@ class RuntimeGroup:
 
     async def reopen(self) -> None:
         self._generation += 1
-        self._psub = await open_durable(self.bus, self.durable, self.filter_subject, self.ack_wait_s, self._psub)
+        self._psub = await open_durable(self.bus, self.durable, self.filter_subject, self.ack_wait_s, self._psub,
+                                        known_floor=self.acked_seq)
 
     def stop(self) -> None:
         self._stop.set()
@@ -801,9 +868,12 @@ class RuntimeGroup:
                 finally:
                     rt._parsed = None
             if generation == self._generation:  # no member recreated the consumer meanwhile
-                await max(msgs, key=lambda m: m.metadata.sequence.stream).ack()
+                last = max(msgs, key=lambda m: m.metadata.sequence.stream)
+                await last.ack()
+                self.acked_seq = max(self.acked_seq, int(last.metadata.sequence.stream))
         for rt in self.runtimes:
             await rt.tick_if_due()
+        await self._watch.after(len(msgs))
         return len(msgs)
 
 

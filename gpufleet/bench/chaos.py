@@ -1,0 +1,313 @@
+"""`gpufleet bench chaos --seed S --jobs N`: a seeded fault campaign on the distributed shape.
+
+A fresh mesh as production runs it, on this machine: three nats-servers clustered on loopback
+(`FLEET` at R3), PostgreSQL, every service in its own process and twice (`--instances 2`:
+leased services active/passive, placers and telemetry side by side), simulated nodes. While a
+workload of N jobs runs (single jobs, gangs, GPU shares, checkpointed training, high-priority jobs
+that reclaim borrowed quota, cancels), faults are injected in an order drawn from the seed:
+
+- `kill_service`: `kill -9` of one instance of a service (any of them; the supervisor restarts it);
+- `kill_nats` / `kill_nats_leader`: `kill -9` of a NATS node (the stream's leader for the second),
+  which the supervisor restarts on its port and store (it rejoins the cluster);
+- `kill_postgres`: `kill -9` of PostgreSQL's postmaster (restarted; the read model catches up);
+- `stop_executor`: the node agent frozen (SIGSTOP) for 2-8 s, then let go (SIGCONT): shorter than
+  the heartbeat lease, so no node may be declared lost for it.
+
+After each fault a probe job is submitted; its submit -> placed time is the fault's recovery
+time (what a user sees). At the end, every figure is checked and counted, never assumed:
+
+- every acknowledged submit reached an end (succeeded, failed, cancelled, rejected, preempted),
+  and no job ended twice (terminal events per job in the log);
+- `gpufleet audit --full` passes (no GPU double-booked, no quota exceeded, ...);
+- `replay --all` equals the read model (`jobs`), row by row;
+- the bill charges each run (job, attempt, replica) at most once, and every run that started.
+
+Not injected (yet): a network partition of one NATS node (network namespaces), and a node lost
+for longer than the lease. The seed fixes the workload and the fault order; the timing of a real
+cluster does not repeat exactly, so two runs of a seed inject the same faults at the same offsets
+but may interleave them with the jobs differently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+FAULT_KINDS = ("kill_service", "kill_nats", "kill_nats_leader", "kill_postgres", "stop_executor")
+CONFIG = """\
+cohorts: {shared: {}}
+queues:
+  prod: {cohort: shared, nominal: {gpu: 16}, borrowingLimit: {gpu: 16}}
+  research: {cohort: shared, nominal: {gpu: 16}, borrowingLimit: {gpu: 16}}
+"""
+
+
+class ChaosFailed(RuntimeError):
+    """An invariant did not hold (the report says which)."""
+
+
+def workload(seed: int, jobs: int) -> list[tuple[dict[str, Any], bool]]:
+    """(spec, cancel it soon after) for each job, drawn from the seed."""
+    rng = random.Random(f"chaos:{seed}")
+    out: list[tuple[dict[str, Any], bool]] = []
+    for i in range(jobs):
+        r = rng.random()
+        dur = f"{rng.choice((1, 2, 3, 4))}s"
+        base: dict[str, Any] = {"name": f"chaos-{i}", "tenant": rng.choice(("acme", "beta")), "queue": "research",
+                                "sim": {"duration": dur}}
+        if r < 0.5:
+            spec = {**base, "resources": {"gpu": rng.choice((1, 1, 2, 4))}}
+        elif r < 0.65:
+            spec = {**base, "replicas": 2, "resources": {"gpu": 4}}  # a gang: all or nothing
+        elif r < 0.75:
+            spec = {**base, "resources": {"gpu": 0.5, "gpuSharing": "shared"}}
+        elif r < 0.9:
+            spec = {**base, "type": "training", "resources": {"gpu": 2}, "checkpoint": {"interval": "1s"}}
+        else:
+            spec = {**base, "queue": "prod", "priority": 100, "resources": {"gpu": 8}}  # reclaims borrowed quota
+        out.append((spec, rng.random() < 0.08))
+    return out
+
+
+def schedule(seed: int, window_s: float, extra: int) -> list[tuple[float, str]]:
+    """(offset in s, fault kind): every kind once, then `extra` more drawn from the seed."""
+    rng = random.Random(f"chaos-faults:{seed}")
+    kinds = list(FAULT_KINDS) + [rng.choice(FAULT_KINDS) for _ in range(extra)]
+    rng.shuffle(kinds)
+    gap = window_s / (len(kinds) + 1)
+    return [(round(gap * (i + 1) + rng.uniform(-0.2, 0.2) * gap, 2), k) for i, k in enumerate(kinds)]
+
+
+def _cli(d: Path, *args: str, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run([sys.executable, "-m", "gpufleet.cli", *args, "--data-dir", str(d)],
+                          capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise ChaosFailed(f"gpufleet {' '.join(args)} exited {proc.returncode}: {proc.stderr.strip()[-800:]}")
+    return proc
+
+
+def _parts(d: Path) -> dict[str, Any]:
+    parts: dict[str, Any] = json.loads((d / "mesh.json").read_text())["parts"]
+    return parts
+
+
+async def _leader(fleet: Any) -> str | None:
+    from gpufleet.shared.contract.events import STREAM
+
+    try:
+        info = await fleet.bus.js.stream_info(STREAM)
+        return str(info.cluster.leader) if info.cluster is not None and info.cluster.leader else None
+    except Exception:  # noqa: BLE001 - no leader right now: any node will do
+        return None
+
+
+async def inject(kind: str, d: Path, fleet: Any, rng: random.Random) -> str:
+    """Inject one fault; returns what was hit."""
+    parts = _parts(d)
+    if kind == "kill_service":
+        names = sorted(n for n, p in parts.items() if p.get("process") and p.get("pid"))
+        victim = rng.choice(names)
+    elif kind in ("kill_nats", "kill_nats_leader"):
+        nodes = sorted(n for n in parts if n == "nats" or n.startswith("nats-"))
+        victim = rng.choice(nodes)
+        if kind == "kill_nats_leader":
+            leader = await _leader(fleet)
+            victim = next((n for n in nodes if parts[n].get("server_name", "nats-1") == leader), victim)
+    elif kind == "kill_postgres":
+        victim = "postgres"
+    else:  # stop_executor
+        victim = "executor"
+    pid = parts.get(victim, {}).get("pid")
+    if not pid:
+        return f"{victim} (not running: nothing hit)"
+    if kind == "stop_executor":
+        pause = rng.uniform(2.0, 8.0)
+        os.kill(int(pid), signal.SIGSTOP)
+        try:
+            await asyncio.sleep(pause)
+        finally:
+            os.kill(int(pid), signal.SIGCONT)
+        return f"{victim} (pid {pid}) stopped {pause:.1f} s"
+    try:
+        os.kill(int(pid), signal.SIGKILL)
+    except ProcessLookupError:
+        return f"{victim} (pid {pid} already gone)"
+    return f"{victim} (pid {pid})"
+
+
+async def campaign(d: Path, seed: int, jobs: int, extra_faults: int,
+                   progress: Callable[[str], None] | None) -> dict[str, Any]:
+    from gpufleet.sdk import Fleet
+
+    say = progress or (lambda _s: None)
+    fleet = await Fleet.connect(data_dir=str(d))
+    placed_at: dict[str, float] = {}
+
+    async def on_placed(msg: Any) -> None:
+        job_id = msg.subject.split(".")[4]
+        placed_at.setdefault(job_id, time.monotonic())
+
+    sub = await fleet.bus.nc.subscribe("fleet.evt.*.job.*.placed", cb=on_placed)
+    rng = random.Random(f"chaos-run:{seed}")
+    work = workload(seed, jobs)
+    window_s = max(20.0, jobs / 15)
+    faults = schedule(seed, window_s, extra_faults)
+    accepted: dict[str, float] = {}
+    refused: list[str] = []
+    cancels: list[str] = []
+    probes: dict[str, float] = {}
+    t0 = time.monotonic()
+
+    async def submit(spec: dict[str, Any]) -> str | None:
+        try:
+            job_id: str = await fleet.submit(spec)
+        except Exception as exc:  # noqa: BLE001 - not acknowledged: the client knows; counted
+            refused.append(f"{spec['name']}: {type(exc).__name__}: {exc}")
+            return None
+        accepted[job_id] = time.monotonic()
+        return job_id
+
+    async def submitter() -> None:
+        for i, (spec, cancel) in enumerate(work):
+            await asyncio.sleep(max(0.0, t0 + window_s * i / max(1, len(work)) - time.monotonic()))
+            job_id = await submit(spec)
+            if job_id is not None and cancel:
+                cancels.append(job_id)
+
+                async def later(j: str = job_id) -> None:
+                    await asyncio.sleep(0.5)
+                    with_retry = 3
+                    while with_retry:
+                        try:
+                            await fleet.cancel(j)
+                            return
+                        except Exception:  # noqa: BLE001 - a fault mid-cancel: once more
+                            with_retry -= 1
+                            await asyncio.sleep(1.0)
+                asyncio.create_task(later())
+
+    injected: list[dict[str, Any]] = []
+
+    async def injector() -> None:
+        for at, kind in faults:
+            await asyncio.sleep(max(0.0, t0 + at - time.monotonic()))
+            hit = await inject(kind, d, fleet, rng)
+            done = time.monotonic()
+            probe = await submit({"name": f"probe-{len(injected)}", "tenant": "acme", "queue": "research",
+                                  "resources": {"gpu": 1}, "sim": {"duration": "1s"}})
+            if probe is not None:
+                probes[probe] = done
+            row = {"at_s": round(done - t0, 1), "kind": kind, "hit": hit, "probe": probe}
+            injected.append(row)
+            say(f"[{done - t0:6.1f}s] {kind}: {hit}")
+
+    await asyncio.gather(submitter(), injector())
+    say(f"{len(accepted)} submits acknowledged, {len(refused)} not; waiting for every job to end ...")
+    ends = await _wait_ends(fleet, set(accepted), timeout_s=240 + jobs * 0.2, say=say)
+    for row in injected:
+        job = row["probe"]
+        row["recovery_s"] = round(placed_at[job] - probes[job], 2) if job in placed_at else None
+    await sub.unsubscribe()
+    report = await _check(d, fleet, set(accepted), ends, say)
+    await fleet.close()
+    counts = Counter(ends[j][0] for j in accepted if j in ends)
+    report.update({
+        "seed": seed, "jobs": jobs, "submitted": len(accepted) , "not_acknowledged": len(refused),
+        "not_acknowledged_why": refused[:10], "cancel_requests": len(cancels), "ended_by_type": dict(sorted(counts.items())),
+        "faults": injected, "window_s": window_s,
+    })
+    return report
+
+
+async def _wait_ends(fleet: Any, jobs: set[str], timeout_s: float, say: Callable[[str], None]) -> dict[str, tuple[str, int]]:
+    """Each job's end events from the log (type, how many), until every job has one or time runs out."""
+    from gpufleet.shared.contract.events import TERMINAL_JOB_TYPES
+
+    subjects = [f"fleet.evt.*.job.*.{t.split('.', 1)[1]}" for t in sorted(TERMINAL_JOB_TYPES | {"job.preempted"})]
+    deadline = time.monotonic() + timeout_s
+    while True:
+        hist = await fleet.history(subjects)
+        by_job: dict[str, list[str]] = {}
+        for _seq, env in hist:
+            if env.job_id:
+                by_job.setdefault(env.job_id, []).append(env.type)
+        ends = {j: (ts[-1], sum(t in TERMINAL_JOB_TYPES for t in ts)) for j, ts in by_job.items()}
+        left = jobs - set(ends)
+        if not left or time.monotonic() > deadline:
+            return ends
+        say(f"  {len(left)} jobs not ended yet")
+        await asyncio.sleep(3.0)
+
+
+async def _check(d: Path, fleet: Any, jobs: set[str], ends: dict[str, tuple[str, int]],
+                 say: Callable[[str], None]) -> dict[str, Any]:
+    from datetime import UTC, datetime
+
+    from gpufleet.services.billing import report
+    from gpufleet.services.billing.core import BillingCore
+    from gpufleet.shared.contract.clusterconfig import load_config
+
+    out: dict[str, Any] = {}
+    out["not_ended"] = sorted(jobs - set(ends))[:20]
+    out["not_ended_count"] = len(jobs - set(ends))
+    out["ended_twice"] = sorted(j for j, (_t, n) in ends.items() if n > 1)
+    audit = json.loads(_cli(d, "audit", "--json", "--full", check=False, timeout=300).stdout or "{}")
+    out["audit_ok"] = bool(audit.get("ok"))
+    out["audit_violations"] = audit.get("violations", [])[:5]
+    deadline = time.monotonic() + 60
+    while True:  # the read model catches up asynchronously (PostgreSQL was killed during the run)
+        replay = json.loads(_cli(d, "replay", "--json", "--all").stdout)
+        live = json.loads(_cli(d, "jobs", "--json", "--limit", "0").stdout)
+        if replay["jobs"] == live or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(1.0)
+    diff = {j["job_id"] for j in replay["jobs"]} ^ {j["job_id"] for j in live}
+    out["replay_equals_read_model"] = replay["jobs"] == live
+    out["replay_read_model_differ"] = len(diff) or sum(a != b for a, b in zip(replay["jobs"], live, strict=False))
+    cfg = load_config(d / "cluster.yaml")
+    core = BillingCore(cfg, keep_charges=True)
+    [state] = await report.fold(fleet.bus, [core])
+    charges = report.charges(core, state, datetime.now(UTC))
+    per_run = Counter((c.job_id, c.attempt, c.replica) for c in charges if not c.open)
+    started = {(e.job_id, getattr(e.payload, "attempt", 1), getattr(e.payload, "replica", 0))
+               for _s, e in await fleet.history("fleet.evt.*.job.*.started")}
+    out["runs_started"] = len(started)
+    out["runs_charged_twice"] = sorted(f"{j}/{a}/{r}" for (j, a, r), n in per_run.items() if n > 1)[:10]
+    out["runs_not_charged"] = len(started - set(per_run) - {(c.job_id, c.attempt, c.replica) for c in charges})
+    out["ok"] = (not out["not_ended_count"] and not out["ended_twice"] and out["audit_ok"]
+                 and out["replay_equals_read_model"] and not out["runs_charged_twice"] and not out["runs_not_charged"])
+    say(f"checked: ok={out['ok']}")
+    return out
+
+
+def run(seed: int, jobs: int, sim_nodes: int = 8, extra_faults: int = 3, keep: Path | None = None,
+        progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Start the distributed shape, run the campaign, stop it; the report (`ok`: every check held)."""
+    tmp = tempfile.TemporaryDirectory(prefix="gpufleet-chaos-") if keep is None else None
+    d = keep if keep is not None else Path(tmp.name if tmp is not None else ".") / "mesh"
+    d.mkdir(parents=True, exist_ok=True)
+    (d.parent / "chaos-cluster.yaml").write_text(CONFIG)
+    t0 = time.monotonic()
+    _cli(d, "up", "--detach", "--nats-cluster", "3", "--layout", "separate", "--instances", "2",
+         "--sim-nodes", str(sim_nodes), "--config", str(d.parent / "chaos-cluster.yaml"), timeout=300)
+    started_s = time.monotonic() - t0
+    try:
+        doc = asyncio.run(campaign(d, seed, jobs, extra_faults, progress))
+        doc["mesh_start_s"] = round(started_s, 1)
+        doc["restarts"] = {n: p.get("restarts", 0) for n, p in _parts(d).items() if p.get("restarts")}
+        return doc
+    finally:
+        _cli(d, "down", check=False, timeout=180)
+        if tmp is not None:
+            tmp.cleanup()

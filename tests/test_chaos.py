@@ -1,0 +1,31 @@
+"""`gpufleet bench chaos`, short: a few dozen jobs on the distributed shape (3 NATS nodes, every
+service twice, PostgreSQL) while every fault kind is injected once; every check must hold."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpufleet.bench.chaos import FAULT_KINDS, run, schedule, workload
+
+pytestmark = pytest.mark.slow
+
+
+def test_the_seed_fixes_the_workload_and_the_faults() -> None:
+    assert workload(3, 50) == workload(3, 50) and workload(3, 50) != workload(4, 50)
+    faults = schedule(3, 60.0, 2)
+    assert faults == schedule(3, 60.0, 2) and {k for _, k in faults} == set(FAULT_KINDS) and len(faults) == 7
+    assert all(0 < at < 60 for at, _ in faults) and faults == sorted(faults)
+
+
+def test_a_short_campaign_loses_nothing_and_does_nothing_twice() -> None:
+    doc = run(seed=2, jobs=60, sim_nodes=6, extra_faults=0)
+    assert {f["kind"] for f in doc["faults"]} == set(FAULT_KINDS)
+    assert all("nothing hit" not in f["hit"] for f in doc["faults"]), doc["faults"]
+    assert doc["submitted"] + doc["not_acknowledged"] == 60 + len(doc["faults"])
+    assert doc["not_ended_count"] == 0, doc["not_ended"]
+    assert doc["ended_twice"] == [] and doc["audit_ok"], doc["audit_violations"]
+    assert doc["replay_equals_read_model"], doc["replay_read_model_differ"]
+    assert doc["runs_started"] > 0 and doc["runs_charged_twice"] == [] and doc["runs_not_charged"] == 0
+    # a probe the client was told was not taken (the stream electing its leader) is no recovery to time
+    assert all(f["recovery_s"] is not None for f in doc["faults"] if f["probe"] is not None), doc["faults"]
+    assert doc["ok"]
