@@ -52,7 +52,7 @@ from gpufleet.shared.contract.ids import derive_id, is_token
 from gpufleet.shared.contract.subjects import consumer_filter
 from gpufleet.shared.runtime import otel
 from gpufleet.shared.runtime.bus import Bus, Cas
-from gpufleet.shared.runtime.engine import Engine, FoldStats, fold_tail, refusal
+from gpufleet.shared.runtime.engine import Engine, FoldStats, fold_engines, fold_tail, refusal
 from gpufleet.shared.runtime.snapshots import Snapshot, SnapshotStore
 
 log = logging.getLogger(__name__)
@@ -295,6 +295,13 @@ class ServiceRuntime(Generic[S]):
         old state or the new one, never one half folded. It starts from the last committed point
         (in memory, else the stored snapshot) and folds only what came after it; `full` (or no
         snapshot that checks out) folds from sequence 1."""
+        engine, snap, t0 = await self._fold_from(full)
+        # the tail, by the same rules as a delivered message: a fold equals the live state
+        n = await fold_tail(self.bus, engine, subject=self.filter_subject)
+        return self._folded(engine, snap, n, t0)
+
+    async def _fold_from(self, full: bool = False) -> tuple[Engine[S], Snapshot | None, float]:
+        """A new engine at the last committed point (none with `full`), to fold the tail into."""
         self.stats.refolds += 1
         otel.count_refold(self.core.name)
         self._dirty = True  # until this fold completes
@@ -302,8 +309,9 @@ class ServiceRuntime(Generic[S]):
         snap = None if full else await self._restore_point()
         engine: Engine[S] = Engine(self.core)  # (a new state also resets a core's caches of derived data)
         engine.restore(snap)
-        # the tail, by the same rules as a delivered message: a fold equals the live state
-        n = await fold_tail(self.bus, engine, subject=self.filter_subject)
+        return engine, snap, t0
+
+    def _folded(self, engine: Engine[S], snap: Snapshot | None, n: int, t0: float) -> int:
         self.engine = engine
         self._dirty = False
         self.last_fold = FoldStats(from_seq=snap.seq if snap else 0, events=n, to_seq=engine.seq,
@@ -368,6 +376,17 @@ class ServiceRuntime(Generic[S]):
                 and time.monotonic() - self._snap_at >= max(SNAPSHOT_MIN_S, self._snap_cost_s / SNAPSHOT_CPU_SHARE)):
             self._take_snapshot()
 
+    def idle(self) -> None:
+        """Nothing came in: a state that moved past its stored snapshot is stored now (events
+        that came to nothing for this core advance its point too), so a restart after a quiet spell
+        folds almost nothing, however few of the events were this core's."""
+        if (not self._dirty and self.applied_seq > self._stored_seq
+                and time.monotonic() - self._stored_at >= SNAPSHOT_MIN_S
+                and time.monotonic() - self._snap_at >= max(SNAPSHOT_MIN_S, self._snap_cost_s / SNAPSHOT_CPU_SHARE)):
+            self._take_snapshot(store=False)
+            if self._snap is not None and self._snap.seq > self._stored_seq:
+                self._store_snapshot(self._snap)
+
     async def flush_snapshot(self) -> None:
         """Store the current committed point now and wait for it (a clean stop, tests)."""
         if self._save_task is not None:
@@ -429,6 +448,8 @@ class ServiceRuntime(Generic[S]):
         if msgs:
             await self.handle_batch(msgs)
         await self.tick_if_due()
+        if not msgs:
+            self.idle()
         await self._watch.after(len(msgs))
         return len(msgs)
 
@@ -833,12 +854,33 @@ class RuntimeGroup:
 
     async def start(self) -> None:
         await self.bus.ensure_streams()
-        for rt in self.runtimes:
-            async with rt._lock:
-                await rt._first_fold()
+        await self._first_fold()
         await self.reopen()
         for rt in self.runtimes:
             await rt._publish_and_apply(rt.engine.start(rt.ctx()), evolved=True)
+
+    async def _first_fold(self, within_s: float = 60.0) -> None:
+        """Every member from its own committed point, in one read of the log from the lowest of
+        them (each message parsed once): a restart reads the tail once, not once per core.
+        Again while JetStream does not answer, as a lone service's first fold."""
+        deadline = time.monotonic() + within_s
+        while True:
+            async with contextlib.AsyncExitStack() as locks:
+                for rt in self.runtimes:
+                    await locks.enter_async_context(rt._lock)
+                try:
+                    started = [await rt._fold_from() for rt in self.runtimes]
+                    counts = await fold_engines(self.bus, [e for e, _, _ in started], subject=self.filter_subject)
+                except (nats.js.errors.ServiceUnavailableError, nats.errors.TimeoutError) as exc:
+                    if time.monotonic() > deadline:
+                        raise
+                    log.warning("group %s: JetStream does not answer yet (%s); folding again", self.durable,
+                                type(exc).__name__)
+                    await asyncio.sleep(0.5)
+                    continue
+                for rt, (engine, snap, t0), n in zip(self.runtimes, started, counts, strict=True):
+                    rt._folded(engine, snap, n, t0)
+                return
 
     async def reopen(self) -> None:
         self._generation += 1
@@ -873,6 +915,8 @@ class RuntimeGroup:
                 self.acked_seq = max(self.acked_seq, int(last.metadata.sequence.stream))
         for rt in self.runtimes:
             await rt.tick_if_due()
+            if not msgs:
+                rt.idle()
         await self._watch.after(len(msgs))
         return len(msgs)
 
