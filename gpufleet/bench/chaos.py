@@ -230,6 +230,23 @@ async def campaign(d: Path, seed: int, jobs: int, extra_faults: int,
     return report
 
 
+async def _retrying(what: Callable[[], Any], within_s: float = 60.0) -> Any:
+    """`await what()`, again while JetStream does not answer (the cluster may still be electing a
+    leader after the last fault): the bench's own reads must outlive the faults it injects."""
+    import nats.errors
+    import nats.js.errors
+
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            return await what()
+        except (nats.errors.TimeoutError, TimeoutError, nats.js.errors.ServiceUnavailableError,
+                nats.errors.NoRespondersError):
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(1.0)
+
+
 async def _wait_ends(fleet: Any, jobs: set[str], timeout_s: float, say: Callable[[str], None]) -> dict[str, tuple[str, int]]:
     """Each job's end events from the log (type, how many), until every job has one or time runs out."""
     from gpufleet.shared.contract.events import TERMINAL_JOB_TYPES
@@ -237,7 +254,7 @@ async def _wait_ends(fleet: Any, jobs: set[str], timeout_s: float, say: Callable
     subjects = [f"fleet.evt.*.job.*.{t.split('.', 1)[1]}" for t in sorted(TERMINAL_JOB_TYPES | {"job.preempted"})]
     deadline = time.monotonic() + timeout_s
     while True:
-        hist = await fleet.history(subjects)
+        hist = await _retrying(lambda: fleet.history(subjects))
         by_job: dict[str, list[str]] = {}
         for _seq, env in hist:
             if env.job_id:
@@ -277,11 +294,11 @@ async def _check(d: Path, fleet: Any, jobs: set[str], ends: dict[str, tuple[str,
     out["replay_read_model_differ"] = len(diff) or sum(a != b for a, b in zip(replay["jobs"], live, strict=False))
     cfg = load_config(d / "cluster.yaml")
     core = BillingCore(cfg, keep_charges=True)
-    [state] = await report.fold(fleet.bus, [core])
+    [state] = await _retrying(lambda: report.fold(fleet.bus, [core]))
     charges = report.charges(core, state, datetime.now(UTC))
     per_run = Counter((c.job_id, c.attempt, c.replica) for c in charges if not c.open)
     started = {(e.job_id, getattr(e.payload, "attempt", 1), getattr(e.payload, "replica", 0))
-               for _s, e in await fleet.history("fleet.evt.*.job.*.started")}
+               for _s, e in await _retrying(lambda: fleet.history("fleet.evt.*.job.*.started"))}
     out["runs_started"] = len(started)
     out["runs_charged_twice"] = sorted(f"{j}/{a}/{r}" for (j, a, r), n in per_run.items() if n > 1)[:10]
     out["runs_not_charged"] = len(started - set(per_run) - {(c.job_id, c.attempt, c.replica) for c in charges})

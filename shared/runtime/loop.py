@@ -720,7 +720,7 @@ async def fetch_batch(psub: Any, batch: int, timeout_s: float) -> list[Msg]:
 
 RECOVER_MAX_S = 5.0
 CONSUMER_INFO_TIMEOUT_S = 2.0
-IDLE_PROBE_S = 5.0  # an idle consumer is asked for its info this often
+IDLE_PROBE_S = 2.0  # an idle consumer is asked for its info this often
 
 
 class ConsumerStuck(RuntimeError):
