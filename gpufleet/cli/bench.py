@@ -160,11 +160,14 @@ def bench_history(
         for name, row in size["cores"].items():
             typer.echo(f"  {name:<11} full fold {row['full_fold_s']:>7.2f} s ({row['full_fold_events']:,} events)   "
                        f"from snapshot {row['snapshot_start_s']:>6.3f} s (+{row['tail_events']} events, "
-                       f"{row['snapshot_bytes'] / 1e6:.1f} MB)   {row['speedup']}x")
+                       f"{row['snapshot_bytes'] / 1e6:.2f} MB stored, state {row['state_bytes'] / 1e6:.2f} MB)   "
+                       f"{row['speedup']}x")
         rp = size.get("replay", {})
         for p in rp.get("points", []):
             typer.echo(f"  replay --seq {p['seq']:<9,} {p['snapshot_s']:>6.2f} s from the view snapshot at "
                        f"{p['from_snapshot']:,}   {p['full_fold_s']:>6.2f} s from seq 1")
+        if "all_rows_s" in rp:
+            typer.echo(f"  replay --all          {rp['all_rows_s']:>6.2f} s ({rp['all_rows']:,} rows, ended jobs too)")
         for j in size.get("explain", {}).get("jobs", []):
             typer.echo(f"  explain {j['job_id']}: {j['s']:.3f} s ({j['events']} events)")
     for name, g in doc.get("growth", {}).items():
