@@ -234,17 +234,11 @@ async def _retrying(what: Callable[[], Any], within_s: float = 60.0) -> Any:
     """`await what()`, again while JetStream does not answer (the cluster may still be electing a
     leader after the last fault): the bench's own reads must outlive the faults it injects."""
     import nats.errors
-    import nats.js.errors
 
-    deadline = time.monotonic() + within_s
-    while True:
-        try:
-            return await what()
-        except (nats.errors.TimeoutError, TimeoutError, nats.js.errors.ServiceUnavailableError,
-                nats.errors.NoRespondersError):
-            if time.monotonic() > deadline:
-                raise
-            await asyncio.sleep(1.0)
+    from gpufleet.shared.runtime.bus import UNANSWERED, while_unanswered
+
+    return await while_unanswered(what, within_s, pause_s=1.0,
+                                  errors=(*UNANSWERED, TimeoutError, nats.errors.NoRespondersError))
 
 
 async def _wait_ends(fleet: Any, jobs: set[str], timeout_s: float, say: Callable[[str], None]) -> dict[str, tuple[str, int]]:

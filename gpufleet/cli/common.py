@@ -77,17 +77,9 @@ async def _with_fleet(data_dir: str | None, fn: Callable[[Any], Awaitable[T]]) -
 async def _reading(data_dir: str | None, fn: Callable[[Any], Awaitable[T]], within_s: float = 10.0) -> T:
     """`_with_fleet` for a command that only reads: again while JetStream does not answer (a
     cluster electing a leader, a server restarting), for up to `within_s`."""
-    import nats.errors
-    import nats.js.errors
+    from gpufleet.shared.runtime.bus import while_unanswered
 
-    deadline = time.monotonic() + within_s
-    while True:
-        try:
-            return await _with_fleet(data_dir, fn)
-        except (nats.js.errors.ServiceUnavailableError, nats.errors.TimeoutError):
-            if time.monotonic() > deadline:
-                raise
-            await asyncio.sleep(0.5)
+    return await while_unanswered(lambda: _with_fleet(data_dir, fn), within_s)
 
 
 

@@ -18,10 +18,11 @@ import contextlib
 import json
 import logging
 import os
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import nats
 from nats.aio.client import Client as NatsClient
@@ -89,6 +90,28 @@ def _covers(have: StreamConfig, want: StreamConfig) -> bool:
     return all(getattr(have, k, None) == getattr(want, k, None) or getattr(want, k, None) is None
                for k in keys)
 
+
+T = TypeVar("T")
+# what a connected client gets while JetStream does not answer (a cluster electing the stream's
+# leader, a server restarting): worth trying again for a while
+UNANSWERED: tuple[type[BaseException], ...] = (nats.js.errors.ServiceUnavailableError, nats.errors.TimeoutError)
+
+
+async def while_unanswered(fn: Callable[[], Awaitable[T]], within_s: float, *, pause_s: float = 0.5,
+                           errors: tuple[type[BaseException], ...] = UNANSWERED,
+                           on_retry: Callable[[BaseException], None] | None = None) -> T:
+    """`await fn()`, again (after `pause_s`) while it fails with `errors`, for up to `within_s`;
+    then the last error is raised. `on_retry` is told of each failure that is tried again."""
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            return await fn()
+        except errors as exc:
+            if time.monotonic() > deadline:
+                raise
+            if on_retry is not None:
+                on_retry(exc)
+            await asyncio.sleep(pause_s)
 
 @dataclass(frozen=True)
 class Cas:

@@ -51,7 +51,7 @@ from gpufleet.shared.contract.events import (
 from gpufleet.shared.contract.ids import derive_id, is_token
 from gpufleet.shared.contract.subjects import consumer_filter
 from gpufleet.shared.runtime import otel
-from gpufleet.shared.runtime.bus import Bus, Cas
+from gpufleet.shared.runtime.bus import Bus, Cas, while_unanswered
 from gpufleet.shared.runtime.engine import Engine, FoldStats, fold_engines, fold_tail, refusal
 from gpufleet.shared.runtime.snapshots import Snapshot, SnapshotStore
 
@@ -372,17 +372,19 @@ class ServiceRuntime(Generic[S]):
         more than SNAPSHOT_CPU_SHARE of the time on taking them (a placer's state at 5,000 nodes
         pickles in ~0.25 s: then every ~12 s; a small core's in 1 ms: every SNAPSHOT_MIN_S)."""
         self._since_snap += n
-        if (self._since_snap >= SNAPSHOT_EVENTS
-                and time.monotonic() - self._snap_at >= max(SNAPSHOT_MIN_S, self._snap_cost_s / SNAPSHOT_CPU_SHARE)):
+        if self._since_snap >= SNAPSHOT_EVENTS and self._point_affordable():
             self._take_snapshot()
+
+    def _point_affordable(self) -> bool:
+        """A new rollback point now spends at most SNAPSHOT_CPU_SHARE of the time on them."""
+        return time.monotonic() - self._snap_at >= max(SNAPSHOT_MIN_S, self._snap_cost_s / SNAPSHOT_CPU_SHARE)
 
     def idle(self) -> None:
         """Nothing came in: a state that moved past its stored snapshot is stored now (events
         that came to nothing for this core advance its point too), so a restart after a quiet spell
         folds almost nothing, however few of the events were this core's."""
         if (not self._dirty and self.applied_seq > self._stored_seq
-                and time.monotonic() - self._stored_at >= SNAPSHOT_MIN_S
-                and time.monotonic() - self._snap_at >= max(SNAPSHOT_MIN_S, self._snap_cost_s / SNAPSHOT_CPU_SHARE)):
+                and time.monotonic() - self._stored_at >= SNAPSHOT_MIN_S and self._point_affordable()):
             self._take_snapshot(store=False)
             if self._snap is not None and self._snap.seq > self._stored_seq:
                 self._store_snapshot(self._snap)
@@ -401,15 +403,8 @@ class ServiceRuntime(Generic[S]):
     async def _first_fold(self, within_s: float = 60.0) -> int:
         """The fold on start, again while JetStream does not answer (a cluster still electing the
         stream's leader, a server restarting), saying so."""
-        deadline = time.monotonic() + within_s
-        while True:
-            try:
-                return await self._refold()
-            except (nats.js.errors.ServiceUnavailableError, nats.errors.TimeoutError) as exc:
-                if time.monotonic() > deadline:
-                    raise
-                log.warning("%s: JetStream does not answer yet (%s); folding again", self.actor, type(exc).__name__)
-                await asyncio.sleep(0.5)
+        return await while_unanswered(self._refold, within_s, on_retry=lambda exc: log.warning(
+            "%s: JetStream does not answer yet (%s); folding again", self.actor, type(exc).__name__))
 
     async def start(self) -> None:
         await self.bus.ensure_streams()
@@ -863,24 +858,17 @@ class RuntimeGroup:
         """Every member from its own committed point, in one read of the log from the lowest of
         them (each message parsed once): a restart reads the tail once, not once per core.
         Again while JetStream does not answer, as a lone service's first fold."""
-        deadline = time.monotonic() + within_s
-        while True:
+        async def fold_all() -> None:
             async with contextlib.AsyncExitStack() as locks:
                 for rt in self.runtimes:
                     await locks.enter_async_context(rt._lock)
-                try:
-                    started = [await rt._fold_from() for rt in self.runtimes]
-                    counts = await fold_engines(self.bus, [e for e, _, _ in started], subject=self.filter_subject)
-                except (nats.js.errors.ServiceUnavailableError, nats.errors.TimeoutError) as exc:
-                    if time.monotonic() > deadline:
-                        raise
-                    log.warning("group %s: JetStream does not answer yet (%s); folding again", self.durable,
-                                type(exc).__name__)
-                    await asyncio.sleep(0.5)
-                    continue
+                started = [await rt._fold_from() for rt in self.runtimes]
+                counts = await fold_engines(self.bus, [e for e, _, _ in started], subject=self.filter_subject)
                 for rt, (engine, snap, t0), n in zip(self.runtimes, started, counts, strict=True):
                     rt._folded(engine, snap, n, t0)
-                return
+
+        await while_unanswered(fold_all, within_s, on_retry=lambda exc: log.warning(
+            "group %s: JetStream does not answer yet (%s); folding again", self.durable, type(exc).__name__))
 
     async def reopen(self) -> None:
         self._generation += 1
