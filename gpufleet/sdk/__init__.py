@@ -283,10 +283,7 @@ class Fleet:
         board, from_seq = await self.board_at(until_seq, until_time, ended=ended)
         extra = board.state()
         doc = board.view.as_json(None if ended else lambda r: r.status not in TERMINAL_STATUSES)
-        counts: dict[str, int] = {}
-        for (_t, _q, status), n in board.counts.items():
-            counts[status] = counts.get(status, 0) + n
-        return {**doc, "job_counts": dict(sorted(counts.items())), "ended_included": ended,
+        return {**doc, "job_counts": dict(sorted(extra["jobs"].items())), "ended_included": ended,
                 "gpus": {n["node_id"]: n["gpus"] for n in extra["nodes"]},
                 "queues": extra["queues"], "from_snapshot": from_seq}
 
