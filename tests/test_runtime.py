@@ -343,6 +343,11 @@ async def test_two_placers_never_allocate_a_gpu_twice(bus: Bus, nats_url: str) -
     # a lost CAS rolls back to the last committed point and folds only what came since
     assert loser.rt.last_fold.from_seq > 0
     assert loser.rt.last_fold.events < loser.rt.last_fold.to_seq
+    # ... and what it rolled forward to is exactly the state a fresh fold of the whole log gives
+    from gpufleet.shared.runtime.engine import fold_log
+
+    fresh, _ = await fold_log(bus, PlacerCore(), snapshots=False)
+    assert loser.rt.applied_seq == fresh.seq and loser.rt.state == fresh.state
 
 
 async def test_two_placers_racing_on_gangs_place_each_whole_or_not_at_all(bus: Bus, nats_url: str) -> None:
