@@ -69,7 +69,7 @@ from gpufleet.shared.contract.events import (
     ReportLoadCmd,
     SubmitRequested,
 )
-from gpufleet.shared.contract.ids import derive_id, ulid
+from gpufleet.shared.contract.ids import ULID_PATTERN, derive_id, is_ulid, ulid
 from gpufleet.shared.contract.spec import parse_spec
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "schemas"
@@ -300,6 +300,50 @@ def test_subject_tokens_are_constrained_like_the_models(bad: str) -> None:
         assert not validator(schema.schema_file(t)).is_valid(doc), (t, path)
         with pytest.raises(ValidationError):
             Envelope.model_validate(doc)
+
+
+# ids that are 26 characters but not a ULID: each letter Crockford's base32 leaves out, lower
+# case, a first character over 7 (more than 48 bits of time)
+NOT_ULIDS = ["01JH3Z6V7R8K9M0N1P2Q3R4S5I", "01JH3Z6V7R8K9M0N1P2Q3R4S5L", "O1JH3Z6V7R8K9M0N1P2Q3R4S5T",
+             "01JH3Z6V7R8K9M0N1P2Q3R4S5U", "01jh3z6v7r8k9m0n1p2q3r4s5t", "81JH3Z6V7R8K9M0N1P2Q3R4S5T",
+             "ZZZZZZZZZZZZZZZZZZZZZZZZZZ", "01JH3Z6V7R8K9M0N1P2Q3R4S5-", "x" * 26]
+
+
+def test_the_ulid_pattern_takes_exactly_what_the_services_take() -> None:
+    """`ULID_PATTERN` (event_id's `pattern` in every schema) and `is_ulid` (what the services
+    check) agree on every character in every position that matters."""
+    pattern = re.compile(ULID_PATTERN)
+    base = "01JH3Z6V7R8K9M0N1P2Q3R4S5T"
+    assert is_ulid(base) and pattern.search(base)
+    for pos in (0, 1, 25):
+        for c in map(chr, range(32, 127)):
+            v = base[:pos] + c + base[pos + 1:]
+            assert bool(pattern.search(v)) == is_ulid(v), (pos, c)
+    for v in [*NOT_ULIDS, base[:-1], base + "0", "7ZZZZZZZZZZZZZZZZZZZZZZZZZ", ulid(2**48 - 1, bytes(10))]:
+        assert bool(pattern.search(v)) == is_ulid(v), v
+    env = load(schema.ENVELOPE_FILE)["properties"]["event_id"]
+    assert env["pattern"] == ULID_PATTERN and "I L O U" in env["description"]
+    headers = yaml.safe_load((DOCS / schema.ASYNCAPI_FILE).read_text())["components"]["schemas"]
+    assert headers["FleetHeaders"]["properties"]["Nats-Msg-Id"]["pattern"] == ULID_PATTERN
+
+
+@pytest.mark.parametrize("bad", NOT_ULIDS)
+def test_an_event_id_that_is_not_a_ulid_is_refused_by_the_schema_and_by_the_services(bad: str) -> None:
+    from gpufleet.shared.runtime.engine import refusal
+
+    good = wire("cmd.submit")
+    env = Envelope.model_validate(good)
+    assert validator(schema.schema_file("cmd.submit")).is_valid(good)
+    assert refusal(env, env.subject(), {"Nats-Msg-Id": env.event_id}) is None
+    doc = {**good, "event_id": bad}
+    for name in (schema.schema_file("cmd.submit"), schema.ENVELOPE_FILE):
+        assert not validator(name).is_valid(doc), (name, bad)
+    # the services: the envelope parses (26 characters), and the contract's rules refuse it, naming event_id
+    env = Envelope.model_validate(doc)
+    refused = refusal(env, env.subject(), {"Nats-Msg-Id": bad})
+    assert refused is not None and [f for f, _ in refused[1]] == ["event_id"], refused
+    # an event with one is refused by its schema as well (every event the services publish has a ULID)
+    assert not validator(schema.schema_file("job.placed")).is_valid({**wire("job.placed"), "event_id": bad})
 
 
 def test_newer_schema_version_fails() -> None:

@@ -14,6 +14,9 @@ _CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
 _DECODE = {c: i for i, c in enumerate(_CROCKFORD)}
 ULID_LEN = 26
 TOKEN_LEN_MAX = 64
+# what `is_ulid` takes, as a regular expression (the JSON Schema `pattern` of event_id): 26
+# characters of Crockford's base32 in upper case (0-9 A-Z without I L O U), the first 0-7
+ULID_PATTERN = "^[0-7][0-9A-HJKMNP-TV-Z]{25}$"  # (tests/test_schema.py: it takes exactly what is_ulid takes)
 _TOKEN_RE = re.compile(r"^[A-Za-z0-9_-]+$")
 
 

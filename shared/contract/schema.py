@@ -39,7 +39,7 @@ from gpufleet.shared.contract.events import (
     _NodePayload,
     subject_for,
 )
-from gpufleet.shared.contract.ids import _TOKEN_RE, TOKEN_LEN_MAX
+from gpufleet.shared.contract.ids import _TOKEN_RE, TOKEN_LEN_MAX, ULID_LEN, ULID_PATTERN
 from gpufleet.shared.runtime.bus import (
     DUPLICATE_WINDOW_S,
     fleet_stream_config,
@@ -60,6 +60,17 @@ MSG_ID_NOTE = (
     f"envelope's `event_id`; JetStream drops a re-published copy within its {DUPLICATE_WINDOW_S:g} s "
     "duplicate window, which is what makes retries safe. Never reuse an event_id for a different message."
 )
+
+
+ULID_NOTE = (
+    "A ULID: 26 characters of Crockford's base32 in upper case (0-9 A-Z without I L O U), the first "
+    "0-7; also the Nats-Msg-Id header, so the server drops re-sent copies. A command whose event_id "
+    "is not one is refused (invalid_envelope, field event_id); every event the services publish has one.")
+
+
+def _ulid(description: str) -> dict[str, Any]:
+    return {"type": "string", "minLength": ULID_LEN, "maxLength": ULID_LEN, "pattern": ULID_PATTERN,
+            "description": description}
 
 
 def schema_file(type_name: str) -> str:
@@ -196,7 +207,7 @@ def _base_cached() -> dict[str, Any]:
     props = schema["properties"]
     props["tenant"].update(_token())
     props["schema_version"]["maximum"] = SCHEMA_VERSION
-    props["event_id"]["description"] = "ULID; also the Nats-Msg-Id header, so the server drops re-sent copies"
+    props["event_id"].update({"pattern": ULID_PATTERN, "description": ULID_NOTE})
     for type_name, ref in mapping.items():
         cls = PAYLOAD_TYPES[type_name]
         d = defs[_def_name(ref)]
@@ -262,12 +273,127 @@ _QUANTITIES = {
 }
 
 
+def _quantity_of(f: Any) -> str | None:
+    """The parser of a quantity field (`parse_cpu_milli`, ...), None for any other field."""
+    ann = f.annotation
+    metas = [*f.metadata, *(m for a in getattr(ann, "__args__", ()) for m in getattr(a, "__metadata__", ()))]
+    for meta in metas:
+        func = getattr(getattr(meta, "func", None), "__name__", "")
+        if func in _QUANTITIES:
+            return str(func)
+    return None
+
+
+def _model_of(ann: Any) -> Any:
+    """The spec model a field holds (itself, optional, or a tuple of them), else None."""
+    for arg in (ann, *getattr(ann, "__args__", ())):
+        if isinstance(arg, type) and hasattr(arg, "model_fields"):
+            return arg
+    return None
+
+
+_CPU_UNITS = (("", 1000), ("m", 1))
+_MEM_UNITS = (("Ti", 1024 * 1024), ("Gi", 1024), ("Mi", 1))
+_DUR_UNITS = (("d", 86_400_000), ("h", 3_600_000), ("m", 60_000), ("s", 1000), ("ms", 1))
+
+
+def user_quantity(func: str, value: Any) -> Any:
+    """A normalised quantity as a person writes it, equal to it by the spec's parser: 1000
+    (milli-CPU) -> "1", 1500 -> "1500m", 1024 (MiB) -> "1Gi", 86400.0 (s) -> "1d", 10.0 -> "10s"."""
+    if value is None:
+        return None
+    units = {"parse_cpu_milli": _CPU_UNITS, "parse_memory_mib": _MEM_UNITS, "parse_duration_s": _DUR_UNITS}[func]
+    scaled = value * 1000 if func == "parse_duration_s" else value  # durations in whole milliseconds
+    if scaled != int(scaled):
+        return value  # (not a whole number of the smallest unit: the plain number is the user's spelling too)
+    n = int(scaled)
+    if n == 0:
+        return "0"
+    return next(f"{n // size}{unit}" for unit, size in units if n % size == 0)
+
+
+def _user_default(model: Any, value: Any) -> Any:
+    """A model's default (pydantic's JSON of it, by alias) in the spelling a person writes."""
+    if isinstance(value, list):
+        return [_user_default(model, v) for v in value]
+    if not isinstance(value, dict):
+        return value
+    out = dict(value)
+    for name, f in model.model_fields.items():
+        key = f.alias or name
+        if key not in out:
+            continue
+        func = _quantity_of(f)
+        sub = _model_of(f.annotation)
+        if func is not None:
+            out[key] = user_quantity(func, out[key])
+        elif sub is not None:
+            out[key] = _user_default(sub, out[key])
+    return out
+
+
+def _check_user_default(model: Any, name: str, f: Any, user: Any) -> None:
+    """The generator's own check: the default it publishes parses to the model's default."""
+    from gpufleet.shared.contract import spec as spec_mod
+
+    func = _quantity_of(f)
+    want = f.get_default(call_default_factory=True)
+    if func is not None:
+        got = None if user is None else getattr(spec_mod, func)(user)
+    elif _model_of(f.annotation) is not None and isinstance(user, dict):
+        got = _model_of(f.annotation).model_validate(user, by_alias=True, by_name=False)
+        got, want = got.model_dump(), want.model_dump()
+    else:
+        return
+    if got != want:
+        raise ValueError(f"{model.__name__}.{name}: the published default {user!r} parses to {got!r}, not {want!r}")
+
+
+# Examples of the spec, as a person writes them (JSON Schema `examples`; docs/clients.md). Each is
+# parsed by the spec's own parser when the schema is made, and tests/test_spec_schema.py runs each
+# through the schema and through admission.
+SPEC_EXAMPLES: tuple[dict[str, Any], ...] = (
+    # a small batch job: 1 GPU, half a CPU, for 5 simulated seconds
+    {"name": "embed-shard-7", "tenant": "acme", "queue": "default", "type": "batch",
+     "resources": {"cpu": "500m", "memory": "16Gi", "gpu": 1, "gpuModel": "A100"},
+     "maxRuntime": "30m", "sim": {"duration": "5s"}},
+    # a training job that saves a checkpoint every 30 minutes and is run again when it fails
+    {"name": "resnet50", "tenant": "acme", "queue": "research", "type": "training", "priority": 100,
+     "resources": {"cpu": 32, "memory": "256Gi", "gpu": 8, "gpuModel": "H100", "gpuMemory": "80Gi"},
+     "maxRuntime": "12h", "restartPolicy": "OnFailure", "retryBackoff": "30s",
+     "image": "registry.local/acme/resnet:1.4", "command": ["python", "train.py", "--epochs", "90"],
+     "env": {"DATA": "/data/imagenet"}, "checkpoint": {"path": "/ckpt/resnet50", "interval": "30m", "keep": 3},
+     "sim": {"duration": "20s", "gpuUtil": 95, "gpuMemoryUsed": "70Gi"}},
+    # a gang: 4 replicas of 8 GPUs each (any of two models), all placed together or not at all
+    {"name": "llm-finetune", "tenant": "globex", "type": "finetune", "priorityClass": "high", "replicas": 4,
+     "resources": {"cpu": 48, "memory": "400Gi", "gpu": 8, "gpuModels": ["H100", "A100"]},
+     "maxRuntime": "4h", "maxRetries": 2, "nodeSelector": {"zone": "a"}, "dataset": "c4-en",
+     "checkpoint": {"interval": "20m"}, "sim": {"duration": "10s", "exitCode": 0}},
+    # an inference service: 1 to 6 replicas of 1 H100, scaled on the load reported for it
+    {"name": "chat", "tenant": "acme", "type": "inference",
+     "resources": {"cpu": 4, "memory": "32Gi", "gpu": 1, "gpuModel": "H100"}, "maxRuntime": "7d",
+     "autoscale": {"minReplicas": 1, "maxReplicas": 6, "targetRpsPerReplica": 40, "targetP99Ms": 250,
+                   "scaleUpCooldown": "15s", "scaleDownCooldown": "2m", "scaleToZeroAfter": "30m"},
+     "sim": {"duration": "7d"}},
+    # a quarter of one GPU, beside other shares on it
+    {"name": "notebook", "tenant": "acme", "type": "batch",
+     "resources": {"cpu": "1500m", "memory": "8Gi", "gpu": 0.25, "gpuSharing": "shared"},
+     "sim": {"duration": "90s", "gpuUtil": 30, "gpuMemoryUsed": "4Gi"}},
+    # two MIG instances of an H100; the first run fails after 2 s and is run again
+    {"name": "embed-mig", "tenant": "acme",
+     "resources": {"cpu": 2, "memory": "4Gi", "mig": {"1g.10gb": 2}, "gpuModel": "H100"},
+     "restartPolicy": "OnFailure", "retryBackoff": "1s",
+     "sim": {"duration": "3s", "runs": [{"duration": "2s", "exitCode": 1}]}},
+)
+
+
 def spec_schema() -> dict[str, Any]:
     """The job spec a person writes (YAML or JSON; `cmd.submit`'s `payload.spec`): the user-facing
     spelling of every field (`cpu`, `memory`, `maxRuntime`, `sim.duration`), quantities as
     Kubernetes writes them, `name` and `tenant` required, no other field. The normalised form
-    (`cpu_milli`, `duration_s`) is what the events carry (`job.submitted`)."""
-    from gpufleet.shared.contract.spec import JobSpec
+    (`cpu_milli`, `duration_s`) is what the events carry (`job.submitted`). Defaults are in the
+    user's spelling too (`cpu: "1"`, `memory: "1Gi"`), each equal by the parser to the model's."""
+    from gpufleet.shared.contract.spec import JobSpec, parse_spec
 
     schema = JobSpec.model_json_schema(by_alias=True, mode="validation")
     models: list[Any] = [JobSpec]
@@ -279,23 +405,21 @@ def spec_schema() -> dict[str, Any]:
         seen.add(m)
         target = schema if m is JobSpec else schema["$defs"][m.__name__]
         for name, f in m.model_fields.items():
-            ann = f.annotation
-            for arg in (*getattr(ann, "__args__", ()), ann):
-                if isinstance(arg, type) and hasattr(arg, "model_fields"):
-                    models.append(arg)
-            metas = [*f.metadata, *(m for a in getattr(ann, "__args__", ()) for m in getattr(a, "__metadata__", ()))]
-            for meta in metas:
-                func = getattr(getattr(meta, "func", None), "__name__", "")
-                if func in _QUANTITIES:
-                    number, pattern, desc = _QUANTITIES[func]
-                    prop = target["properties"][f.alias or name]
-                    keep = {k: v for k, v in prop.items() if k in ("default", "title")}
-                    if keep.get("default") is not None and func != "parse_duration_s":  # in the user's units
-                        keep["default"] = f"{keep['default']}{'m' if func == 'parse_cpu_milli' else 'Mi'}"
-                    alts = [dict(number), {"type": "string", "pattern": pattern}]
-                    if "anyOf" in prop and any(a.get("type") == "null" for a in prop["anyOf"]):
-                        alts.append({"type": "null"})
-                    target["properties"][f.alias or name] = {**keep, "anyOf": alts, "description": desc}
+            sub = _model_of(f.annotation)
+            if sub is not None:
+                models.append(sub)
+            prop = target["properties"][f.alias or name]
+            func = _quantity_of(f)
+            if func is not None:
+                number, pattern, desc = _QUANTITIES[func]
+                keep = {k: v for k, v in prop.items() if k in ("default", "title")}
+                alts = [dict(number), {"type": "string", "pattern": pattern}]
+                if "anyOf" in prop and any(a.get("type") == "null" for a in prop["anyOf"]):
+                    alts.append({"type": "null"})
+                prop = target["properties"][f.alias or name] = {**keep, "anyOf": alts, "description": desc}
+            if "default" in prop:  # in the user's units: the field's description says how it is written
+                prop["default"] = user_default = _user_default(m, {f.alias or name: prop["default"]})[f.alias or name]
+                _check_user_default(m, name, f, user_default)
     props = schema["properties"]
     for name in ("name", "queue"):
         props[name].update(_token())
@@ -306,18 +430,37 @@ def spec_schema() -> dict[str, Any]:
     from gpufleet.shared.contract.spec import MIG_PROFILE
 
     res["properties"]["mig"]["propertyNames"] = {"pattern": f"^{MIG_PROFILE.pattern}$"}
+    res["properties"]["mig"]["additionalProperties"] = {"type": "integer", "minimum": 1, "maximum": 64}
     res["properties"]["gpuModel"] = {"type": "string", "minLength": 1,
                                      "description": "one GPU model: the same as gpuModels: [that model]"}
+    gpu = res["properties"]["gpu"]
+    res["properties"]["gpu"] = {
+        "default": gpu["default"], "title": gpu["title"],
+        "description": "whole GPUs, or with gpuSharing: shared a fraction of one GPU (0.25: a quarter of it)",
+        "anyOf": [{k: gpu[k] for k in ("type", "minimum", "maximum")},
+                  {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1}]}
+    some_gpu = {"required": ["gpu"], "properties": {"gpu": {"exclusiveMinimum": 0}}}  # whole ones, or a share
+    zero_bytes = {"anyOf": [{"const": 0}, {"type": "string", "pattern": r"^0+(\.0+)?(Ki|Mi|Gi|Ti|k|M|G|T)?$"}]}
     res["allOf"] = [
         {"not": {"required": ["gpuModel", "gpuModels"]}, "description": "gpuModel or gpuModels, not both"},
-        {"if": {"required": ["gpuModel"]}, "then": {"required": ["gpu"], "properties": {"gpu": {"minimum": 1}}},
-         "description": "gpuModel needs whole GPUs (gpu >= 1)"},
+        {"if": {"required": ["gpu"], "properties": {"gpu": {"not": {"type": "integer"}}}},
+         "then": {"required": ["gpuSharing"], "properties": {"gpuSharing": {"const": "shared"}}},
+         "description": "a fraction of a GPU needs gpuSharing: shared"},
+        {"if": {"required": ["gpuModel"]},
+         "then": {"anyOf": [some_gpu, {"required": ["mig"], "properties": {"mig": {"minProperties": 1}}}]},
+         "description": "gpuModel needs GPUs (gpu > 0) or MIG instances"},
+        {"if": {"required": ["gpuModels"], "properties": {"gpuModels": {"minItems": 1}}},
+         "then": {"anyOf": [some_gpu, {"required": ["mig"], "properties": {"mig": {"minProperties": 1}}}]},
+         "description": "gpuModels needs GPUs (gpu > 0) or MIG instances"},
         {"if": {"required": ["mig"], "properties": {"mig": {"minProperties": 1}}},
          "then": {"properties": {"gpu": {"const": 0}}},
          "description": "MIG instances, or whole GPUs: not both"},
-        {"if": {"required": ["gpuModels"], "properties": {"gpuModels": {"minItems": 1}}},
-         "then": {"required": ["gpu"], "properties": {"gpu": {"minimum": 1}}},
-         "description": "gpuModels needs whole GPUs (gpu >= 1)"},
+        {"if": {"required": ["gpuMemory"], "properties": {"gpuMemory": {"not": zero_bytes}}}, "then": some_gpu,
+         "description": "gpuMemory (per GPU) needs GPUs (gpu > 0)"},
+        {"if": {"required": ["gpuMilli"], "properties": {"gpuMilli": {"exclusiveMaximum": 1000}}},
+         "then": {"required": ["gpu", "gpuSharing"],
+                  "properties": {"gpu": {"exclusiveMinimum": 0, "maximum": 1}, "gpuSharing": {"const": "shared"}}},
+         "description": "a share in thousandths (gpuMilli < 1000) needs gpuSharing: shared and gpu: 1"},
     ]
     schema["allOf"] = [
         {"not": {"required": ["priority", "priorityClass"]}, "description": "priority or priorityClass, not both"},
@@ -326,11 +469,12 @@ def spec_schema() -> dict[str, Any]:
          "description": "autoscale is for type: inference only"},
     ]
     schema["$comment"] = ""  # (set below)
-    examples = []
-    for path in sorted((Path(__file__).resolve().parent.parent / "examples").glob("*.yaml")):
-        doc = yaml.safe_load(path.read_text())
-        if isinstance(doc, dict) and "name" in doc and "tenant" in doc and path.stem != "bad-spec":
-            examples.append(doc)
+    examples = [copy.deepcopy(e) for e in SPEC_EXAMPLES]
+    for i, e in enumerate(examples):
+        try:
+            parse_spec(e, user=True)
+        except Exception as exc:
+            raise ValueError(f"SPEC_EXAMPLES[{i}] ({e.get('name')}) is not a spec the service takes: {exc}") from None
     schema.update({
         "$schema": DRAFT, "$id": JOBSPEC_FILE,
         "$comment": (f"{GENERATED_BY} The job spec of cmd.submit, as a person writes it. Beyond this schema "
@@ -472,19 +616,13 @@ def asyncapi() -> dict[str, Any]:
             "type": "object",
             "description": MSG_ID_NOTE,
             "required": ["Nats-Msg-Id"],
-            "properties": {"Nats-Msg-Id": {
-                "type": "string", "minLength": 26, "maxLength": 26,
-                "description": "MUST equal the envelope's event_id.",
-            }},
+            "properties": {"Nats-Msg-Id": _ulid("MUST equal the envelope's event_id.")},
         },
         "TelemetryHeaders": {
             "type": "object",
             "description": "Telemetry samples are core-published and may carry no headers; "
                            "a Nats-Msg-Id, when present, equals the envelope's event_id.",
-            "properties": {"Nats-Msg-Id": {
-                "type": "string", "minLength": 26, "maxLength": 26,
-                "description": "If present, MUST equal the envelope's event_id.",
-            }},
+            "properties": {"Nats-Msg-Id": _ulid("If present, MUST equal the envelope's event_id.")},
         },
     }
     messages: dict[str, Any] = {}
