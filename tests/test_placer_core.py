@@ -314,7 +314,8 @@ def test_no_gpu_is_ever_given_beyond_its_capacity(steps: list[tuple[str, Any, in
         # invariants, recomputed from the allocations
         held: dict[tuple[str, int], int] = {}
         cpu: dict[str, int] = {}
-        for allocs_ in h.state.allocations.values():
+        holding = {j: r.allocations for j, r in h.state.jobs.items() if r.allocations is not None}
+        for allocs_ in holding.values():
             for a in allocs_:
                 for g in a.gpu_indices:
                     held[(a.node_id, g)] = held.get((a.node_id, g), 0) + a.gpu_milli
@@ -325,4 +326,30 @@ def test_no_gpu_is_ever_given_beyond_its_capacity(steps: list[tuple[str, Any, in
             assert n.mem_left >= 0
             for g, left in zip(n.gpu_ids, n.left, strict=True):
                 assert left == 1000 - held.get((node_id, g), 0), (node_id, g, left, held)
-        assert set(h.state.allocations) == set(live)  # every placed, unended job holds, and no other
+        assert set(holding) == set(live) == h.state.placed  # every placed, unended job holds, and no other
+
+
+# ---------------------------------------------------------------- retention
+
+
+def test_the_placer_forgets_every_fact_of_a_job_when_it_ends() -> None:
+    """One record per job: its spec, attempt, allocations and what it said go with it when it ends,
+    and so does its place in every index; only the id stays, in the ended window. (The parallel
+    maps this replaced kept the attempt of every resumed job for ever.)"""
+    from gpufleet.shared.contract.events import JobResumeRequested, JobSucceeded, Reason
+
+    from .builders import cancelled
+
+    h = Harness(PlacerCore()).given(dgx("d1"))
+    big = make_job().gpus(8)
+    assert [e.type for e in place(h, big, "j1")] == ["job.placed"]
+    assert "job.unschedulable" in [e.type for e in place(h, big, "j2")]
+    assert h.state.jobs["j2"].unschedulable_said and list(h.state.pending) == ["j2"]
+    h.given(event(JobResumeRequested(job_id="j1", reason=Reason(code="node_lost", message="x"))))
+    rec = h.state.jobs["j1"]
+    assert rec.attempt == 2 and rec.allocations is not None and h.state.jobs_on == {"d1": {"j1"}}
+    h.given(event(JobSucceeded(job_id="j1")), cancelled("j2"))
+    assert not (h.state.jobs or h.state.pending or h.state.placed or h.state.jobs_on or h.state.reservation)
+    assert "j1" in h.state.ended and "j2" in h.state.ended and len(h.state.nodes["d1"].free_gpus) == 8
+    h.given(submitted(big, "j1"), exited("j1", "d1"), quota_reserved(big, "j2"))
+    assert not h.state.jobs, "a late fact about an ended job brought its record back"

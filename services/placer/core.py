@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
+from datetime import datetime
 
 from gpufleet.shared.contract.clusterconfig import ClusterConfig
 from gpufleet.shared.contract.events import (
@@ -57,7 +58,7 @@ from gpufleet.shared.node.cluster import pool_shapes
 from gpufleet.shared.runtime.loop import BaseCore, Ctx
 from gpufleet.shared.runtime.retention import EndedJobs
 
-from .frag import MILLI, TaskShape, typical_tasks
+from .frag import ANY_MODEL, MILLI, TaskShape, typical_tasks
 from .framework import LASTING_CONSTRAINTS, Ask, Context, Node, Profile, feasible, profiles, schedule, why_not
 
 CPU_ONLY = ""  # the model key of nodes without GPUs
@@ -104,6 +105,22 @@ class PlacerScratch:
         return (PlacerScratch, ())
 
 
+@dataclass(slots=True)
+class PlacerJob:
+    """Everything the placer knows of one job that has not ended: one record, forgotten at once when
+    the job ends (`PlacerState.end`); a pending job costs one small record and shares its spec."""
+
+    spec: JobSpec | None = None  # as placed: on the GPU model its quota was taken from
+    attempt: int = 1  # resumed jobs run again
+    requota: bool = False  # preempted, to run again: waits for quota first
+    unschedulable_said: str | None = None  # the reasons last said (not said again while they hold)
+    # what it holds now (None: nothing), the attempt that holds it and when that ends at the latest
+    # (placed at + max runtime); kept by `PlacerState.hold` / `release`
+    allocations: tuple[ReplicaAllocation, ...] | None = None
+    alloc_attempt: int = 0
+    ends_at: float = 0.0
+
+
 @dataclass
 class PlacerState:
     nodes: dict[str, Node] = field(default_factory=dict)
@@ -111,12 +128,14 @@ class PlacerState:
     # model -> free whole GPUs -> node ids; model -> nodes with a partly used GPU (ordered sets)
     index: dict[str, dict[int, dict[str, None]]] = field(default_factory=dict)
     partial: dict[str, dict[str, None]] = field(default_factory=dict)
-    specs: dict[str, JobSpec] = field(default_factory=dict)
-    pending: OrderedDict[str, None] = field(default_factory=OrderedDict)
-    allocations: dict[str, tuple[ReplicaAllocation, ...]] = field(default_factory=dict)
-    ends_at: dict[str, float] = field(default_factory=dict)  # placed job -> placed at + max runtime
+    jobs: dict[str, PlacerJob] = field(default_factory=dict)
     ended: EndedJobs = field(default_factory=EndedJobs)  # forgotten after a window of log time
-    unschedulable_said: dict[str, str] = field(default_factory=dict)
+    # indexes of `jobs`, kept by the methods below (and a node's entry dropped with the node): the
+    # jobs waiting for nodes, oldest first; the jobs holding allocations (what `estimate` walks);
+    # node -> jobs holding something there
+    pending: OrderedDict[str, None] = field(default_factory=OrderedDict)
+    placed: set[str] = field(default_factory=set)
+    jobs_on: dict[str, set[str]] = field(default_factory=dict)
     reservation: Reservation | None = None
     shapes: Counter[TaskShape] = field(default_factory=Counter)
     recent: deque[TaskShape] = field(default_factory=deque)
@@ -128,11 +147,63 @@ class PlacerState:
     quarantined: dict[str, dict[int, set[str]]] = field(default_factory=dict)
     lost: set[str] = field(default_factory=set)
     cordoned: set[str] = field(default_factory=set)
-    attempts: dict[str, int] = field(default_factory=dict)  # job -> attempt (resumed jobs run again)
-    alloc_attempt: dict[str, int] = field(default_factory=dict)  # job -> the attempt its allocations belong to
-    requota: set[str] = field(default_factory=set)  # preempted, to run again: waits for quota first
-    jobs_on: dict[str, set[str]] = field(default_factory=dict)  # node -> jobs holding something there
     scratch: PlacerScratch = field(default_factory=lambda: PlacerScratch(), compare=False, repr=False)
+
+    def job(self, job_id: str) -> PlacerJob:
+        rec = self.jobs.get(job_id)
+        if rec is None:
+            rec = self.jobs[job_id] = PlacerJob()
+        return rec
+
+    def end(self, job_id: str, at: datetime) -> None:
+        """The job ended: remembered as ended for the window; what it held given back, its record
+        and its place in every index forgotten now."""
+        self.ended.add(job_id, at)
+        self.unqueue(job_id)
+        rec = self.jobs.pop(job_id, None)
+        if rec is not None:
+            self.release(job_id, rec)
+
+    def queue(self, job_id: str) -> None:
+        """The job waits for nodes (a job already waiting keeps its place)."""
+        self.pending[job_id] = None
+
+    def unqueue(self, job_id: str) -> None:
+        """The job waits for nodes no more: the reservation held for it goes with it."""
+        self.pending.pop(job_id, None)
+        if self.reservation is not None and self.reservation.job_id == job_id:
+            self.reservation = None
+
+    def hold(self, job_id: str, rec: PlacerJob, allocs: tuple[ReplicaAllocation, ...], attempt: int,
+             ends_at: float) -> None:
+        """The job placed: `allocs` taken on their nodes."""
+        rec.allocations, rec.alloc_attempt, rec.ends_at = allocs, attempt, ends_at
+        self.placed.add(job_id)
+        for a in allocs:
+            _take(self, a)
+            self.jobs_on.setdefault(a.node_id, set()).add(job_id)
+
+    def release(self, job_id: str, rec: PlacerJob, keep: tuple[ReplicaAllocation, ...] = ()) -> None:
+        """What the job holds given back, but `keep` (one replica's exit frees that replica's
+        resources only: the rest of a gang still runs)."""
+        for a in rec.allocations or ():
+            if a not in keep:
+                _give_back(self, a)
+                if not any(k.node_id == a.node_id for k in keep):
+                    on = self.jobs_on.get(a.node_id)
+                    if on is not None:
+                        on.discard(job_id)
+                        if not on:
+                            del self.jobs_on[a.node_id]
+        if keep:
+            rec.allocations = keep
+        else:
+            rec.allocations, rec.alloc_attempt, rec.ends_at = None, 0, 0.0
+            self.placed.discard(job_id)
+
+    def ending(self) -> list[tuple[float, str]]:
+        """The jobs holding allocations, by when they end at the latest (their max runtime), then id."""
+        return sorted((self.jobs[j].ends_at, j) for j in self.placed)
 
 
 # ---------------------------------------------------------------- node bookkeeping
@@ -218,7 +289,7 @@ def _register(state: PlacerState, node_id: str, inv: NodeInventory) -> None:
     else:
         state.mig.pop(node_id, None)
     for job_id in sorted(state.jobs_on.get(node_id, ())):  # re-registration keeps what is already held
-        for a in state.allocations.get(job_id, ()):
+        for a in state.jobs[job_id].allocations or ():
             if a.node_id == node_id:
                 node.take(_positions(node, a.gpu_indices), a.gpu_milli, a.cpu_milli, a.memory_mib)
                 _take_mig(state.mig.get(node_id), a.mig_devices)
@@ -264,7 +335,8 @@ def ask_of(spec: JobSpec) -> Ask:
 
 def shape_of(spec: JobSpec) -> TaskShape:
     r = spec.resources
-    return TaskShape(r.cpu_milli, r.gpu, r.gpu_milli if r.gpu else 0, frozenset(r.gpu_models))
+    models = frozenset(r.gpu_models) if r.gpu_models else ANY_MODEL
+    return TaskShape(r.cpu_milli, r.gpu, r.gpu_milli if r.gpu else 0, models)
 
 
 @dataclass
@@ -297,6 +369,7 @@ class Plan:
 
 class PlacerCore(BaseCore[PlacerState]):
     name = "placer"
+    state_format = 2  # one record per job (`PlacerJob`) for the parallel maps keyed by job
     cas_subject = "fleet.evt.*.job.*.placed"
     subjects = (
         "fleet.evt.sys.node.*.*",
@@ -364,7 +437,8 @@ class PlacerCore(BaseCore[PlacerState]):
         if job_id is None:
             return state
         if isinstance(p, JobSubmitted):
-            state.specs[job_id] = p.spec
+            if job_id not in state.ended:  # (a copy of an ended job's submission brings no record back)
+                state.job(job_id).spec = p.spec
             shape = shape_of(p.spec)
             state.shapes[shape] += 1
             state.recent.append(shape)
@@ -375,88 +449,58 @@ class PlacerCore(BaseCore[PlacerState]):
                 if state.shapes[old] <= 0:
                     del state.shapes[old]
         elif isinstance(p, JobQuotaReserved):
-            state.requota.discard(job_id)
-            if job_id not in state.ended and job_id not in state.allocations:
-                state.pending[job_id] = None
-                flavor = p.flavor
-                spec = state.specs.get(job_id)
-                if spec is not None:
+            rec0 = state.jobs.get(job_id)
+            if rec0 is not None:
+                rec0.requota = False
+            if job_id not in state.ended and (rec0 is None or rec0.allocations is None):
+                rec = state.job(job_id)
+                state.queue(job_id)
+                if rec.spec is not None:
                     # quota was taken from this GPU model: place on it, or quota and placement disagree
-                    state.specs[job_id] = with_flavor(spec, flavor)
+                    rec.spec = with_flavor(rec.spec, p.flavor)
         elif isinstance(p, JobUnschedulable):
             if job_id in state.pending:
-                state.unschedulable_said[job_id] = "; ".join(r.message for r in p.reasons)
+                state.jobs[job_id].unschedulable_said = "; ".join(r.message for r in p.reasons)
         elif isinstance(p, JobBackfillReserved):
             if job_id in state.pending:
                 state.reservation = Reservation(job_id, p.nodes, p.estimated_start.timestamp(),
                                                 env.occurred_at.timestamp())
         elif isinstance(p, JobPlaced):
-            if job_id in state.ended or job_id in state.allocations or p.attempt < state.attempts.get(job_id, 1):
+            if job_id in state.ended:
                 return state
-            state.pending.pop(job_id, None)
-            state.unschedulable_said.pop(job_id, None)
-            if state.reservation is not None and state.reservation.job_id == job_id:
-                state.reservation = None
-            state.allocations[job_id] = p.allocations
-            state.alloc_attempt[job_id] = p.attempt
-            spec = state.specs.get(job_id)
-            state.ends_at[job_id] = env.occurred_at.timestamp() + (spec.max_runtime_s if spec else 86400.0)
-            for a in p.allocations:
-                _take(state, a)
-                state.jobs_on.setdefault(a.node_id, set()).add(job_id)
+            rec = state.job(job_id)
+            if rec.allocations is not None or p.attempt < rec.attempt:
+                return state
+            state.unqueue(job_id)
+            rec.unschedulable_said = None
+            state.hold(job_id, rec, p.allocations, p.attempt,
+                       env.occurred_at.timestamp() + (rec.spec.max_runtime_s if rec.spec else 86400.0))
         elif isinstance(p, JobResumeRequested):
-            nxt = resumed_attempt(state.attempts.get(job_id, 1), p)
+            rec0 = state.jobs.get(job_id)
+            nxt = resumed_attempt(rec0.attempt if rec0 is not None else 1, p)
             if job_id in state.ended or nxt is None:  # (a copy of an old resume changes nothing)
                 return state
-            state.attempts[job_id] = nxt
-            if p.reason.code == "preempted":
-                state.requota.add(job_id)
-                state.pending.pop(job_id, None)  # its quota is taken back: it waits for quota again
-                if state.reservation is not None and state.reservation.job_id == job_id:
-                    state.reservation = None
+            rec = state.job(job_id)
+            rec.attempt = nxt
             # after a preemption the job waits for quota again (job.quota_reserved makes it pending);
             # after a failure it kept its quota and is placed again as soon as its old run is gone
-            if not state.allocations.get(job_id) and p.reason.code != "preempted":
-                state.pending[job_id] = None
-        elif t in ("job.exited", "job.succeeded", "job.failed", "job.cancelled", "job.preempted"):
-            if isinstance(p, JobExited) and p.attempt != state.alloc_attempt.get(job_id, p.attempt):
-                # the exit of another attempt than the one holding GPUs now (a late report from a
-                # node that was lost): it frees nothing, but its leftovers are still quarantined
-                if p.unclean_gpus:
-                    self._quarantine(state, p.node_id, p.unclean_gpus, "unclean")
-                return state
-            if t != "job.exited":
-                state.ended.add(job_id, env.occurred_at)
-                state.requota.discard(job_id)
-                state.specs.pop(job_id, None)
-                state.pending.pop(job_id, None)
-                state.unschedulable_said.pop(job_id, None)
-                state.ends_at.pop(job_id, None)
-                if state.reservation is not None and state.reservation.job_id == job_id:
-                    state.reservation = None
-            held = state.allocations.pop(job_id, ())
-            # one replica's exit frees that replica's resources only: the rest of a gang still runs
-            keep = tuple(a for a in held if a.replica != p.replica) if isinstance(p, JobExited) else ()
-            for a in held:
-                if a not in keep:
-                    _give_back(state, a)
-                    if not any(k.node_id == a.node_id for k in keep):
-                        on = state.jobs_on.get(a.node_id)
-                        if on is not None:
-                            on.discard(job_id)
-                            if not on:
-                                del state.jobs_on[a.node_id]
-            if keep:
-                state.allocations[job_id] = keep
-            else:
-                state.alloc_attempt.pop(job_id, None)
-            if not keep and t == "job.exited":
-                state.ends_at.pop(job_id, None)
-                if (isinstance(p, JobExited) and p.attempt < state.attempts.get(job_id, 1)
-                        and job_id not in state.ended and job_id not in state.pending
-                        and job_id not in state.requota):
-                    state.pending[job_id] = None  # the last replica of a resumed job's old attempt is gone
-            if isinstance(p, JobExited) and p.unclean_gpus:
+            if p.reason.code == "preempted":
+                rec.requota = True
+                state.unqueue(job_id)  # its quota is taken back
+            elif not rec.allocations:
+                state.queue(job_id)
+        elif t in ("job.succeeded", "job.failed", "job.cancelled", "job.preempted"):
+            state.end(job_id, env.occurred_at)
+        elif isinstance(p, JobExited):
+            rec0 = state.jobs.get(job_id)
+            # the exit of another attempt than the one holding GPUs now (a late report from a node
+            # that was lost) frees nothing, but its leftovers are still quarantined
+            if rec0 is not None and (rec0.allocations is None or p.attempt == rec0.alloc_attempt):
+                state.release(job_id, rec0, tuple(a for a in rec0.allocations or () if a.replica != p.replica))
+                if (rec0.allocations is None and p.attempt < rec0.attempt and job_id not in state.ended
+                        and job_id not in state.pending and not rec0.requota):
+                    state.queue(job_id)  # the last replica of a resumed job's old attempt is gone
+            if p.unclean_gpus:
                 self._quarantine(state, p.node_id, p.unclean_gpus, "unclean")
         return state
 
@@ -485,16 +529,17 @@ class PlacerCore(BaseCore[PlacerState]):
         t, p = env.type, env.payload
         if isinstance(p, JobCancelRequested):
             job_id = p.job_id
-            if job_id in state.specs and job_id not in state.allocations and job_id not in state.ended:
+            rec = state.jobs.get(job_id)
+            if rec is not None and rec.spec is not None and rec.allocations is None and job_id not in state.ended:
                 # not placed (and, placements being ours alone, it never will be): cancelled here
                 return [ctx.emit(JobCancelled(job_id=job_id, reason=p.reason), key="cancelled")]
             return []  # placed: the executor stops it, the guardian ends it
         if isinstance(p, JobPreemptionRequested):
             job_id = p.job_id
-            spec = state.specs.get(job_id)
-            if spec is not None and job_id not in state.allocations and job_id not in state.ended:
-                if spec.type in CHECKPOINTED_TYPES:  # not started: it simply waits for quota again
-                    return [ctx.emit(JobResumeRequested(job_id=job_id, attempt=state.attempts.get(job_id, 1) + 1,
+            rec = state.jobs.get(job_id)
+            if rec is not None and rec.spec is not None and rec.allocations is None and job_id not in state.ended:
+                if rec.spec.type in CHECKPOINTED_TYPES:  # not started: it simply waits for quota again
+                    return [ctx.emit(JobResumeRequested(job_id=job_id, attempt=rec.attempt + 1,
                                                         reason=Reason(
                         code="preempted", message=f"{p.reason.message}; not placed yet, it waits for quota again")),
                         key="preempted")]
@@ -528,9 +573,10 @@ class PlacerCore(BaseCore[PlacerState]):
 
     def _try(self, state: PlacerState, job_id: str, ctx: Ctx, plan: Plan, now: float,
              say_unschedulable: bool) -> list[Envelope]:
-        spec = state.specs.get(job_id)
-        if spec is None:
+        rec = state.jobs.get(job_id)
+        if rec is None or rec.spec is None:
             return []
+        spec = rec.spec
         trial = plan.fork()
         allocs = self.plan(state, spec, trial)
         res = state.reservation if self.placement.backfill else None
@@ -544,7 +590,7 @@ class PlacerCore(BaseCore[PlacerState]):
         if allocs is not None:
             plan.nodes, plan.mig_taken = trial.nodes, trial.mig_taken
             # The runtime evolves this output at once, so the next decision sees the GPUs taken.
-            attempt = state.attempts.get(job_id, 1)
+            attempt = rec.attempt
             key = f"placed:{job_id}" + (f":{attempt}" if attempt > 1 else "")
             return [ctx.emit(JobPlaced(job_id=job_id, allocations=allocs, attempt=attempt), tenant=spec.tenant, key=key)]
         out: list[Envelope] = []
@@ -564,7 +610,7 @@ class PlacerCore(BaseCore[PlacerState]):
         reasons = self._reasons(state, job_id, spec)
         filtered = self._filtered(state, spec)
         message = "; ".join(r.message for r in reasons)
-        if state.unschedulable_said.get(job_id) == message:
+        if rec.unschedulable_said == message:
             return out
         return out + [ctx.emit(JobUnschedulable(
             job_id=job_id, reasons=tuple(reasons), filtered=filtered, nodes_total=len(state.nodes),
@@ -580,7 +626,7 @@ class PlacerCore(BaseCore[PlacerState]):
         reason = Reason(code="backfill_reservation", message=(
             f"it fits now only on nodes held for {res.job_id} ({', '.join(res.nodes)}); with a max runtime "
             f"of {spec.max_runtime_s:.0f} s it would delay that job's start (EASY backfill)"))
-        if state.unschedulable_said.get(job_id) == reason.message:
+        if state.jobs[job_id].unschedulable_said == reason.message:
             return []
         return [ctx.emit(JobUnschedulable(job_id=job_id, reasons=(reason,),
                                           filtered={"backfill_reservation": len(res.nodes)},
@@ -609,12 +655,12 @@ class PlacerCore(BaseCore[PlacerState]):
 
         The fewest endings after which it fits are found by doubling then bisecting: a few plans,
         not one per running job."""
-        ending = sorted(state.ends_at, key=lambda j: (state.ends_at[j], j))
+        ending = state.ending()
 
         def after(k: int) -> tuple[ReplicaAllocation, ...] | None:
             plan = Plan()
-            for job_id in ending[:k]:
-                plan.give_back(state, state.allocations.get(job_id, ()))
+            for _, job_id in ending[:k]:
+                plan.give_back(state, state.jobs[job_id].allocations or ())
             return self.plan(state, spec, plan, full_scan=True)
 
         if not ending:
@@ -634,7 +680,7 @@ class PlacerCore(BaseCore[PlacerState]):
                 lo = mid
             else:
                 hi, allocs = mid, got
-        return max(now, state.ends_at[ending[hi - 1]]), tuple(sorted({a.node_id for a in allocs}))
+        return max(now, ending[hi - 1][0]), tuple(sorted({a.node_id for a in allocs}))
 
     # ------------------------------------------------------------ planning
 

@@ -20,6 +20,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 MILLI = 1000
+ANY_MODEL: frozenset[str] = frozenset()  # one object for every shape of any model: the placer keeps thousands
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,7 +30,7 @@ class TaskShape:
     cpu: int
     gpus: int
     milli: int
-    models: frozenset[str] = frozenset()
+    models: frozenset[str] = ANY_MODEL
 
 
 @dataclass(frozen=True, slots=True)
