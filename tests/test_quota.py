@@ -690,6 +690,25 @@ def test_a_reservation_has_the_same_id_whatever_decided_it() -> None:
     assert out_release[0].event_id == out_tick[0].event_id == derive_id("w1", "reserved")
 
 
+def test_quota_forgets_every_fact_of_a_job_when_it_ends() -> None:
+    """One record per job: what it holds, what it was told, the preemption it waits for all go
+    with it when it ends; only the id stays, in the ended window. (The parallel dicts this
+    replaced kept the count of reasons told of every job that ever waited.)"""
+    h = holding(quota({"a": {"nominal": {"gpu": 8}}}), ("low", gpu_job(8, priority=1)))
+    out = arrive(h, gpu_job(8, priority=5), "high", 1)
+    assert [e.job_id for e in out if e.type == "job.preemption_requested"] == ["low"]
+    assert reasons(out)["high"].code == "preempting" and h.state.jobs["high"].told == 1
+    assert h.state.preempting == {"low"} and h.state.pending == {"high"}
+
+    assert reserved_ids(h.when(preempted("low"), at(2))) == ["high"]
+    h.given(succeeded("high"))
+
+    assert h.state.jobs == {} and {"low", "high"} <= set(h.state.ended)
+    assert not (h.state.pending or h.state.reserved or h.state.preempting or h.state.protected)
+    h.given(event(JobQueued(job_id="high", queue="a", reason=Reason(code="x", message="late"))))
+    assert h.state.jobs == {}, "a late fact about an ended job brought its record back"
+
+
 # ================================================================ 9. random histories (stateful)
 
 STATEFUL_COHORT_QUEUES = ("q0", "q1", "q2")
@@ -904,10 +923,10 @@ class QuotaMachine(RuleBasedStateMachine):
     def no_waiting_job_fits_unless_held_behind_a_starving_one(self) -> None:
         core = self.h.core
         assert isinstance(core, QuotaCore)
-        for job_id, p in self.h.state.pending.items():
-            flavor, _, _ = core.fit(self.h.state, {}, p.queue, self.specs[job_id])
+        for job_id, rec, spec in self.h.state.waiting():
+            flavor, _, _ = core.fit(self.h.state, {}, spec.queue, self.specs[job_id])
             if flavor is not None:
-                assert self.h.state.said[job_id].startswith("waiting behind job"), (job_id, self.h.state.said)
+                assert (rec.said or "").startswith("waiting behind job"), (job_id, rec.said)
 
     @invariant()
     def gangs_are_reserved_whole(self) -> None:

@@ -45,8 +45,8 @@ def queues(data_dir: DataDir = None, as_json: JsonOut = False) -> None:
         return int(state.usage.get(queue, {}).get(r, 0))
 
     pending_in: dict[str, int] = {}
-    for p in state.pending.values():
-        pending_in[p.queue] = pending_in.get(p.queue, 0) + 1
+    for _, _, spec in state.waiting():
+        pending_in[spec.queue] = pending_in.get(spec.queue, 0) + 1
     names = sorted(set(config.queues) | set(state.usage) | set(pending_in))
     rows: list[dict[str, Any]] = []
     for name in names:
@@ -60,7 +60,7 @@ def queues(data_dir: DataDir = None, as_json: JsonOut = False) -> None:
             "borrowed": {r: v for r in resources if (v := tree.borrowed(key, r, used))} if node else {},
             "lendable": {r: tree.lent(key, r, used) for r in resources if r in node.nominal} if node else {},
             "pending": pending_in.get(name, 0),
-            "reserved_jobs": sum(1 for held in state.reserved.values() if held[0] == name),
+            "reserved_jobs": sum(1 for j in state.reserved if state.held(j)[0] == name),
         })
     cohorts: dict[str, dict[str, Any]] = {}  # (Any: the JSON document)
     for key, node in sorted(tree.nodes.items()):

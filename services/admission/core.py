@@ -54,23 +54,49 @@ class SubmitBucket:
     at_s: float
 
 
+@dataclass(slots=True)
+class AdmissionJob:
+    """What admission knows of one job: one record, kept for the window after the job ends (a
+    second submit of its id is refused, a cancel is told it ended), then forgotten
+    (`AdmissionState.end`)."""
+
+    tenant: str
+    phase: str = PENDING
+    submit_cmd: str | None = None  # the command that submitted it
+    # submitted, admitted not yet seen: a publish cut short between the two is finished on redelivery
+    unadmitted: bool = False
+    waiting: bool = False  # counted in its tenant's `pending` (submitted, neither placed nor ended)
+
+
 @dataclass
 class AdmissionState:
-    # job_id -> (tenant, phase)
-    jobs: dict[str, tuple[str, str]] = field(default_factory=dict)
-    submit_cmd: dict[str, str] = field(default_factory=dict)  # job_id -> the command that submitted it
+    jobs: dict[str, AdmissionJob] = field(default_factory=dict)
     ended: EndedJobs = field(default_factory=EndedJobs)  # ended jobs are forgotten after a window of log time
-    # submitted, admitted not yet seen: a publish cut short between the two is finished on redelivery
-    unadmitted: set[str] = field(default_factory=set)
     buckets: dict[str, SubmitBucket] = field(default_factory=dict)
     pending: dict[str, int] = field(default_factory=dict)  # tenant -> jobs submitted, not placed / ended
-    waiting: set[str] = field(default_factory=set)  # those jobs
     nodes: dict[str, NodeInventory] = field(default_factory=dict)
     # (tenant | queue, name) -> the budget amounts billing said were exceeded (docs/billing.md)
     budgets_exceeded: dict[tuple[str, str], set[str]] = field(default_factory=dict)
     # the largest node in each dimension, derived from `nodes` (None: to compute again); on the
     # state it derives from, so a restored or rolled-back state never reads another's
     capacity: Capacity | None = field(default=None, compare=False, repr=False)
+
+    def set_waiting(self, rec: AdmissionJob, on: bool) -> None:
+        """Count a tenant's jobs that wait (submitted, neither placed nor ended)."""
+        if on != rec.waiting:
+            rec.waiting = on
+            self.pending[rec.tenant] = max(0, self.pending.get(rec.tenant, 0) + (1 if on else -1))
+
+    def end(self, job_id: str, at: datetime) -> None:
+        """The job ended (or was rejected): its record stays, ended, for the window; the records of
+        the jobs that ended more than the window ago are forgotten now (a submit of a forgotten
+        ULID id is refused by its time: `AdmissionCore._submit`)."""
+        rec = self.jobs.get(job_id)
+        if rec is not None:
+            self.set_waiting(rec, False)
+            rec.phase, rec.unadmitted = ENDED, False
+        for gone in self.ended.add(job_id, at) if rec is not None else self.ended.prune(at.timestamp()):
+            self.jobs.pop(gone, None)
 
 
 @dataclass(frozen=True)
@@ -125,6 +151,7 @@ class AdmissionCore(BaseCore[AdmissionState]):
         "fleet.evt.*.job.*.cancel_requested", "fleet.evt.*.job.*.preempted",
         "fleet.evt.sys.budget.*.*.exceeded",
     )
+    state_format = 2  # one record per job (AdmissionJob)
 
     def __init__(self, config: ClusterConfig | None = None) -> None:
         self.config = config or ClusterConfig()
@@ -136,16 +163,6 @@ class AdmissionCore(BaseCore[AdmissionState]):
         return AdmissionState()
 
     # ------------------------------------------------------------ evolve
-
-    @staticmethod
-    def _waiting(state: AdmissionState, job_id: str, tenant: str, waiting: bool) -> None:
-        """Count a tenant's jobs that wait (submitted, neither placed nor ended)."""
-        if waiting and job_id not in state.waiting:
-            state.waiting.add(job_id)
-            state.pending[tenant] = state.pending.get(tenant, 0) + 1
-        elif not waiting and job_id in state.waiting:
-            state.waiting.discard(job_id)
-            state.pending[tenant] = max(0, state.pending.get(tenant, 0) - 1)
 
     def evolve(self, state: AdmissionState, env: Envelope) -> AdmissionState:
         t = env.type
@@ -165,16 +182,14 @@ class AdmissionCore(BaseCore[AdmissionState]):
         job_id = env.job_id
         if job_id is None or t.startswith("cmd."):
             return state
-        known = state.jobs.get(job_id)
+        rec = state.jobs.get(job_id)
         if t == "job.submitted":
-            if known is None:
-                state.jobs[job_id] = (env.tenant, PENDING)
+            if rec is None:
+                rec = state.jobs[job_id] = AdmissionJob(env.tenant, submit_cmd=env.causation_id or None,
+                                                        unadmitted=True)
                 # an inference service (autoscale) is never placed: its replicas are the jobs that wait
-                service = isinstance(p, JobSubmitted) and p.spec.autoscale is not None
-                self._waiting(state, job_id, env.tenant, not service)
-                state.unadmitted.add(job_id)
-                if env.causation_id:
-                    state.submit_cmd[job_id] = env.causation_id
+                if not (isinstance(p, JobSubmitted) and p.spec.autoscale is not None):
+                    state.set_waiting(rec, True)
                 policy = self.config.policy(env.tenant) or self.config.defaults
                 at = env.occurred_at.timestamp()
                 b = state.buckets.get(env.tenant)
@@ -182,38 +197,23 @@ class AdmissionCore(BaseCore[AdmissionState]):
                     policy.submit_burst, b.tokens + (at - b.at_s) * policy.submit_rate_per_s)
                 state.buckets[env.tenant] = SubmitBucket(tokens - 1, at)
         elif t == "job.admitted":
-            state.unadmitted.discard(job_id)
+            if rec is not None:
+                rec.unadmitted = False
         elif t == "job.rejected":
-            if known is None and env.causation_id:
-                state.submit_cmd[job_id] = env.causation_id
-            state.jobs[job_id] = (env.tenant, ENDED)
-            self._waiting(state, job_id, env.tenant, False)
-            self._forget(state, job_id, env)
+            if rec is None:
+                state.jobs[job_id] = AdmissionJob(env.tenant, submit_cmd=env.causation_id or None)
+            state.end(job_id, env.occurred_at)
         elif t == "job.placed":
-            if known and known[1] in (PENDING, CANCELLING):
-                state.jobs[job_id] = (known[0], PLACED if known[1] == PENDING else CANCELLING)
-                self._waiting(state, job_id, known[0], False)
+            if rec is not None and rec.phase in (PENDING, CANCELLING):
+                if rec.phase == PENDING:
+                    rec.phase = PLACED
+                state.set_waiting(rec, False)
         elif t == "job.cancel_requested":
-            if known and known[1] in (PENDING, PLACED):
-                state.jobs[job_id] = (known[0], CANCELLING)
+            if rec is not None and rec.phase in (PENDING, PLACED):
+                rec.phase = CANCELLING
         elif t in ("job.succeeded", "job.failed", "job.cancelled", "job.preempted"):
-            if known is not None:
-                state.jobs[job_id] = (known[0], ENDED)
-                self._waiting(state, job_id, known[0], False)
-            self._forget(state, job_id if known is not None else None, env)
-            state.unadmitted.discard(job_id)
+            state.end(job_id, env.occurred_at)
         return state
-
-    @staticmethod
-    def _forget(state: AdmissionState, job_id: str | None, env: Envelope) -> None:
-        """Remember the end; forget the jobs that ended more than the window ago (a submit of a
-        forgotten ULID id is refused by its time: `_submit`)."""
-        gone = (state.ended.add(job_id, env.occurred_at) if job_id is not None
-                else state.ended.prune(env.occurred_at.timestamp()))
-        for gone_job in gone:
-            if state.jobs.get(gone_job, ("", ""))[1] == ENDED:
-                state.jobs.pop(gone_job, None)
-                state.submit_cmd.pop(gone_job, None)
 
     # ------------------------------------------------------------ decide
 
@@ -256,8 +256,8 @@ class AdmissionCore(BaseCore[AdmissionState]):
     def _submit(self, state: AdmissionState, env: Envelope, p: SubmitRequested, ctx: Ctx) -> list[Envelope]:
         known = state.jobs.get(p.job_id)
         if known is not None:
-            if state.submit_cmd.get(p.job_id) == env.event_id:
-                if p.job_id in state.unadmitted and known[1] == PENDING:
+            if known.submit_cmd == env.event_id:
+                if known.unadmitted and known.phase == PENDING:
                     # job.submitted was written, job.admitted not (a publish cut short): finish
                     # the decision, with the id the first try gave it
                     return [ctx.emit(JobAdmitted(job_id=p.job_id), key="1")]
@@ -436,17 +436,17 @@ class AdmissionCore(BaseCore[AdmissionState]):
         # `fleet.cmd.sys.cancel` is the admin's subject (only the admin may publish there): an
         # operator's cancel of any tenant's job, recorded under the job's tenant as the admin's
         admin = env.tenant == SYS_TENANT
-        if known[0] != env.tenant and not admin:
+        if known.tenant != env.tenant and not admin:
             # the same words as for an unknown job: another tenant's jobs are not to be probed
             return self._refuse(ctx, env, p.job_id, "cancel", _r("unknown_job", f"no job {p.job_id}", "job_id"))
-        if known[1] == CANCELLING:
+        if known.phase == CANCELLING:
             return []  # asked already
-        if known[1] == ENDED:
+        if known.phase == ENDED:
             return self._refuse(ctx, env, p.job_id, "cancel", _r("already_ended", f"job {p.job_id} has ended"))
         # Admission may lag behind the job: it only asks. The placer, which alone places jobs,
         # cancels one it has not placed; the executor stops one that runs; the guardian ends it.
         return [ctx.emit(JobCancelRequested(job_id=p.job_id, reason=p.reason, requested_by=env.actor),
-                         tenant=known[0])]
+                         tenant=known.tenant)]
 
 
 def _amount_key(d: Decimal) -> str:

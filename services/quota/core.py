@@ -30,6 +30,7 @@ One cycle, run when a job is admitted, when quota is released and every few seco
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import datetime
 
 from gpufleet.shared.contract.clusterconfig import ClusterConfig, QueueConfig
 from gpufleet.shared.contract.events import (
@@ -55,32 +56,107 @@ CYCLE_ON_EVENT_MAX = 64  # pending jobs up to which every admission or release r
 ENDED_TYPES = RUN_ENDED_JOB_TYPES  # (shared/contract/events.py: the contract's one definition)
 
 
-@dataclass
-class Pending:
-    job_id: str
-    tenant: str
+@dataclass(slots=True)
+class Hold:
+    """The quota a job holds, from its reservation until it ends or gives it back."""
+
     queue: str
-    priority: int
-    order: int
-    since_s: float
+    demand: dict[str, int]
+    order: int  # later = more recently admitted to run
+    preempting_for: str | None = None  # asked to give it back, for this job ('' if unnamed)
+    protected: bool = False  # reserved after starving: safe from reclaim
+
+
+@dataclass(slots=True)
+class QuotaJob:
+    """Everything quota knows of one job that has not ended: one record, forgotten at once when the
+    job ends (`QuotaState.end`). Its spec is the submitted event's own object, never a copy; what
+    it holds is None until it holds quota, so a pending job costs one small record."""
+
+    spec: JobSpec | None = None
+    # while it waits for quota (in `QuotaState.pending`): the tenant told, its place in the
+    # admission order and the log time it began to wait (the starvation clock)
+    tenant: str = ""
+    order: int = 0
+    since_s: float = 0.0
+    hold: Hold | None = None
+    said: str | None = None  # the last reason told
+    told: int = 0  # how many reasons told
+    attempt: int = 1  # the attempt its last resume started
+    requeued: int = 0  # times it gave its quota back to run again
 
 
 @dataclass
 class QuotaState:
-    specs: dict[str, JobSpec] = field(default_factory=dict)
-    pending: dict[str, Pending] = field(default_factory=dict)
-    reserved: dict[str, tuple[str, dict[str, int]]] = field(default_factory=dict)  # job -> (queue, demand)
+    jobs: dict[str, QuotaJob] = field(default_factory=dict)
     usage: dict[str, dict[str, int]] = field(default_factory=dict)  # queue -> resource -> amount
     ended: EndedJobs = field(default_factory=EndedJobs)  # forgotten after a window of log time
-    said: dict[str, str] = field(default_factory=dict)  # job -> the last reason told
-    told: dict[str, int] = field(default_factory=dict)  # job -> how many reasons told
     admitted_n: int = 0
     reserved_n: int = 0
-    reserved_order: dict[str, int] = field(default_factory=dict)  # later = more recently admitted to run
-    preempting: dict[str, str] = field(default_factory=dict)  # victim -> the job it makes room for
-    protected: set[str] = field(default_factory=set)  # reserved after starving: safe from reclaim
-    resumed: dict[str, int] = field(default_factory=dict)  # job -> the attempt its last resume started
-    requeued: dict[str, int] = field(default_factory=dict)  # job -> times it gave its quota back to run again
+    # indexes of `jobs` for what the cycle walks (kept by the methods below, nowhere else)
+    pending: set[str] = field(default_factory=set)  # waiting for quota
+    reserved: set[str] = field(default_factory=set)  # holding quota
+    preempting: set[str] = field(default_factory=set)  # holding it, asked to give it back
+    protected: set[str] = field(default_factory=set)  # holding it after starving
+
+    def job(self, job_id: str) -> QuotaJob:
+        rec = self.jobs.get(job_id)
+        if rec is None:
+            rec = self.jobs[job_id] = QuotaJob()
+        return rec
+
+    def end(self, job_id: str, at: datetime) -> None:
+        """The job ended: remembered as ended for the window, its quota given back, its record forgotten now."""
+        self.ended.add(job_id, at)
+        rec = self.jobs.pop(job_id, None)
+        if rec is not None:
+            self.release(job_id, rec)
+            self.pending.discard(job_id)
+
+    def wait(self, job_id: str, rec: QuotaJob, tenant: str, since_s: float) -> None:
+        """The job waits for quota (admitted, or preempted to run again): last in the admission order."""
+        self.admitted_n += 1
+        rec.tenant, rec.order, rec.since_s = tenant, self.admitted_n, since_s
+        self.pending.add(job_id)
+
+    def reserve(self, job_id: str, rec: QuotaJob, queue: str, d: dict[str, int]) -> Hold:
+        """The job holds `d` of the queue's quota now; it waits no more."""
+        self.reserved_n += 1
+        hold = rec.hold = Hold(queue, d, self.reserved_n)
+        use = self.usage.setdefault(queue, {})
+        for r, v in d.items():
+            use[r] = use.get(r, 0) + v
+        self.reserved.add(job_id)
+        self.pending.discard(job_id)
+        return hold
+
+    def release(self, job_id: str, rec: QuotaJob) -> None:
+        """The job gives back the quota it holds (it ended, or runs again later)."""
+        if rec.hold is not None:
+            use = self.usage.setdefault(rec.hold.queue, {})
+            for r, v in rec.hold.demand.items():
+                use[r] = use.get(r, 0) - v
+            rec.hold = None
+        for index in (self.reserved, self.preempting, self.protected):
+            index.discard(job_id)
+
+    def preempt(self, job_id: str, hold: Hold, by_job_id: str) -> None:
+        if hold.preempting_for is None:
+            hold.preempting_for = by_job_id
+            self.preempting.add(job_id)
+
+    def protect(self, job_id: str, hold: Hold) -> None:
+        hold.protected = True
+        self.protected.add(job_id)
+
+    def held(self, job_id: str) -> tuple[str, dict[str, int]] | None:
+        """The (queue, demand) of the quota the job holds, if it holds any."""
+        rec = self.jobs.get(job_id)
+        return (rec.hold.queue, rec.hold.demand) if rec is not None and rec.hold is not None else None
+
+    def waiting(self) -> list[tuple[str, QuotaJob, JobSpec]]:
+        """The jobs waiting for quota, with their records and specs."""
+        return [(job_id, rec, rec.spec) for job_id in self.pending if (rec := self.jobs[job_id]).spec is not None]
 
 
 def demand(spec: JobSpec, flavor: str | None) -> dict[str, int]:
@@ -102,6 +178,7 @@ class QuotaCore(BaseCore[QuotaState]):
         "fleet.evt.*.job.*.preempted",
     )
     tick_s = 1.0
+    state_format = 2  # one record per job (QuotaJob)
 
     def __init__(self, config: ClusterConfig | None = None) -> None:
         self.config = config or ClusterConfig()
@@ -116,77 +193,54 @@ class QuotaCore(BaseCore[QuotaState]):
         t, job_id, p = env.type, env.job_id, env.payload
         if job_id is None:
             return state
+        if t in ENDED_TYPES:
+            state.end(job_id, env.occurred_at)
+            return state
+        if job_id in state.ended:
+            return state  # a late or copied fact about a job that ended changes nothing
         if isinstance(p, JobSubmitted):
-            state.specs[job_id] = p.spec
+            state.job(job_id).spec = p.spec
         elif t == "job.admitted":
-            spec = state.specs.get(job_id)
+            rec = state.jobs.get(job_id)
             # an autoscaled inference service holds nothing itself: its replicas are jobs of their own
-            if (spec is not None and spec.autoscale is None and job_id not in state.reserved
-                    and job_id not in state.ended):
-                state.admitted_n += 1
-                state.pending.setdefault(job_id, Pending(
-                    job_id, env.tenant, spec.queue, spec.priority, state.admitted_n, env.occurred_at.timestamp()))
+            if (rec is not None and rec.spec is not None and rec.spec.autoscale is None and rec.hold is None
+                    and job_id not in state.pending):
+                state.wait(job_id, rec, env.tenant, env.occurred_at.timestamp())
         elif isinstance(p, JobQueued):
-            state.said[job_id] = p.reason.message if p.reason else ""
-            state.told[job_id] = state.told.get(job_id, 0) + 1
+            rec = state.job(job_id)
+            rec.said = p.reason.message if p.reason else ""
+            rec.told += 1
         elif isinstance(p, JobQuotaReserved):
-            if job_id not in state.reserved and job_id not in state.ended:
+            rec = state.job(job_id)
+            if rec.hold is None:
                 d = {"cpu": p.cpu_milli, "memory": p.memory_mib, "gpu": p.gpus}
                 if p.flavor and p.gpus:
                     d[f"gpu/{p.flavor}"] = p.gpus
                 for profile, n in p.mig.items():
                     d[f"mig/{profile}"] = n
-                state.reserved[job_id] = (p.queue, d)
-                state.reserved_n += 1
-                state.reserved_order[job_id] = state.reserved_n
-                use = state.usage.setdefault(p.queue, {})
-                for r, v in d.items():
-                    use[r] = use.get(r, 0) + v
-                waited = state.pending.pop(job_id, None)
-                if waited is not None and env.occurred_at.timestamp() - waited.since_s >= self.config.starvation_after_s:
-                    state.protected.add(job_id)  # got its quota after starving: not reclaimed
-                state.said.pop(job_id, None)
+                waited = job_id in state.pending
+                hold = state.reserve(job_id, rec, p.queue, d)
+                if waited and env.occurred_at.timestamp() - rec.since_s >= self.config.starvation_after_s:
+                    state.protect(job_id, hold)  # got its quota after starving: not reclaimed
+                rec.said = None
         elif isinstance(p, JobPreemptionRequested):
-            if job_id in state.reserved:
-                state.preempting.setdefault(job_id, p.by_job_id or "")
+            rec = state.jobs.get(job_id)
+            if rec is not None and rec.hold is not None:
+                state.preempt(job_id, rec.hold, p.by_job_id or "")
         elif isinstance(p, JobResumeRequested):
-            nxt = resumed_attempt(state.resumed.get(job_id, 1), p)
-            if nxt is None or job_id in state.ended:
+            rec = state.job(job_id)
+            nxt = resumed_attempt(rec.attempt, p)
+            if nxt is None:
                 return state  # a copy of an old resume: the quota it gave back was taken again since
-            state.resumed[job_id] = nxt
+            rec.attempt = nxt
             if p.reason.code != "preempted":
                 return state
             # a preempted job that will run again from its checkpoint: its quota goes back now, and
             # it waits for quota again (at the back of its queue) like a newly admitted job
-            held = state.reserved.pop(job_id, None)
-            state.preempting.pop(job_id, None)
-            state.reserved_order.pop(job_id, None)
-            state.protected.discard(job_id)
-            if held is not None:
-                use = state.usage.setdefault(held[0], {})
-                for r, v in held[1].items():
-                    use[r] = use.get(r, 0) - v
-            spec = state.specs.get(job_id)
-            if spec is not None and job_id not in state.ended:
-                state.admitted_n += 1
-                state.requeued[job_id] = state.requeued.get(job_id, 0) + 1
-                state.pending[job_id] = Pending(job_id, env.tenant, spec.queue, spec.priority, state.admitted_n,
-                                                env.occurred_at.timestamp())
-        elif t in ENDED_TYPES:
-            state.ended.add(job_id, env.occurred_at)
-            state.preempting.pop(job_id, None)
-            state.reserved_order.pop(job_id, None)
-            state.protected.discard(job_id)
-            state.pending.pop(job_id, None)
-            state.specs.pop(job_id, None)
-            state.said.pop(job_id, None)
-            state.requeued.pop(job_id, None)
-            state.resumed.pop(job_id, None)
-            held = state.reserved.pop(job_id, None)
-            if held is not None:
-                use = state.usage.setdefault(held[0], {})
-                for r, v in held[1].items():
-                    use[r] = use.get(r, 0) - v
+            state.release(job_id, rec)
+            if rec.spec is not None:
+                rec.requeued += 1
+                state.wait(job_id, rec, env.tenant, env.occurred_at.timestamp())
         return state
 
     # ------------------------------------------------------------ decide
@@ -219,8 +273,8 @@ class QuotaCore(BaseCore[QuotaState]):
         starve_s = self.config.starvation_after_s
         # a starving job goes first within its priority: were a queue with a lower DRF share looked
         # at before it, that queue's jobs would take what frees before it could be held for it
-        order = sorted(state.pending.values(), key=lambda j: (
-            -j.priority, now - j.since_s < starve_s, self.share(state, j.queue), j.order))[:CYCLE_JOBS_MAX]
+        order = sorted(state.waiting(), key=lambda w: (
+            -w[2].priority, now - w[1].since_s < starve_s, self.share(state, w[2].queue), w[1].order))[:CYCLE_JOBS_MAX]
         out: list[Envelope] = []
         # what this cycle reserved so far, so later jobs in it see it (outputs evolve after)
         extra: dict[str, dict[str, int]] = {}
@@ -228,20 +282,18 @@ class QuotaCore(BaseCore[QuotaState]):
         # jobs it preempts, that later jobs must not take what it lacks from
         blocked: dict[str, tuple[int, set[str], str, str, str]] = {}
         taken: set[str] = set()  # victims chosen in this cycle
-        for job in order:
-            spec = state.specs.get(job.job_id)
-            if spec is None:
-                continue
-            cohort = self._cohort(job.queue)
-            flavor, reason, lacking = self.fit(state, extra, job.queue, spec)
+        for job_id, rec, spec in order:
+            queue, priority = spec.queue, spec.priority
+            cohort = self._cohort(queue)
+            flavor, reason, lacking = self.fit(state, extra, queue, spec)
             hold = blocked.get(cohort)
             # Held back: jobs of the starving job's queue, and jobs that would borrow, that need
             # what it lacks. A job within its own queue's nominal is never held: that quota is
             # its queue's, and holding it would only let the starving job borrow it, to be
             # reclaimed from it at once (the nominal guarantee wins over the starvation guard).
-            if flavor is not None and hold is not None and job.priority <= hold[0] and (
+            if flavor is not None and hold is not None and priority <= hold[0] and (
                     {r for r, v in demand(spec, flavor or None).items() if v > 0} & hold[1]) and (
-                    job.queue == hold[3] or self._would_borrow(state, extra, job.queue, demand(spec, flavor or None))):
+                    queue == hold[3] or self._would_borrow(state, extra, queue, demand(spec, flavor or None))):
                 reason = Reason(code="behind_starving_job", message=(
                     f"waiting behind job {hold[2]}, which has waited over "
                     f"{self.config.starvation_after_s:.0f}s for the same resources")) if hold[4] == "starving" else \
@@ -251,96 +303,95 @@ class QuotaCore(BaseCore[QuotaState]):
                 flavor = None
             if flavor is not None:
                 d = demand(spec, flavor or None)
-                add = extra.setdefault(job.queue, {})
+                add = extra.setdefault(queue, {})
                 for r, v in d.items():
                     add[r] = add.get(r, 0) + v
                 out.append(ctx.emit(JobQuotaReserved(
-                    job_id=job.job_id, queue=job.queue, cpu_milli=d["cpu"], memory_mib=d["memory"],
+                    job_id=job_id, queue=queue, cpu_milli=d["cpu"], memory_mib=d["memory"],
                     gpus=spec.gpus_total, flavor=flavor or None, mig=spec.mig_total,
-                ), tenant=job.tenant, cause_id=job.job_id,
-                    key="reserved" + (f":{state.requeued[job.job_id]}" if job.job_id in state.requeued else "")))
+                ), tenant=rec.tenant, cause_id=job_id,
+                    key="reserved" + (f":{rec.requeued}" if rec.requeued else "")))
                 continue
             if reason is not None and reason.code in ("queue_limit", "cohort_limit"):
-                preempting = False
-                if job.job_id in state.preempting.values():
-                    preempting = True
-                    n = sum(1 for by in state.preempting.values() if by == job.job_id)
+                n = sum(1 for v in state.preempting
+                        if (h := state.jobs[v].hold) is not None and h.preempting_for == job_id)
+                preempting = n > 0
+                if preempting:
                     reason = Reason(code="preempting", message=(
-                        f"waiting for {n} preempted job(s) to give back quota in queue {job.queue}"))
+                        f"waiting for {n} preempted job(s) to give back quota in queue {queue}"))
                 else:
-                    victims = self.victims(state, extra, job, spec, taken)
+                    victims = self.victims(state, extra, job_id, spec, taken)
                     if victims:
                         preempting = True
                         taken.update(v for v, _ in victims)
                         for victim, why in victims:
+                            vhold = state.jobs[victim].hold
                             out.append(ctx.emit(JobPreemptionRequested(
-                                job_id=victim, by_job_id=job.job_id, reason=why, grace_s=PREEMPT_GRACE_S,
-                            ), tenant=self._tenant(state, victim), cause_id=job.job_id, key=f"preempt:{victim}:{state.reserved_order.get(victim, 0)}"))
+                                job_id=victim, by_job_id=job_id, reason=why, grace_s=PREEMPT_GRACE_S,
+                            ), tenant=self._tenant(state, victim), cause_id=job_id,
+                                key=f"preempt:{victim}:{vhold.order if vhold else 0}"))
                         reason = Reason(code="preempting", message=(
-                            f"waiting for {len(victims)} preempted job(s) to give back quota in queue {job.queue}"))
+                            f"waiting for {len(victims)} preempted job(s) to give back quota in queue {queue}"))
                 if preempting and cohort not in blocked:
                     # what its victims give back is for it: a job after it that would borrow the same
                     # resources (or a lower one of its queue) must not take it, to be preempted in turn
-                    blocked[cohort] = (job.priority, lacking, job.job_id, job.queue, "preempting")
-            if now - job.since_s >= starve_s and cohort not in blocked and (
-                    self.fit(QuotaState(), {}, job.queue, spec)[0] is not None):
-                blocked[cohort] = (job.priority, lacking, job.job_id, job.queue, "starving")
-            if reason is not None and state.said.get(job.job_id) != reason.message:
+                    blocked[cohort] = (priority, lacking, job_id, queue, "preempting")
+            if now - rec.since_s >= starve_s and cohort not in blocked and (
+                    self.fit(QuotaState(), {}, queue, spec)[0] is not None):
+                blocked[cohort] = (priority, lacking, job_id, queue, "starving")
+            if reason is not None and rec.said != reason.message:
                 # the count keeps ids apart when a reason comes back (A, B, A): the server's
                 # duplicate window would otherwise drop the second A
-                told = state.told.get(job.job_id, 0)
-                out.append(ctx.emit(JobQueued(job_id=job.job_id, queue=job.queue, reason=reason),
-                                    tenant=job.tenant, cause_id=job.job_id, key=f"queued:{told}:{reason.message}"))
+                out.append(ctx.emit(JobQueued(job_id=job_id, queue=queue, reason=reason),
+                                    tenant=rec.tenant, cause_id=job_id, key=f"queued:{rec.told}:{reason.message}"))
         return out
 
     @staticmethod
     def _tenant(state: QuotaState, job_id: str) -> str:
-        spec = state.specs.get(job_id)
+        spec = state.jobs[job_id].spec
         return spec.tenant if spec else "sys"
 
-    def victims(self, state: QuotaState, extra: dict[str, dict[str, int]], job: Pending, spec: JobSpec,
+    def victims(self, state: QuotaState, extra: dict[str, dict[str, int]], job_id: str, spec: JobSpec,
                 taken: set[str]) -> list[tuple[str, Reason]]:
-        """The fewest running jobs whose quota lets `job` in: lower priority in its own queue, or
+        """The fewest running jobs whose quota lets `job_id` in: lower priority in its own queue, or
         any priority in a queue that borrows from this one's cohort while this queue is under its
         nominal (reclaim). Lowest priority first, then the most recently admitted. [] if none do."""
-        q = self.queue_config(job.queue)
+        q = self.queue_config(spec.queue)
         if q is None:
             return []
         within_nominal = all(
-            self._used(state, extra, job.queue, r) + v <= q.nominal[r]
-            for r, v in demand(spec, self._flavor_hint(job.queue, spec)).items() if r in q.nominal
+            self._used(state, extra, spec.queue, r) + v <= q.nominal[r]
+            for r, v in demand(spec, self._flavor_hint(spec.queue, spec)).items() if r in q.nominal
         )
-        candidates: list[tuple[int, int, str, Reason]] = []
-        for victim, (queue, held) in state.reserved.items():
-            if victim in taken or victim in state.preempting:
+        candidates: list[tuple[int, int, str, Reason, Hold]] = []
+        for victim in state.reserved:
+            vspec, hold = state.jobs[victim].spec, state.jobs[victim].hold
+            if victim in taken or vspec is None or hold is None or hold.preempting_for is not None:
                 continue
-            vspec = state.specs.get(victim)
-            if vspec is None:
-                continue
-            if queue == job.queue and vspec.priority < job.priority:
+            queue, held = hold.queue, hold.demand
+            if queue == spec.queue and vspec.priority < spec.priority:
                 why = Reason(code="priority", message=(
-                    f"preempted for job {job.job_id} (priority {job.priority} > {vspec.priority}) in queue {queue}"))
-            elif (within_nominal and queue != job.queue and victim not in state.protected
-                  and self._cohort(queue) == self._cohort(job.queue) and self._borrowing(state, queue, held)):
+                    f"preempted for job {job_id} (priority {spec.priority} > {vspec.priority}) in queue {queue}"))
+            elif (within_nominal and queue != spec.queue and not hold.protected
+                  and self._cohort(queue) == self._cohort(spec.queue) and self._borrowing(state, queue, held)):
                 why = Reason(code="reclaim", message=(
-                    f"queue {job.queue} reclaims its nominal quota from {queue}, which borrows it"))
+                    f"queue {spec.queue} reclaims its nominal quota from {queue}, which borrows it"))
             else:
                 continue
-            candidates.append((vspec.priority, -state.reserved_order.get(victim, 0), victim, why))
+            candidates.append((vspec.priority, -hold.order, victim, why, hold))
         candidates.sort()
         chosen: list[tuple[str, Reason]] = []
         freed: dict[str, dict[str, int]] = {k: dict(v) for k, v in extra.items()}
-        for _prio, _order, victim, why in candidates:
-            queue, held = state.reserved[victim]
-            sub = freed.setdefault(queue, {})
-            for r, v in held.items():
+        for _prio, _order, victim, why, hold in candidates:
+            sub = freed.setdefault(hold.queue, {})
+            for r, v in hold.demand.items():
                 sub[r] = sub.get(r, 0) - v
             chosen.append((victim, why))
-            if self.fit(state, freed, job.queue, spec)[0] is not None:
-                return self._fewest(state, extra, job, spec, chosen)
+            if self.fit(state, freed, spec.queue, spec)[0] is not None:
+                return self._fewest(state, extra, spec, chosen)
         return []
 
-    def _fewest(self, state: QuotaState, extra: dict[str, dict[str, int]], job: Pending, spec: JobSpec,
+    def _fewest(self, state: QuotaState, extra: dict[str, dict[str, int]], spec: JobSpec,
                 chosen: list[tuple[str, Reason]]) -> list[tuple[str, Reason]]:
         """Drop any victim the job does not need after all (the first ones chosen may be redundant)."""
         keep = list(chosen)
@@ -348,11 +399,12 @@ class QuotaCore(BaseCore[QuotaState]):
             trial = [c for c in keep if c[0] != victim]
             freed: dict[str, dict[str, int]] = {k: dict(v) for k, v in extra.items()}
             for v, _ in trial:
-                queue, held = state.reserved[v]
-                sub = freed.setdefault(queue, {})
-                for r, amount in held.items():
+                hold = state.jobs[v].hold
+                assert hold is not None  # (a victim holds quota)
+                sub = freed.setdefault(hold.queue, {})
+                for r, amount in hold.demand.items():
                     sub[r] = sub.get(r, 0) - amount
-            if self.fit(state, freed, job.queue, spec)[0] is not None:
+            if self.fit(state, freed, spec.queue, spec)[0] is not None:
                 keep = trial
         return keep
 
@@ -363,9 +415,9 @@ class QuotaCore(BaseCore[QuotaState]):
             return False
         use = dict(state.usage.get(queue, {}))
         for job_id in state.protected:
-            owner = state.reserved.get(job_id)
-            if owner is not None and owner[0] == queue:
-                for r, v in owner[1].items():
+            owner = state.jobs[job_id].hold
+            if owner is not None and owner.queue == queue:
+                for r, v in owner.demand.items():
                     use[r] = use.get(r, 0) - v
         return any(r in q.nominal and use.get(r, 0) > q.nominal[r] for r in held)
 

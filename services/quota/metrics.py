@@ -17,7 +17,7 @@ EVERY_S = 5.0
 
 
 def export(state: QuotaState) -> None:
-    pending = Counter(p.queue for p in state.pending.values())
+    pending = Counter(spec.queue for _, _, spec in state.waiting())
     queues = set(pending) | set(state.usage)
     for q in sorted(queues):
         otel.record_queue(q, pending.get(q, 0), state.usage.get(q, {}).get("gpu", 0))
