@@ -206,8 +206,8 @@ async def test_restarted_executor_readopts_running_jobs(bus: Bus, nats_url: str,
             async def started() -> bool:
                 return bool(await events_of(bus, job.job_id or "", "job.started"))
             await wait_until(started)
-            pid = first.state.running[(job.job_id or "", 0)].job_id and \
-                (await events_of(bus, job.job_id or "", "job.started"))[0].payload.pid
+            assert first.state.run(job.job_id or "", 0) is not None
+            pid = (await events_of(bus, job.job_id or "", "job.started"))[0].payload.pid
         # the executor is gone; its job is not
         assert alive(pid)
         async with agent(nats_url, tmp_path, instance="1"):

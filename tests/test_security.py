@@ -282,7 +282,7 @@ async def test_a_core_dead_letters_a_fact_by_a_foreign_author(bus: Bus) -> None:
         assert all("foreign author" in e.payload.reason for e in letters)
         assert "only placer may author it" in letters[0].payload.reason
         assert not [e for _, e in await read_log(bus) if e.type == "job.started"]
-        assert not [key for key in rts[0].state.desired if key[0].startswith("forged")]
+        assert not [j for j, rec in rts[0].state.jobs.items() if rec.desired and j.startswith("forged")]
 
 
 async def _ready(coro: Any, n: int) -> Any:

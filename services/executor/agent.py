@@ -124,10 +124,7 @@ class ExecutorAgent:
         if not self.beating:
             return
         nodes = self.core.hosted(self.state)
-        running: dict[str, list[str]] = {}
-        for (job_id, _), r in self.state.running.items():
-            if r.node_id in self.core.driver_nodes:
-                running.setdefault(r.node_id, []).append(job_id)
+        running = {n: [job_id for job_id, _ in self.state.on_node.get(n, ())] for n in self.core.driver_nodes}
         now = self.clock()
         for i in range(0, len(nodes), HEARTBEAT_CHUNK):
             chunk = nodes[i:i + HEARTBEAT_CHUNK]
@@ -204,11 +201,11 @@ class ExecutorAgent:
         """Stuck terminating: report the end the workload will not report itself (once)."""
         w = next((x for x in await self.driver.list() if x.key == a.key), None) if self.driver else None
         self._forced.add(a.key)
-        if w is None or not w.running or w.key in self.state.exits_logged:
+        if w is None or not w.running or self.state.exit_logged(w.job_id, w.replica, w.attempt):
             return
-        run = self.state.running.get((w.job_id, w.replica))
+        run = self.state.run(w.job_id, w.replica)
         run = run if run is not None and run.attempt == w.attempt else None
-        d = self.state.desired.get((w.job_id, w.replica))
+        d = (self.state.peek_driver(w.job_id).desired or {}).get(w.replica)
         report = ReportExit(replace(w, running=False, exit_code=137), a.reason, run,
                             d if d is not None and d.attempt == w.attempt else None)
         unclean = await self.unclean_gpus(report)
@@ -219,11 +216,12 @@ class ExecutorAgent:
     async def last_checkpoint(self, job_id: str) -> tuple[str, int, float] | None:
         """The latest good checkpoint of a training job, as the run ends (one saved in its grace
         included), so the guardian resumes from exactly that one."""
-        spec = self.state.specs.get(job_id)
+        rec = self.state.peek(job_id)
+        spec = rec.spec
         if self.checkpoint_root is None or spec is None or spec.type not in CHECKPOINTED_TYPES:
             return None
-        run = next((r for (j, _), r in self.state.running.items() if j == job_id), None)
-        d = next((d for (j, _), d in self.state.desired.items() if j == job_id), None)
+        run = next(iter((rec.running or {}).values()), None)
+        d = next(iter((self.state.peek_driver(job_id).desired or {}).values()), None)
         tenant = run.tenant if run else (d.tenant if d else spec.tenant)
         where = checkpoint_location(self.checkpoint_root, tenant, job_id, spec.checkpoint.path if spec.checkpoint else None)
         c = await asyncio.to_thread(latest_good, where)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
+from datetime import datetime
 
 from gpufleet.shared.contract.events import (
     SYS_TENANT,
@@ -38,7 +39,7 @@ from gpufleet.shared.contract.events import (
     resumed_attempt,
     utc,
 )
-from gpufleet.shared.contract.spec import JobSpec
+from gpufleet.shared.contract.spec import JobSpec, SimSpec
 from gpufleet.shared.node.checkpoints import CHECKPOINTED_TYPES
 from gpufleet.shared.node.checkpoints import location as checkpoint_location
 from gpufleet.shared.node.cluster import inventory_digest
@@ -55,19 +56,13 @@ _KILL_REASONS: dict[str, ExitReason] = {
     "job.succeeded": "killed"}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class RunPlan:
+    """How a replica runs on a sim node."""
+
     duration_s: float
     exit_code: int
     max_runtime_s: float
-    runs: tuple[tuple[float, int], ...] = ()  # the first attempts, one by one (spec.sim.runs)
-
-    def of(self, attempt: int) -> RunPlan:
-        """The plan of that attempt."""
-        if 1 <= attempt <= len(self.runs):
-            duration, code = self.runs[attempt - 1]
-            return RunPlan(duration, code, self.max_runtime_s)
-        return self
 
 
 @dataclass
@@ -102,29 +97,163 @@ class PoolNode:
     removal_event_id: str | None = None
 
 
+@dataclass(slots=True)
+class DriverJob:
+    """What `reconcile` needs of a job with replicas on the driver (`process` / `docker`) nodes: what
+    should run there, what must stop, why and how gently, which exits the log has. A sim executor
+    keeps none; a driver executor makes it when the job is first placed, asked to stop or resumed."""
+
+    desired: dict[int, Desired] | None = None  # replica -> what should run
+    abandoned: dict[int, Desired] | None = None  # replica -> an old attempt placed here, never started
+    exits_logged: set[tuple[int, int]] | None = None  # (replica, attempt) whose exit the log has
+    stop_reason: ExitReason | None = None  # why it must stop (kept past the end: a late exit's reason)
+    stop_grace: float | None = None  # the grace its preemption gives
+    resume_from: str | None = None  # the checkpoint its next run starts from
+
+
+@dataclass(slots=True)
+class ExecutorJob:
+    """Everything the executor knows of one job: one record. Collections stay None until needed: a
+    pending job costs one small record. When the job ends, what its replicas still need (they are
+    stopped, and say how they ended, after the end) stays until the window forgets the job; the rest
+    goes at once (`ExecutorState.end`)."""
+
+    sim: SimSpec | None = None  # how its replicas run on sim nodes (the spec's own, shared)
+    max_runtime_s: float = 86400.0
+    spec: JobSpec | None = None  # driver executors only: what its replicas run (the event's, shared)
+    attempt: int = 1  # its current attempt (resumes)
+    # (replica, attempt) started here: a placement redelivered after its replica exited starts nothing
+    started: set[tuple[int, int]] | None = None
+    running: dict[int, Running] | None = None  # replica -> its run here, in the order they started
+    cancelling: bool = False  # asked to stop: a late placement does not run
+    driver: DriverJob | None = None
+
+    def plan(self, attempt: int) -> RunPlan:
+        """How a replica of that attempt runs on a sim node (`sim.runs` plays the first attempts)."""
+        sim = self.sim
+        if sim is None:
+            return RunPlan(0.0, 0, 86400.0)
+        run = sim.runs[attempt - 1] if 1 <= attempt <= len(sim.runs) else sim
+        return RunPlan(run.duration_s, run.exit_code, self.max_runtime_s)
+
+
 @dataclass
 class ExecutorState:
     registered: dict[str, str] = field(default_factory=dict)  # node_id -> inventory digest
-    plans: dict[str, RunPlan] = field(default_factory=dict)
-    running: dict[tuple[str, int], Running] = field(default_factory=dict)
-    replicas_of: dict[str, list[int]] = field(default_factory=dict)  # job_id -> running replicas
-    # (when it ends, job_id, replica): a tick looks only at what is due, not at every replica
-    deadlines: list[tuple[float, str, int]] = field(default_factory=list)
+    jobs: dict[str, ExecutorJob] = field(default_factory=dict)
     ended: EndedJobs = field(default_factory=EndedJobs)  # forgotten after a window of log time
-    cancelling: set[str] = field(default_factory=set)  # asked to stop: a late placement does not run
-    # job_id -> (replica, attempt) started here: a placement redelivered after its replica exited starts nothing
-    started: dict[str, set[tuple[int, int]]] = field(default_factory=dict)
-    # driver nodes: what should run, why a job must stop, which exits the log already has
-    desired: dict[tuple[str, int], Desired] = field(default_factory=dict)
-    specs: dict[str, JobSpec] = field(default_factory=dict)
-    stop_reason: dict[str, ExitReason] = field(default_factory=dict)
-    exits_logged: set[str] = field(default_factory=set)  # workload keys
-    attempt: dict[str, int] = field(default_factory=dict)  # job -> its current attempt (resumes)
+    # indexes of `jobs` (kept by the methods below, nowhere else):
+    # (when it ends, job_id, replica): a tick looks only at what is due, not at every replica
+    # (the entries of replicas that ended go as they come to the top)
+    deadlines: list[tuple[float, str, int]] = field(default_factory=list)
+    on_node: dict[str, set[tuple[str, int]]] = field(default_factory=dict)  # node -> (job, replica) running there
+    placed: set[str] = field(default_factory=set)  # jobs with a desired or abandoned replica: what reconcile walks
     lost: dict[str, int] = field(default_factory=dict)  # node -> times the log said it was lost
-    stop_grace: dict[str, float] = field(default_factory=dict)  # job -> the grace its preemption gives
-    abandoned: dict[tuple[str, int], Desired] = field(default_factory=dict)  # old attempts never started
-    resume_from: dict[str, str] = field(default_factory=dict)  # job -> the checkpoint its next run starts from
     pool_nodes: dict[str, PoolNode] = field(default_factory=dict)  # sim provider: nodes asked for, not gone
+
+    def job(self, job_id: str) -> ExecutorJob:
+        rec = self.jobs.get(job_id)
+        if rec is None:
+            rec = self.jobs[job_id] = ExecutorJob()
+        return rec
+
+    def driver(self, job_id: str) -> DriverJob:
+        rec = self.job(job_id)
+        if rec.driver is None:
+            rec.driver = DriverJob()
+        return rec.driver
+
+    def peek(self, job_id: str) -> ExecutorJob:
+        """The job's record to read, or an empty one (not kept) when there is none."""
+        rec = self.jobs.get(job_id)
+        return rec if rec is not None else ExecutorJob()
+
+    def peek_driver(self, job_id: str) -> DriverJob:
+        """The job's driver part to read, or an empty one (not kept) when there is none."""
+        rec = self.jobs.get(job_id)
+        return rec.driver if rec is not None and rec.driver is not None else DriverJob()
+
+    def run(self, job_id: str, replica: int) -> Running | None:
+        rec = self.jobs.get(job_id)
+        return rec.running.get(replica) if rec is not None and rec.running is not None else None
+
+    def exit_logged(self, job_id: str, replica: int, attempt: int) -> bool:
+        return (replica, attempt) in (self.peek_driver(job_id).exits_logged or ())
+
+    def add_run(self, rec: ExecutorJob, run: Running) -> None:
+        """It runs (in place of an earlier attempt of the same replica, whose exit never came)."""
+        if rec.running is None:
+            rec.running = {}
+        stale = rec.running.get(run.replica)
+        if stale is not None:
+            self._off_node(stale)
+        rec.running[run.replica] = run
+        self.on_node.setdefault(run.node_id, set()).add((run.job_id, run.replica))
+        heapq.heappush(self.deadlines, (run.started_at_s + min(run.plan.duration_s, run.plan.max_runtime_s),
+                                        run.job_id, run.replica))
+
+    def drop_run(self, rec: ExecutorJob, run: Running) -> None:
+        """It exited."""
+        assert rec.running is not None
+        del rec.running[run.replica]
+        if not rec.running:
+            rec.running = None
+        self._off_node(run)
+        while self.deadlines and self.run(self.deadlines[0][1], self.deadlines[0][2]) is None:
+            heapq.heappop(self.deadlines)  # entries of ended replicas, now at the top
+
+    def _off_node(self, run: Running) -> None:
+        on = self.on_node.get(run.node_id)
+        if on is not None:
+            on.discard((run.job_id, run.replica))
+            if not on:
+                del self.on_node[run.node_id]
+
+    def set_desired(self, job_id: str, dj: DriverJob, replica: int, d: Desired | None) -> None:
+        dj.desired = _put(dj.desired, replica, d)
+        self._index_placed(job_id, dj)
+
+    def set_abandoned(self, job_id: str, dj: DriverJob, replica: int, d: Desired | None) -> None:
+        dj.abandoned = _put(dj.abandoned, replica, d)
+        self._index_placed(job_id, dj)
+
+    def _index_placed(self, job_id: str, dj: DriverJob) -> None:
+        (self.placed.add if dj.desired or dj.abandoned else self.placed.discard)(job_id)
+
+    def end(self, job_id: str, at: datetime, reason: ExitReason | None) -> None:
+        """The job ended: remembered as ended for the window. Its replicas running stay (they are
+        stopped, then their exits folded), and on driver nodes (`reason` given) why it stopped, unless
+        it was asked to stop for another reason, and the exits the log has, until the window forgets
+        the job; the rest of its record goes now. The jobs the window forgets go with their indexes."""
+        for gone in self.ended.add(job_id, at):
+            self._forget(gone)
+        self.placed.discard(job_id)
+        rec = self.jobs.pop(job_id, None)
+        dj = rec.driver if rec is not None else None
+        kept = ExecutorJob(running=rec.running if rec is not None else None)
+        if reason is not None:
+            kept.driver = DriverJob(exits_logged=dj.exits_logged if dj else None,
+                                    stop_reason=(dj.stop_reason if dj else None) or reason)
+        if kept.running is not None or kept.driver is not None:
+            self.jobs[job_id] = kept
+
+    def _forget(self, job_id: str) -> None:
+        rec = self.jobs.pop(job_id, None)
+        self.placed.discard(job_id)
+        for run in (rec.running or {}).values() if rec is not None else ():
+            self._off_node(run)  # (its deadline entries go as they come to the top)
+
+
+def _put(d: dict[int, Desired] | None, replica: int, value: Desired | None) -> dict[int, Desired] | None:
+    """`d` with `replica` set to `value` (or removed, with None); None once empty."""
+    if value is not None:
+        if d is None:
+            d = {}
+        d[replica] = value
+        return d
+    if d is not None:
+        d.pop(replica, None)
+    return d or None
 
 
 class ExecutorCore(BaseCore[ExecutorState]):
@@ -140,6 +269,7 @@ class ExecutorCore(BaseCore[ExecutorState]):
         "fleet.evt.sys.node.*.deregistered",
     )
     tick_s = 0.2
+    state_format = 2  # one record per job (ExecutorJob)
 
     def __init__(self, nodes: dict[str, NodeInventory], sim_pools: bool = False) -> None:
         self.nodes = nodes
@@ -191,90 +321,77 @@ class ExecutorCore(BaseCore[ExecutorState]):
         if job_id is None:
             return state
         if isinstance(p, JobSubmitted):
-            spec = p.spec
-            state.plans[job_id] = RunPlan(spec.sim.duration_s, spec.sim.exit_code, spec.max_runtime_s,
-                                          tuple((r.duration_s, r.exit_code) for r in spec.sim.runs))
+            rec = state.job(job_id)
+            rec.sim, rec.max_runtime_s = p.spec.sim, p.spec.max_runtime_s
             if self.driver_nodes:
-                state.specs[job_id] = spec
+                rec.spec = p.spec
         elif isinstance(p, JobPlaced):
-            if job_id not in state.ended and self.driver_nodes and p.attempt >= state.attempt.get(job_id, 1):
+            if job_id not in state.ended and self.driver_nodes and p.attempt >= state.peek(job_id).attempt:
                 for a in p.allocations:
                     if a.node_id in self.driver_nodes:
-                        state.desired[(job_id, a.replica)] = Desired(a, p.attempt, env.tenant, env.event_id)
+                        state.set_desired(job_id, state.driver(job_id), a.replica,
+                                          Desired(a, p.attempt, env.tenant, env.event_id))
         elif isinstance(p, JobResumeRequested):
-            nxt = resumed_attempt(state.attempt.get(job_id, 1), p)
+            nxt = resumed_attempt(state.peek(job_id).attempt, p)
             if nxt is None:  # a copy of an old resume: the run it started may be running now
                 return state
-            state.attempt[job_id] = nxt
-            if p.checkpoint_uri:
-                state.resume_from[job_id] = p.checkpoint_uri
-            if p.reason.code == "preempted" and state.stop_reason.get(job_id) == "preempted":
-                # it gave its quota back and waits for it again: that stop was for the run before
-                del state.stop_reason[job_id]
-                state.stop_grace.pop(job_id, None)
-            for key in [k for k, d in state.desired.items() if k[0] == job_id and d.attempt < state.attempt[job_id]]:
-                old = state.desired.pop(key)
-                run = state.running.get(key)
-                if run is None or run.attempt != old.attempt:
-                    # placed here but never started: its allocation must still be given back
-                    state.abandoned[key] = old
+            rec = state.job(job_id)
+            rec.attempt = nxt
+            if self.driver_nodes:
+                dj = state.driver(job_id)
+                if p.reason.code == "preempted" and dj.stop_reason == "preempted":
+                    # it gave its quota back and waits for it again: that stop was for the run before
+                    dj.stop_reason = dj.stop_grace = None
+                if p.checkpoint_uri:
+                    dj.resume_from = p.checkpoint_uri
+                for replica, old in [(r, d) for r, d in (dj.desired or {}).items() if d.attempt < nxt]:
+                    state.set_desired(job_id, dj, replica, None)
+                    run = (rec.running or {}).get(replica)
+                    if run is None or run.attempt != old.attempt:
+                        # placed here but never started: its allocation must still be given back
+                        state.set_abandoned(job_id, dj, replica, old)
         elif isinstance(p, JobStarted):
             if self.hosts(state, p.node_id) and job_id not in state.ended:
-                plan = state.plans.get(job_id, RunPlan(0.0, 0, 86400.0)).of(p.attempt)
-                state.started.setdefault(job_id, set()).add((p.replica, p.attempt))
-                run = Running(
-                    job_id, env.tenant, p.replica, p.node_id,
-                    env.occurred_at.timestamp(), env.event_id, plan, p.attempt,
-                )
-                stale = state.running.get((job_id, run.replica))
-                if stale is not None and stale.attempt < run.attempt:
-                    del state.running[(job_id, run.replica)]  # an earlier attempt whose exit never came
-                if (job_id, run.replica) not in state.running:
-                    state.running[(job_id, run.replica)] = run
-                    state.replicas_of.setdefault(job_id, []).append(run.replica)
-                    ends = run.started_at_s + min(plan.duration_s, plan.max_runtime_s)
-                    heapq.heappush(state.deadlines, (ends, job_id, run.replica))
+                rec = state.job(job_id)
+                plan = rec.plan(p.attempt)
+                if rec.started is None:
+                    rec.started = set()
+                rec.started.add((p.replica, p.attempt))
+                current = (rec.running or {}).get(p.replica)
+                # (in place of an earlier attempt whose exit never came)
+                if current is None or current.attempt < p.attempt:
+                    state.add_run(rec, Running(job_id, env.tenant, p.replica, p.node_id,
+                                               env.occurred_at.timestamp(), env.event_id, plan, p.attempt))
         elif isinstance(p, JobExited):
             if p.node_id in self.driver_nodes:
-                state.exits_logged.add(workload_key(job_id, p.replica, p.attempt))
-                gone = state.abandoned.get((job_id, p.replica))
+                dj = state.driver(job_id)
+                if dj.exits_logged is None:
+                    dj.exits_logged = set()
+                dj.exits_logged.add((p.replica, p.attempt))
+                gone = (dj.abandoned or {}).get(p.replica)
                 if gone is not None and gone.attempt == p.attempt:
-                    del state.abandoned[(job_id, p.replica)]
-                d = state.desired.get((job_id, p.replica))
+                    state.set_abandoned(job_id, dj, p.replica, None)
+                d = (dj.desired or {}).get(p.replica)
                 if d is not None and d.attempt == p.attempt:
-                    del state.desired[(job_id, p.replica)]
-            current = state.running.get((job_id, p.replica))
+                    state.set_desired(job_id, dj, p.replica, None)
+            current = state.run(job_id, p.replica)
             if current is not None and current.attempt != p.attempt:
                 return state  # the exit of an earlier attempt of this replica
-            if state.running.pop((job_id, p.replica), None) is not None:
-                while state.deadlines and (state.deadlines[0][1], state.deadlines[0][2]) not in state.running:
-                    heapq.heappop(state.deadlines)  # entries of ended replicas, now at the top
-                replicas = state.replicas_of.get(job_id, [])
-                if p.replica in replicas:
-                    replicas.remove(p.replica)
-                if not replicas:
-                    state.replicas_of.pop(job_id, None)
+            if current is not None:
+                state.drop_run(state.jobs[job_id], current)
         elif t == "job.cancel_requested":
-            state.cancelling.add(job_id)
-            state.stop_reason.setdefault(job_id, "cancelled")
+            state.job(job_id).cancelling = True
+            if self.driver_nodes and (dj := state.driver(job_id)).stop_reason is None:
+                dj.stop_reason = "cancelled"
         elif isinstance(p, JobPreemptionRequested):
-            state.stop_reason.setdefault(job_id, "preempted")
-            state.stop_grace.setdefault(job_id, p.grace_s)
+            if self.driver_nodes:
+                dj = state.driver(job_id)
+                if dj.stop_reason is None:
+                    dj.stop_reason = "preempted"
+                if dj.stop_grace is None:
+                    dj.stop_grace = p.grace_s
         elif t in ("job.succeeded", "job.failed", "job.cancelled", "job.preempted"):
-            for forgotten in state.ended.add(job_id, env.occurred_at):
-                state.stop_reason.pop(forgotten, None)  # (kept past the end: a late exit's reason)
-            state.cancelling.discard(job_id)
-            state.plans.pop(job_id, None)
-            state.started.pop(job_id, None)
-            state.specs.pop(job_id, None)
-            state.attempt.pop(job_id, None)
-            state.stop_grace.pop(job_id, None)
-            state.resume_from.pop(job_id, None)
-            state.stop_reason.setdefault(job_id, _KILL_REASONS.get(t, "killed"))
-            for key in [k for k in state.desired if k[0] == job_id]:
-                del state.desired[key]
-            for key in [k for k in state.abandoned if k[0] == job_id]:
-                del state.abandoned[key]
+            state.end(job_id, env.occurred_at, _KILL_REASONS.get(t, "killed") if self.driver_nodes else None)
         return state
 
     def on_start(self, state: ExecutorState, ctx: Ctx) -> list[Envelope]:
@@ -296,12 +413,13 @@ class ExecutorCore(BaseCore[ExecutorState]):
             if job_id in state.ended:
                 return []
             out = []
+            rec = state.peek(job_id)
             for a in p.allocations:
                 if a.node_id in self.driver_nodes:
                     continue  # started by the agent once its driver has it running (reconcile)
-                if (self.hosts(state, a.node_id) and (job_id, a.replica) not in state.running
-                        and (a.replica, p.attempt) not in state.started.get(job_id, ())):
-                    if job_id in state.cancelling:
+                if (self.hosts(state, a.node_id) and a.replica not in (rec.running or {})
+                        and (a.replica, p.attempt) not in (rec.started or ())):
+                    if rec.cancelling:
                         # the cancel overtook this placement: never start it, free what it holds
                         out.append(ctx.emit(JobExited(
                             job_id=job_id, node_id=a.node_id, replica=a.replica, exit_code=EXIT_KILLED,
@@ -320,11 +438,12 @@ class ExecutorCore(BaseCore[ExecutorState]):
             # a cancelled / preempted job, the rest of a gang one of whose replicas failed, or
             # replicas of an attempt that is started again elsewhere (driver nodes: reconcile stops them)
             reason = _KILL_REASONS.get(t, "cancelled")
+            rec = state.peek(job_id)
             return [
                 self._exit(r, ctx, EXIT_KILLED, reason, "kill")
-                for r in self._replicas(state, job_id)
+                for r in (rec.running or {}).values()
                 if r.node_id not in self.driver_nodes
-                and (t != "job.resume_requested" or r.attempt < state.attempt.get(job_id, 1))
+                and (t != "job.resume_requested" or r.attempt < rec.attempt)
             ]
         return []
 
@@ -350,7 +469,7 @@ class ExecutorCore(BaseCore[ExecutorState]):
             ends, job_id, replica = heap[i]
             if ends > now:
                 continue
-            run = state.running.get((job_id, replica))
+            run = state.run(job_id, replica)
             if run is not None and run.node_id not in self.driver_nodes and ends == run.started_at_s + min(run.plan.duration_s, run.plan.max_runtime_s):
                 due.append(run)  # (an entry of an earlier run of the same replica does not count)
             stack.extend(c for c in (2 * i + 1, 2 * i + 2) if c < len(heap))
@@ -369,8 +488,9 @@ class ExecutorCore(BaseCore[ExecutorState]):
         for node_id, pn in sorted(state.pool_nodes.items()):
             if pn.removal_event_id is not None:
                 # replicas still there (placed as it was being drained) are lost with it
-                for r in sorted((r for r in state.running.values() if r.node_id == node_id),
-                                key=lambda r: (r.job_id, r.replica)):
+                for job_id, replica in sorted(state.on_node.get(node_id, ())):
+                    r = state.run(job_id, replica)
+                    assert r is not None
                     out.append(self._exit(r, ctx, EXIT_KILLED, "node_lost", "exit"))
                 out.append(ctx.emit(NodeDeregistered(node_id=node_id, reason="removed by its pool's provider (sim)"),
                                     tenant=SYS_TENANT, cause_id=pn.removal_event_id, key="deregistered"))
@@ -378,10 +498,6 @@ class ExecutorCore(BaseCore[ExecutorState]):
                 out.append(ctx.emit(NodeRegistered(node_id=node_id, inventory=pn.inventory), tenant=SYS_TENANT,
                                     cause_id=pn.requested_event_id, key=f"register:{inventory_digest(pn.inventory)}"))
         return out
-
-    @staticmethod
-    def _replicas(state: ExecutorState, job_id: str) -> list[Running]:
-        return [state.running[(job_id, i)] for i in state.replicas_of.get(job_id, ())]
 
     @staticmethod
     def _exit(r: Running, ctx: Ctx, code: int, reason: ExitReason, key: str) -> Envelope:
@@ -438,7 +554,7 @@ LOST_EXIT = 137
 
 def launch_for(state: ExecutorState, job_id: str, d: Desired, node: NodeInventory,
                checkpoint_root: str | None = None) -> Launch:
-    spec = state.specs.get(job_id)
+    spec = state.peek(job_id).spec
     a = d.alloc
     uuids = {g.index: g.uuid for g in node.gpus}
     gpu_uuids = a.mig_devices or tuple(uuids[i] for i in a.gpu_indices if i in uuids)
@@ -448,7 +564,7 @@ def launch_for(state: ExecutorState, job_id: str, d: Desired, node: NodeInventor
     env = dict(spec.env) if spec else {}
     if spec is not None and spec.checkpoint is not None:
         env.setdefault("GPUFLEET_CHECKPOINT_KEEP", str(spec.checkpoint.keep))
-    resume = state.resume_from.get(job_id)
+    resume = state.peek_driver(job_id).resume_from
     if resume:
         env["GPUFLEET_RESUME_FROM"] = resume
     return Launch(
@@ -472,61 +588,68 @@ def reconcile(state: ExecutorState, nodes: dict[str, NodeInventory], observed: l
     for w in observed:
         if w.node_id not in nodes:
             continue
-        d = state.desired.get((w.job_id, w.replica))
+        rec = state.peek(w.job_id)
+        dj = rec.driver or DriverJob()
+        d = (dj.desired or {}).get(w.replica)
         current = d is not None and d.attempt == w.attempt
-        run = state.running.get((w.job_id, w.replica))
+        run = (rec.running or {}).get(w.replica)
         run = run if run is not None and run.attempt == w.attempt else None
         if current:
             seen.add((w.job_id, w.replica))
-        logged_exit = w.key in state.exits_logged
+        logged_exit = state.exit_logged(w.job_id, w.replica, w.attempt)
         if w.running:
             if current and run is None and not logged_exit and d is not None:
                 actions.append(Adopt(w, d))
-            spec = state.specs.get(w.job_id)
-            if not current or logged_exit or w.job_id in state.stop_reason or w.job_id in state.ended:
-                grace = state.stop_grace.get(w.job_id, grace_s)  # a preemption says how long the job has
-                actions.append(Stop(w.key, state.stop_reason.get(w.job_id, "killed"), grace))
-            elif spec is not None and now - w.started_at >= spec.max_runtime_s:
+            if not current or logged_exit or dj.stop_reason is not None or w.job_id in state.ended:
+                # (a preemption says how long the job has)
+                grace = dj.stop_grace if dj.stop_grace is not None else grace_s
+                actions.append(Stop(w.key, dj.stop_reason or "killed", grace))
+            elif rec.spec is not None and now - w.started_at >= rec.spec.max_runtime_s:
                 actions.append(Stop(w.key, "timeout", grace_s))
         else:
-            ab = state.abandoned.get((w.job_id, w.replica))
+            ab = (dj.abandoned or {}).get(w.replica)
             ab = ab if ab is not None and ab.attempt == w.attempt else None
             if logged_exit or (not current and run is None and ab is None):
                 actions.append(Cleanup(w.key))
             else:
                 actions.append(ReportExit(w, exit_reason(state, w, now), run, d if current else ab))
-    for (job_id, replica), d in sorted(state.abandoned.items()):
-        key = workload_key(job_id, replica, d.attempt)
-        if d.alloc.node_id in nodes and key not in state.exits_logged and key not in {w.key for w in observed}:
-            never = Workload(job_id, replica, d.attempt, d.alloc.node_id, handle="", running=False,
-                             exit_code=EXIT_KILLED, started_at=now)
-            actions.append(ReportExit(never, "killed", None, d))
-    for (job_id, replica), d in sorted(state.desired.items()):
-        if (job_id, replica) in seen or d.alloc.node_id not in nodes:
-            continue
-        key = workload_key(job_id, replica, d.attempt)
-        if key in state.exits_logged:
-            continue
-        run = state.running.get((job_id, replica))
-        if run is not None and run.attempt == d.attempt:
-            # started, and now the driver has no trace of it (the node rebooted, its data was lost)
-            gone = Workload(job_id, replica, d.attempt, d.alloc.node_id, handle="", running=False,
-                            exit_code=LOST_EXIT, started_at=run.started_at_s)
-            actions.append(ReportExit(gone, "node_lost", run, d))
-        elif job_id in state.stop_reason or job_id in state.ended:
-            never = Workload(job_id, replica, d.attempt, d.alloc.node_id, handle="", running=False,
-                             exit_code=EXIT_KILLED, started_at=now)
-            actions.append(ReportExit(never, state.stop_reason.get(job_id, "cancelled"), None, d))
-        else:
-            actions.append(Start(launch_for(state, job_id, d, nodes[d.alloc.node_id], checkpoint_root), d))
+    placed = [(job_id, state.jobs[job_id]) for job_id in sorted(state.placed)]
+    observed_keys = {w.key for w in observed}
+    for job_id, rec in placed:
+        assert rec.driver is not None
+        for replica, d in sorted((rec.driver.abandoned or {}).items()):
+            if (d.alloc.node_id in nodes and not state.exit_logged(job_id, replica, d.attempt)
+                    and workload_key(job_id, replica, d.attempt) not in observed_keys):
+                never = Workload(job_id, replica, d.attempt, d.alloc.node_id, handle="", running=False,
+                                 exit_code=EXIT_KILLED, started_at=now)
+                actions.append(ReportExit(never, "killed", None, d))
+    for job_id, rec in placed:
+        assert rec.driver is not None
+        for replica, d in sorted((rec.driver.desired or {}).items()):
+            if ((job_id, replica) in seen or d.alloc.node_id not in nodes
+                    or state.exit_logged(job_id, replica, d.attempt)):
+                continue
+            run = (rec.running or {}).get(replica)
+            if run is not None and run.attempt == d.attempt:
+                # started, and now the driver has no trace of it (the node rebooted, its data was lost)
+                gone = Workload(job_id, replica, d.attempt, d.alloc.node_id, handle="", running=False,
+                                exit_code=LOST_EXIT, started_at=run.started_at_s)
+                actions.append(ReportExit(gone, "node_lost", run, d))
+            elif rec.driver.stop_reason is not None or job_id in state.ended:
+                never = Workload(job_id, replica, d.attempt, d.alloc.node_id, handle="", running=False,
+                                 exit_code=EXIT_KILLED, started_at=now)
+                actions.append(ReportExit(never, rec.driver.stop_reason or "cancelled", None, d))
+            else:
+                actions.append(Start(launch_for(state, job_id, d, nodes[d.alloc.node_id], checkpoint_root), d))
     return actions
 
 
 def exit_reason(state: ExecutorState, w: Workload, now: float) -> ExitReason:
-    spec = state.specs.get(w.job_id)
+    spec = state.peek(w.job_id).spec
+    stop_reason = state.peek_driver(w.job_id).stop_reason
     if w.stopped_by_us:
-        if w.job_id in state.stop_reason:
-            return state.stop_reason[w.job_id]
+        if stop_reason is not None:
+            return stop_reason
         if spec is not None and now - w.started_at >= spec.max_runtime_s:
             return "timeout"
         return "killed"

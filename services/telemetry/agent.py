@@ -50,12 +50,12 @@ class SimWorld:
         for node_id, info in state.nodes.items():
             if info.driver == "sim" and node_id not in self.backends:
                 self.backends[node_id] = SimGpuBackend(info.gpus)
-        live = {(r.job_id, r.replica, r.attempt): r for r in state.replicas.values()
-                if r.started_event_id is not None and r.node_id in self.backends}
+        live = {(r.job_id, r.replica, r.attempt): r for node_id in self.backends for r in state.on_node(node_id)
+                if r.started_event_id is not None}
         for ident, r in live.items():
             if ident in self._pid_of:
                 continue
-            spec = state.sim.get(r.job_id)
+            spec = state.jobs[r.job_id].sim
             if spec is None or not r.gpus:
                 continue
             pid = self._next_pid
@@ -82,7 +82,7 @@ class SimWorld:
     def use(self, state: TelemetryState, node_id: str) -> dict[tuple[str, int], JobUse]:
         out = {}
         for r in state.on_node(node_id):
-            spec = state.sim.get(r.job_id)
+            spec = state.jobs[r.job_id].sim
             if spec is not None and r.started_event_id is not None:
                 out[(r.job_id, r.replica)] = JobUse(spec.cpu_util_pct, spec.iowait_pct)
         return out

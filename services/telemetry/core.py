@@ -78,43 +78,93 @@ class NodeInfo:
     driver: str
 
 
+@dataclass(slots=True)
+class Spells:
+    """What was said of one attempt of a job: an idle warning not over yet, the idle spells that ended
+    (the next warning's id counts them), a starvation warning."""
+
+    idle: bool = False
+    idle_ended: int = 0
+    starved: bool = False
+
+
+@dataclass(slots=True)
+class TelemetryJob:
+    """Everything telemetry knows of one job: one record, forgotten when its run ends
+    (`TelemetryState.end`). Collections stay None until needed: a pending job costs one small record."""
+
+    sim: SimSpec | None = None  # how its sim replicas behave (the spec's own, shared)
+    replicas: dict[int, Replica] | None = None  # replica -> placed / running here
+    spells: dict[int, Spells] | None = None  # attempt -> what was said of it
+
+    def said(self, attempt: int) -> Spells:
+        """What was said of that attempt (nothing: an empty one, not kept)."""
+        said = self.spells.get(attempt) if self.spells is not None else None
+        return said if said is not None else Spells()
+
+    def spells_of(self, attempt: int) -> Spells:
+        if self.spells is None:
+            self.spells = {}
+        said = self.spells.get(attempt)
+        if said is None:
+            said = self.spells[attempt] = Spells()
+        return said
+
+
 @dataclass
 class TelemetryState:
     nodes: dict[str, NodeInfo] = field(default_factory=dict)
     registered_at: dict[str, float] = field(default_factory=dict)  # a registration counts as a heartbeat
     registration: dict[str, str] = field(default_factory=dict)  # node -> its registration's event id
     lost: set[str] = field(default_factory=set)
-    replicas: dict[tuple[str, int], Replica] = field(default_factory=dict)  # (job, replica) -> placed / running
-    sim: dict[str, SimSpec] = field(default_factory=dict)  # job -> how its sim replicas behave
+    jobs: dict[str, TelemetryJob] = field(default_factory=dict)
     # (node, gpu) -> why it takes no new work: unhealthy, zombie, unclean (a clear lifts the last two)
     quarantined: dict[tuple[str, int], set[str]] = field(default_factory=dict)
     episodes: dict[tuple[str, int], int] = field(default_factory=dict)  # (node, gpu) -> quarantines so far
     zombies_said: set[tuple[str, int, int]] = field(default_factory=set)  # (node, gpu, pid)
-    idle_said: set[tuple[str, int]] = field(default_factory=set)  # (job, attempt)
-    idle_episodes: dict[tuple[str, int], int] = field(default_factory=dict)  # idle spells that ended
-    starved_said: set[tuple[str, int]] = field(default_factory=set)
     last_job_on: dict[tuple[str, int], str] = field(default_factory=dict)  # (node, gpu) -> last job there
+    # index of the jobs' replicas by node (kept by `add`, `drop` and `end`, nowhere else)
     by_node: dict[str, dict[tuple[str, int], Replica]] = field(default_factory=dict)
-    by_job: dict[str, set[int]] = field(default_factory=dict)  # job -> its replicas placed here
+
+    def job(self, job_id: str) -> TelemetryJob:
+        rec = self.jobs.get(job_id)
+        if rec is None:
+            rec = self.jobs[job_id] = TelemetryJob()
+        return rec
+
+    def replica(self, job_id: str, replica: int) -> Replica | None:
+        rec = self.jobs.get(job_id)
+        return rec.replicas.get(replica) if rec is not None and rec.replicas is not None else None
 
     def on_node(self, node_id: str) -> list[Replica]:
         return list(self.by_node.get(node_id, {}).values())
 
     def add(self, r: Replica) -> None:
-        old = self.replicas.get((r.job_id, r.replica))
+        old = self.replica(r.job_id, r.replica)
         if old is not None:
             self.drop(old)
-        self.replicas[(r.job_id, r.replica)] = r
+        rec = self.job(r.job_id)
+        if rec.replicas is None:
+            rec.replicas = {}
+        rec.replicas[r.replica] = r
         self.by_node.setdefault(r.node_id, {})[(r.job_id, r.replica)] = r
-        self.by_job.setdefault(r.job_id, set()).add(r.replica)
 
     def drop(self, r: Replica) -> None:
-        self.replicas.pop((r.job_id, r.replica), None)
-        mine = self.by_job.get(r.job_id)
-        if mine is not None:
-            mine.discard(r.replica)
-            if not mine:
-                del self.by_job[r.job_id]
+        rec = self.jobs.get(r.job_id)
+        if rec is not None and rec.replicas is not None:
+            rec.replicas.pop(r.replica, None)
+            if not rec.replicas:
+                rec.replicas = None
+        self._off_node(r)
+
+    def end(self, job_id: str) -> None:
+        """A job that ended (or was preempted: a resume is placed again) holds nothing here any more:
+        its record goes (its sim behaviour, its idle and starvation spells), its replicas with it."""
+        rec = self.jobs.pop(job_id, None)
+        for r in (rec.replicas or {}).values() if rec is not None else ():
+            self._off_node(r)
+
+    def _off_node(self, r: Replica) -> None:
         on = self.by_node.get(r.node_id)
         if on is not None:
             on.pop((r.job_id, r.replica), None)
@@ -148,6 +198,11 @@ def _hold(state: TelemetryState, key: tuple[str, int], why: str) -> None:
     held.add(why)
 
 
+def _attempt(rec: TelemetryJob) -> int:
+    """The job's attempt placed here now (what is said of the job is said of this attempt)."""
+    return max((r.attempt for r in (rec.replicas or {}).values()), default=1)
+
+
 class TelemetryCore(BaseCore[TelemetryState]):
     name = "telemetry"
     subjects = (
@@ -158,6 +213,7 @@ class TelemetryCore(BaseCore[TelemetryState]):
         "fleet.evt.*.job.*.succeeded", "fleet.evt.*.job.*.failed", "fleet.evt.*.job.*.cancelled",
         "fleet.evt.*.job.*.preempted", "fleet.evt.*.job.*.rejected",
     )
+    state_format = 2  # one record per job (TelemetryJob)
 
     def __init__(self, rules: Rules | None = None) -> None:
         self.rules = rules or Rules()
@@ -193,7 +249,7 @@ class TelemetryCore(BaseCore[TelemetryState]):
                 state.quarantined.pop(key, None)
             state.zombies_said = {z for z in state.zombies_said if z[:2] != key}
         elif isinstance(p, JobSubmitted):
-            state.sim[p.job_id] = p.spec.sim
+            state.job(p.job_id).sim = p.spec.sim
         elif isinstance(p, JobPlaced):
             for a in p.allocations:
                 state.add(Replica(p.job_id, env.tenant, a.replica, p.attempt, a.node_id, a.gpu_indices, a.cpu_milli,
@@ -201,46 +257,31 @@ class TelemetryCore(BaseCore[TelemetryState]):
                 for g in a.gpu_indices:
                     state.last_job_on[(a.node_id, g)] = p.job_id
         elif isinstance(p, JobStarted):
-            r = state.replicas.get((p.job_id, p.replica))
+            r = state.replica(p.job_id, p.replica)
             if r is not None and r.attempt == p.attempt:
                 r.started_at = env.occurred_at.timestamp()
                 r.started_event_id = env.event_id
                 r.pid, r.container_id = p.pid, p.container_id
         elif isinstance(p, JobExited):
-            r = state.replicas.get((p.job_id, p.replica))
+            r = state.replica(p.job_id, p.replica)
             if r is not None and r.attempt == p.attempt:
                 state.drop(r)
             for g in p.unclean_gpus:
                 _hold(state, (p.node_id, g), "unclean")
         elif isinstance(p, JobIdleDetected):
-            state.idle_said.add((p.job_id, self._attempt(state, p.job_id)))
+            rec = state.job(p.job_id)
+            rec.spells_of(_attempt(rec)).idle = True
         elif isinstance(p, JobIdleEnded):
-            key = (p.job_id, self._attempt(state, p.job_id))
-            state.idle_said.discard(key)
-            state.idle_episodes[key] = state.idle_episodes.get(key, 0) + 1
+            rec = state.job(p.job_id)
+            said = rec.spells_of(_attempt(rec))
+            said.idle = False
+            said.idle_ended += 1
         elif isinstance(p, JobGpuStarved):
-            state.starved_said.add((p.job_id, self._attempt(state, p.job_id)))
+            rec = state.job(p.job_id)
+            rec.spells_of(_attempt(rec)).starved = True
         elif env.type in RUN_ENDED_JOB_TYPES and env.job_id:
-            self._forget(state, env.job_id)
+            state.end(env.job_id)
         return state
-
-    @staticmethod
-    def _forget(state: TelemetryState, job_id: str) -> None:
-        """A job that ended (or was preempted: a resume is placed again) holds nothing here any more:
-        its replicas, its sim behaviour and its idle and starvation spells go (the sets of spells hold
-        only jobs in one, so going through them is cheap)."""
-        for i in sorted(state.by_job.get(job_id, ())):
-            state.drop(state.replicas[(job_id, i)])
-        state.sim.pop(job_id, None)
-        for spells in (state.idle_said, state.starved_said):
-            for key in [k for k in spells if k[0] == job_id]:
-                spells.discard(key)
-        for key in [k for k in state.idle_episodes if k[0] == job_id]:
-            del state.idle_episodes[key]
-
-    @staticmethod
-    def _attempt(state: TelemetryState, job_id: str) -> int:
-        return max((state.replicas[(job_id, i)].attempt for i in state.by_job.get(job_id, ())), default=1)
 
     # ------------------------------------------------------------ leases
 
@@ -319,24 +360,23 @@ class TelemetryCore(BaseCore[TelemetryState]):
 
     def _idle(self, state: TelemetryState, w: Windows, r: Replica, util: float, now: float, ctx: Ctx) -> list[Envelope]:
         key = (r.job_id, r.attempt)
+        said = state.jobs[r.job_id].said(r.attempt)
+        n = said.idle_ended
         if util >= self.rules.idle_pct:
             w.low_since.pop(key, None)
-            if key in state.idle_said:  # busy again: the warning is over (and the rule re-armed)
-                n = state.idle_episodes.get(key, 0)
+            if said.idle:  # busy again: the warning is over (and the rule re-armed)
                 return [ctx.emit(JobIdleEnded(job_id=r.job_id, node_id=r.node_id, gpu_util_pct=round(util, 2)),
                                  tenant=r.tenant, cause_id=r.started_event_id, key=f"idle_ended:{r.attempt}:{n}")]
             return []
         since = w.low_since.setdefault(key, now)
-        if now - since < self.rules.idle_after_s or key in state.idle_said:
+        if now - since < self.rules.idle_after_s or said.idle:
             return []
-        n = state.idle_episodes.get(key, 0)
         return [ctx.emit(JobIdleDetected(job_id=r.job_id, gpu_util_pct=round(util, 2), idle_s=round(now - since, 3),
                                          node_id=r.node_id, threshold_pct=self.rules.idle_pct),
                          tenant=r.tenant, cause_id=r.started_event_id, key=f"idle:{r.attempt}:{n}")]
 
     def _starved(self, state: TelemetryState, w: Windows, r: Replica, util: float, use: JobUse | None, now: float,
                  ctx: Ctx) -> list[Envelope]:
-        key = (r.job_id, r.attempt)
         causes = []
         if use is not None and util < self.rules.starved_gpu_pct:
             if use.cpu_pct >= self.rules.starved_cpu_pct:
@@ -346,7 +386,7 @@ class TelemetryCore(BaseCore[TelemetryState]):
         for cause in ("cpu", "io"):
             if cause not in causes:
                 w.starved_since.pop((r.job_id, r.attempt, cause), None)
-        if use is None or key in state.starved_said:
+        if use is None or state.jobs[r.job_id].said(r.attempt).starved:
             return []
         for cause in causes:
             since = w.starved_since.setdefault((r.job_id, r.attempt, cause), now)
