@@ -775,6 +775,25 @@ def test_an_idle_fact_of_the_current_run_on_its_node_still_drains_it() -> None:
     assert [(e.type, e.node_id) for e in h.tick(at(111))] == [("node.cordoned", "h100-0000")]
 
 
+def test_a_job_that_ends_leaves_no_record_and_frees_its_node() -> None:
+    """One record per job: its spec, its wait, its runs, its idle facts and what it holds go when it
+    ends; the node it ran on is empty from then."""
+    h = Play(pools())
+    registered_pool_node(h, "h100", "h100-0000", 0)
+    waiting(h, "j1", 8, s=5, model="H100")
+    assert h.state.unschedulable == {"j1"}
+    h.given(_placed("j1", 1, "h100-0000", s=6))
+    run = _started("j1", "h100-0000", 1, s=7)
+    h.given(run, _idle("j1", "h100-0000", s=50, cause=run))
+    rec = h.state.jobs["j1"]
+    assert rec.waiting is None and not h.state.unschedulable and rec.spec is not None
+    assert (rec.run.attempt, set(rec.run.allocs), rec.run.starts) == (1, {0}, {run.event_id: 1})
+    assert rec.run.idle == {(1, "h100-0000"): at(50).timestamp()}
+    h.given(event(JobCancelled(job_id="j1", reason="x"), at=at(60)))
+    assert h.state.jobs == {} and "h100-0000" not in h.state.on_node
+    assert h.state.changed_s["h100-0000"] == at(60).timestamp()
+
+
 def _queued(job_id: str, s: float) -> Envelope:
     return event(JobQueued(job_id=job_id, queue="default", reason=Reason(code="queue_limit", message="full")),
                  at=at(s))
@@ -836,7 +855,7 @@ def test_an_hour_of_a_job_the_pools_nodes_do_not_help_gives_a_bounded_number_of_
     waiting(h, "big", 8, s=0, model="H100")
     counts = _hour_of_pool_events(h)
     assert counts == Counter({"node.provision_requested": 2, "node.cordoned": 2, "node.removal_requested": 2})
-    assert h.state.unschedulable["big"].passed_over == {"h100"}
+    assert h.state.jobs["big"].waiting.passed_over == {"h100"}
 
 
 def test_a_draining_node_is_not_taken_back_for_a_job_that_waited_through_it() -> None:
@@ -845,7 +864,7 @@ def test_a_draining_node_is_not_taken_back_for_a_job_that_waited_through_it() ->
     registered_pool_node(h, "h100", "h100-0000", 0)  # free from 5 s: the placer did not put "old" there
     out = h.tick(at(70))
     assert [(e.type, e.node_id) for e in out] == [("node.cordoned", "h100-0000")]
-    assert h.state.unschedulable["old"].passed_over == {"h100"}
+    assert h.state.jobs["old"].waiting.passed_over == {"h100"}
     assert h.tick(at(71)) == []  # not taken back for "old" (before: uncordoned, cordoned again, ...)
     assert [(e.type, e.node_id) for e in h.tick(at(80))] == [("node.removal_requested", "h100-0000")]
     h.given(event(NodeDeregistered(node_id="h100-0000"), at=at(91)))

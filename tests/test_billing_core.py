@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from datetime import timedelta
 from decimal import Decimal
 
@@ -141,7 +142,7 @@ def test_an_interval_without_an_exit_ends_with_the_job_the_next_placement_or_the
     ends = {c.key: c.end for c in h.state.charges}
     assert ends == {"a:0:1": "replaced", "b:0:1": "cancelled", "c:0:1": "node_lost"}
     assert costs(h)["a:0:1"] == Decimal("5.4")  # 1.5 h
-    assert costs(h)["c:0:1"] == Decimal("7.2") and not h.state.open and not h.state.placements
+    assert costs(h)["c:0:1"] == Decimal("7.2") and not h.state.open and h.state.size()["placements"] == 0
 
 
 def test_a_duplicated_resume_ends_nothing_and_the_running_attempt_is_billed_in_full() -> None:
@@ -152,10 +153,10 @@ def test_a_duplicated_resume_ends_nothing_and_the_running_attempt_is_billed_in_f
     for env in (start("j1", timedelta(0)), exit_("j1", H, reason="preempted"), resume,
                 placed_share("j1", 1000, attempt=2), start("j1", 2 * H, attempt=2)):
         h.when(env)
-    before = (set(h.state.open), dict(h.state.attempts), set(h.state.closed), dict(h.state.placements))
+    before = (set(h.state.open), copy.deepcopy(h.state.jobs["j1"]))  # its attempt, closed keys, placements
     h.when(resume)  # the same event again while attempt 2 runs
     h.when(event(JobResumeRequested(job_id="j1", reason=Reason(code="preempted", message="x")), at=T0 + 3 * H))
-    assert (set(h.state.open), dict(h.state.attempts), set(h.state.closed), dict(h.state.placements)) == before
+    assert (set(h.state.open), h.state.jobs["j1"]) == before
     h.when(exit_("j1", 5 * H, attempt=2))
     assert costs(h) == {"j1:0:1": Decimal("3.6"), "j1:0:2": Decimal("10.8")}  # 3 h x 3.60
     assert [c.end for c in h.state.charges] == ["exited:preempted", "exited:completed"]
@@ -366,13 +367,13 @@ def test_an_ended_job_leaves_only_its_id_and_its_late_copies_count_nothing() -> 
     for env in (p1, s1, e1, resume, p2, s2):
         h.when(env)
     h.when(s1)  # a late copy of attempt 1's start while attempt 2 runs: its interval is closed
-    assert set(h.state.open) == {"j1:0:2"} and h.state.closed == {"j1:0:1"}
+    assert set(h.state.open) == {"j1:0:2"} and h.state.jobs["j1"].intervals["j1:0:1"] is None  # closed
     h.when(e2)
     done = event(JobSucceeded(job_id="j1"), at=T0 + 3 * H)
     h.when(done)
     assert costs(h) == {"j1:0:1": Decimal("3.6"), "j1:0:2": Decimal("3.6")}
     pruned = {k: v for k, v in h.state.size().items() if k not in ("ended", "spent", "charges")}
-    assert set(pruned.values()) == {0}, pruned  # no queue, placement, attempt or key of j1 is left
+    assert set(pruned.values()) == {0}, pruned  # no record, placement or key of j1 is left
     assert list(h.state.ended) == ["j1"]
     # every event of the job again, duplicated and late, in any order: nothing counted, nothing kept
     for env in (p1, s1, e1, resume, p2, s2, e2, done, submitted(make_job().queue("q1"), "j1"), p2, s2,
@@ -404,7 +405,7 @@ def test_many_jobs_leave_nothing_once_ended_and_forgotten() -> None:
                 event(JobRejected(job_id=f"r{i}", reasons=(Reason(code="x", message="x"),)), at=T0 + at))
     size = h.state.size()
     assert h.state.intervals == 200 and len(h.state.charges) == 200
-    assert (size["queues"], size["placements"], size["closed"], size["keys"], size["open"]) == (0, 0, 0, 0, 0)
+    assert (size["jobs"], size["placements"], size["closed"], size["open"]) == (0, 0, 0, 0)
     assert size["ended"] == 2 * 61  # the last hour's ends (and their rejections), by log time
 
 
@@ -477,9 +478,9 @@ def test_bench_billing_folds_the_same_log_and_the_state_does_not_grow_with_it() 
     s, b = small["folds"]["billing"]["entries"], big["folds"]["billing"]["entries"]
     assert big["jobs"] > 3 * small["jobs"] // 2 and big["folds"]["billing"]["intervals"] > 3 * small["folds"]["billing"]["intervals"] // 2
     # the running jobs (about 300) and an hour of ended ids (about 1,800), however long the log
-    assert max(s["queues"], b["queues"], s["placements"], b["placements"]) < 400 and b["ended"] < 2000
+    assert max(s["jobs"], b["jobs"], s["placements"], b["placements"]) < 400 and b["ended"] < 2000
     assert b["closed"] < 50 and b["charges"] == 0 and big["folds"]["billing+charges"]["entries"]["charges"] > 0
-    assert big["folds"]["cluster view (baseline)"]["entries"]["jobs"] > 4 * b["queues"]
+    assert big["folds"]["cluster view (baseline)"]["entries"]["jobs"] > 4 * b["jobs"]
     out = subprocess.run([sys.executable, "-m", "gpufleet.cli", "bench", "billing", "--events", "500", "--repeat", "1",
                           "--json"], capture_output=True, text=True, timeout=120, check=True)
     assert json.loads(out.stdout)["events"] == 500

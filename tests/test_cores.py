@@ -274,7 +274,7 @@ def test_gang_is_all_or_nothing() -> None:
 
     assert placer_types(out) == ["job.unschedulable"]
     assert {n: s.free_gpus for n, s in h.state.nodes.items()} == free_before  # nothing half-taken
-    assert "g" in h.state.pending and "g" not in h.state.allocations
+    assert "g" in h.state.pending and h.state.jobs["g"].allocations is None
 
 
 def test_no_fit_says_why_per_filter() -> None:
@@ -347,7 +347,7 @@ def test_late_placement_of_a_cancelled_job_is_ignored_on_refold() -> None:
     h = Harness(PlacerCore()).given(
         node("n1"), reserved(make_job().gpus(8), "gone"), cancelled("gone"), placed("gone", ("n1", range(8))),
     )
-    assert h.state.allocations == {} and len(h.state.nodes["n1"].free_gpus) == 8
+    assert "gone" not in h.state.jobs and not h.state.placed and len(h.state.nodes["n1"].free_gpus) == 8
 
     out = h.given(submitted(make_job().gpus(8), "next")).when(quota_reserved(make_job().gpus(8), "next"))
 

@@ -238,14 +238,15 @@ def test_placer_ignores_the_late_exit_of_an_earlier_attempt() -> None:
     second = core.decide(st, resume, ctx(T0 + 6))
     assert second[0].payload.attempt == 2  # type: ignore[union-attr]
     st = fold(core, st, *second)
-    held = st.allocations["j"]
+    held = st.jobs["j"].allocations
+    assert held is not None
     # the lost node's executor comes back and reports attempt 1 completed: it frees nothing
     late = ev(JobExited(job_id="j", node_id=node1, exit_code=0, reason="completed", attempt=1), at=T0 + 9)
     st = fold(core, st, late)
-    assert st.allocations["j"] == held and "j" not in st.pending
+    assert st.jobs["j"].allocations == held and "j" not in st.pending
     # attempt 2's own end frees it, and the job is not placed a third time
     st = fold(core, st, ev(JobExited(job_id="j", node_id=held[0].node_id, exit_code=0, attempt=2), at=T0 + 20))
-    assert "j" not in st.allocations and "j" not in st.pending
+    assert st.jobs["j"].allocations is None and "j" not in st.pending
 
 
 def test_a_clear_lifts_zombie_and_unclean_but_never_unhealthy() -> None:
@@ -339,8 +340,42 @@ def test_executor_keeps_a_preemption_stop_across_a_resume_for_another_reason() -
     core, st = executor(submitted("j"), placed("j"), ev(JobStarted(job_id="j", node_id=NODE, driver="process")),
                         ev(JobPreemptionRequested(job_id="j", reason=Reason(code="priority", message="x"))),
                         ev(JobResumeRequested(job_id="j", reason=Reason(code="node_lost", message="x"))))
-    assert st.stop_reason["j"] == "preempted"
+    assert st.peek_driver("j").stop_reason == "preempted"
     _, st2 = executor(submitted("j"), placed("j"), ev(JobStarted(job_id="j", node_id=NODE, driver="process")),
                       ev(JobPreemptionRequested(job_id="j", reason=Reason(code="priority", message="x"))),
                       ev(JobResumeRequested(job_id="j", reason=Reason(code="preempted", message="x"))))
-    assert "j" not in st2.stop_reason
+    assert st2.peek_driver("j").stop_reason is None
+
+
+def test_executor_keeps_an_ended_jobs_stop_and_exits_only_for_the_window() -> None:
+    """One record per job: an ended job keeps what its replicas still need (why it stopped, the exits
+    the log has) until the ended window forgets it; then nothing of it is left. (The exits logged
+    were kept for ever before, and a later job of the same id would not have been started.)"""
+    from datetime import timedelta
+
+    from gpufleet.shared.contract.events import JobCancelled, JobSucceeded
+
+    core, st = executor(submitted("j"), placed("j"), ev(JobStarted(job_id="j", node_id=NODE, driver="process")),
+                        ev(JobExited(job_id="j", node_id=NODE, exit_code=137, reason="cancelled")),
+                        ev(JobCancelled(job_id="j", reason="x"), at=T0 + 1))
+    assert st.exit_logged("j", 0, 1) and st.peek_driver("j").stop_reason == "cancelled"
+    assert st.jobs["j"].spec is None and not st.placed
+    later = ev(JobSucceeded(job_id="other"), at=T0 + timedelta(hours=36).total_seconds())
+    st = fold(core, st, later)
+    assert "j" not in st.jobs and "j" not in st.ended and not st.on_node
+    assert [type(a) for a in reconcile(fold(core, st, submitted("j"), placed("j")), core.nodes, [], T0 + 2e5)] == [Start]
+
+
+def test_executor_kills_a_replica_started_again_once() -> None:
+    """A replica started again (a later attempt) before the exit of the earlier one came is one replica:
+    a cancel stops it once (it was listed twice, and once it exited a cancel raised a KeyError)."""
+    from gpufleet.shared.contract.events import JobCancelRequested
+
+    core = ExecutorCore({"s0": INV.model_copy(update={"driver": "sim"})})
+    st = fold(core, core.initial_state(), submitted("j"),
+              *(ev(JobStarted(job_id="j", node_id="s0", driver="sim", attempt=a), at=T0 + a) for a in (1, 2)))
+    cancel = ev(JobCancelRequested(job_id="j", reason="x", requested_by="u"), at=T0 + 5)
+    (e,) = core.decide(fold(core, st, cancel), cancel, ctx(T0 + 5))
+    assert e.payload.attempt == 2  # type: ignore[union-attr]
+    st = fold(core, st, ev(JobExited(job_id="j", node_id="s0", exit_code=0, attempt=2), at=T0 + 6))
+    assert core.decide(fold(core, st, cancel), cancel, ctx(T0 + 7)) == []

@@ -65,9 +65,10 @@ def test_quota_keeps_the_reservation_of_the_running_attempt() -> None:
 def test_the_placer_does_not_count_another_attempt_nor_requeue_the_running_job() -> None:
     log, copy = story()
     h = fold(PlacerCore(), log)
-    assert h.state.attempts["j1"] == 2 and "j1" in h.state.allocations
+    rec = h.state.jobs["j1"]
+    assert rec.attempt == 2 and rec.allocations is not None
     out = h.when(copy, T0 + timedelta(seconds=600))
-    assert out == [] and h.state.attempts["j1"] == 2 and "j1" not in h.state.pending and "j1" not in h.state.requota
+    assert out == [] and rec.attempt == 2 and "j1" not in h.state.pending and not rec.requota
 
 
 def test_the_guardian_still_ends_the_job_when_the_running_attempt_exits() -> None:
@@ -83,9 +84,9 @@ def test_the_guardian_still_ends_the_job_when_the_running_attempt_exits() -> Non
 def test_the_executor_does_not_stop_the_running_attempt() -> None:
     log, copy = story()
     h = fold(ExecutorCore({"n1": inventory(), "n2": inventory()}), log)
-    assert h.state.attempt["j1"] == 2
+    assert h.state.jobs["j1"].attempt == 2
     out = h.when(copy, T0 + timedelta(seconds=600))
-    assert not [e for e in out if e.type == "job.exited"] and h.state.attempt["j1"] == 2
+    assert not [e for e in out if e.type == "job.exited"] and h.state.jobs["j1"].attempt == 2
 
 
 def test_a_resume_without_an_attempt_still_counts_one_more_run() -> None:

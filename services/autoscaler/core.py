@@ -145,30 +145,118 @@ class Alloc:
     attempt: int
 
 
+@dataclass(slots=True)
+class Run:
+    """A job's placements and the runs they started (from its first `job.placed` or `job.started`)."""
+
+    attempt: int | None = None  # the attempt of its latest placement
+    allocs: dict[int, Alloc] = field(default_factory=dict)  # replica -> what it holds where, and by which attempt
+    starts: dict[str, int] = field(default_factory=dict)  # its job.started ids -> attempt
+    # (attempt, node) -> when telemetry found that run idle there (`job.idle_detected`)
+    idle: dict[tuple[int, str], float] | None = None
+
+
+@dataclass(slots=True)
+class AutoscalerJob:
+    """What the autoscaler knows of one job that has not ended: one record, forgotten at once when
+    the job ends (`AutoscalerState.end`). What it holds stays None until it is placed: a pending
+    job costs one small record."""
+
+    spec: JobSpec | None = None  # (pool demand)
+    waiting: Waiting | None = None  # unschedulable: waiting for room, since
+    # it waited for room and then for quota again (its reservation was taken back): when quota
+    # reserves again it waits for room again (the placer does not repeat an unchanged reason)
+    requota: bool = False
+    run: Run | None = None
+
+
 @dataclass
 class AutoscalerState:
     services: dict[str, Service] = field(default_factory=dict)
-    replica_of: dict[str, str] = field(default_factory=dict)  # replica job -> service
-    specs: dict[str, JobSpec] = field(default_factory=dict)  # jobs not ended (pool demand)
-    unschedulable: dict[str, Waiting] = field(default_factory=dict)  # waiting for room, since
-    # jobs that waited for room and then for quota again (their reservation was taken back): when
-    # quota reserves again they wait for room again (the placer does not repeat an unchanged reason)
-    requota: set[str] = field(default_factory=set)
+    # replica job -> service: kept past the replica's end (the end's decision replaces it by its
+    # service; a late copy of our submit of an ended replica counts nothing)
+    replica_of: dict[str, str] = field(default_factory=dict)
+    jobs: dict[str, AutoscalerJob] = field(default_factory=dict)
+    # indexes of `jobs` (kept by `set_waiting`, `hold`, `drop` and `end`, nowhere else)
+    unschedulable: set[str] = field(default_factory=set)  # jobs waiting for room (the tick walks them)
+    on_node: dict[str, set[tuple[str, int]]] = field(default_factory=dict)  # node -> (job, replica) placed there
     pool_nodes: dict[str, PoolNode] = field(default_factory=dict)
     pool_seq: dict[str, int] = field(default_factory=dict)  # pool -> node ids handed out
-    # what is placed where, and by which attempt: (job, replica) -> Alloc
-    allocs: dict[tuple[str, int], Alloc] = field(default_factory=dict)
-    on_node: dict[str, set[tuple[str, int]]] = field(default_factory=dict)
     changed_s: dict[str, float] = field(default_factory=dict)  # node -> when what is on it last changed
-    attempt: dict[str, int] = field(default_factory=dict)  # job -> the attempt of its latest placement
-    runs: dict[str, dict[str, int]] = field(default_factory=dict)  # job -> {its job.started ids: attempt}
-    # (job, attempt, node) -> when telemetry found that run idle there (`job.idle_detected`)
-    idle: dict[tuple[str, int, str], float] = field(default_factory=dict)
     nodes: set[str] = field(default_factory=set)
     # pool node -> what was asked of its provider (for the provider agent; dropped once it is gone)
     requests: dict[str, tuple[NodeProvisionRequested, NodeRemovalRequested | None]] = field(default_factory=dict)
     # pool -> its latest decision: (when, event type, node, why) (for `gpufleet pools`)
     pool_last: dict[str, tuple[float, str, str, str]] = field(default_factory=dict)
+
+    def job(self, job_id: str) -> AutoscalerJob:
+        rec = self.jobs.get(job_id)
+        if rec is None:
+            rec = self.jobs[job_id] = AutoscalerJob()
+        return rec
+
+    def run(self, job_id: str) -> Run:
+        rec = self.job(job_id)
+        if rec.run is None:
+            rec.run = Run()
+        return rec.run
+
+    def run_of(self, job_id: str) -> Run | None:
+        rec = self.jobs.get(job_id)
+        return rec.run if rec is not None else None
+
+    def attempt(self, job_id: str) -> int:
+        """The attempt of the job's latest placement (0: none)."""
+        run = self.run_of(job_id)
+        return (run.attempt or 0) if run is not None else 0
+
+    def placed(self, job_id: str, replica: int) -> tuple[Run, Alloc]:
+        """A replica placed on a node (`on_node`): its job's run, and what it holds there."""
+        run = self.run_of(job_id)
+        assert run is not None
+        return run, run.allocs[replica]
+
+    def waiting(self) -> list[tuple[str, Waiting, JobSpec | None]]:
+        """The jobs waiting for room (job, since when, its spec), the longest waiting first."""
+        out = []
+        for job_id in self.unschedulable:
+            rec = self.jobs[job_id]
+            assert rec.waiting is not None
+            out.append((job_id, rec.waiting, rec.spec))
+        return sorted(out, key=lambda x: (x[1].since_s, x[0]))
+
+    def end(self, job_id: str, at: float) -> None:
+        """The job ended: what it held is freed and its record forgotten."""
+        rec = self.jobs.pop(job_id, None)
+        if rec is None:
+            return
+        self.unschedulable.discard(job_id)
+        if (run := rec.run) is not None:
+            for replica in list(run.allocs):
+                self.drop(job_id, run, replica, at)
+
+    def set_waiting(self, job_id: str, rec: AutoscalerJob, waiting: Waiting | None) -> None:
+        rec.waiting = waiting
+        (self.unschedulable.add if waiting is not None else self.unschedulable.discard)(job_id)
+
+    def hold(self, job_id: str, run: Run, replica: int, alloc: Alloc, at: float) -> None:
+        """The replica is placed (`alloc`), instead of what it held before."""
+        self.drop(job_id, run, replica, at)
+        run.allocs[replica] = alloc
+        self.on_node.setdefault(alloc.node_id, set()).add((job_id, replica))
+        self.changed_s[alloc.node_id] = at
+
+    def drop(self, job_id: str, run: Run, replica: int, at: float) -> None:
+        """The replica no longer holds its node."""
+        held = run.allocs.pop(replica, None)
+        if held is None:
+            return
+        on = self.on_node.get(held.node_id)
+        if on is not None:
+            on.discard((job_id, replica))
+            if not on:
+                del self.on_node[held.node_id]
+        self.changed_s[held.node_id] = at
 
 
 def _decimal(s: str) -> bool:
@@ -225,6 +313,7 @@ class AutoscalerCore(BaseCore[AutoscalerState]):
         "fleet.evt.sys.node.*.removal_requested", "fleet.evt.sys.node.*.deregistered",
     )
     tick_s = 0.5
+    state_format = 2  # one record per job (AutoscalerJob)
 
     def __init__(self, config: ClusterConfig | None = None, providers: tuple[str, ...] = PROVIDERS) -> None:
         self.config = config or ClusterConfig()
@@ -258,8 +347,8 @@ class AutoscalerCore(BaseCore[AutoscalerState]):
                 svc.report_s = at if svc.report_s is None else max(svc.report_s, at)
                 if p.rps > 0 or svc.busy_s is None:
                     svc.busy_s = svc.report_s
-                rec, _ = recommend(svc.auto, svc.desired, p.rps, p.p99_ms)
-                svc.recommendations.append((at, rec))
+                n, _ = recommend(svc.auto, svc.desired, p.rps, p.p99_ms)
+                svc.recommendations.append((at, n))
                 horizon = at - svc.auto.scale_down_cooldown_s
                 svc.recommendations = [r for r in svc.recommendations if r[0] >= horizon][-RECOMMENDATIONS_MAX:]
         elif isinstance(p, SubmitRequested):
@@ -270,8 +359,9 @@ class AutoscalerCore(BaseCore[AutoscalerState]):
                 del owner.replicas[job_id]
                 owner.removing.add(job_id)
         elif isinstance(p, JobSubmitted):
-            if job_id not in state.specs:
-                state.specs[job_id] = p.spec
+            rec = state.job(job_id)
+            if rec.spec is None:
+                rec.spec = p.spec
             if p.spec.autoscale is not None and svc is None and job_id not in state.replica_of:
                 state.services[job_id] = Service(job_id, env.tenant, p.spec, p.spec.autoscale)
         elif t == "job.admitted":
@@ -283,58 +373,60 @@ class AutoscalerCore(BaseCore[AutoscalerState]):
                 svc.last_change_s = at
                 svc.scale_events += 1
         elif isinstance(p, JobUnschedulable):
-            state.requota.discard(job_id)
-            if job_id in state.specs and job_id not in state.unschedulable:
-                state.unschedulable[job_id] = Waiting(at, env.event_id)
+            if (rec0 := state.jobs.get(job_id)) is not None:
+                rec0.requota = False
+                if rec0.spec is not None and rec0.waiting is None:
+                    state.set_waiting(job_id, rec0, Waiting(at, env.event_id))
         elif isinstance(p, JobQueued) or (isinstance(p, JobResumeRequested) and p.reason.code == "preempted"):
             # its quota was taken back before it was placed: it waits for quota, not for nodes
             # (a resume for another reason keeps its quota and waits for room again, if it did)
-            if state.unschedulable.pop(job_id, None) is not None:
-                state.requota.add(job_id)
+            if (rec0 := state.jobs.get(job_id)) is not None and rec0.waiting is not None:
+                state.set_waiting(job_id, rec0, None)
+                rec0.requota = True
         elif isinstance(p, JobQuotaReserved):
-            if job_id in state.requota and job_id in state.specs:
+            if (rec0 := state.jobs.get(job_id)) is not None and rec0.requota and rec0.spec is not None:
                 # reserved again: the placer tries it now and, if its reason is unchanged, says nothing
-                state.requota.discard(job_id)
-                state.unschedulable.setdefault(job_id, Waiting(at, env.event_id))
+                rec0.requota = False
+                if rec0.waiting is None:
+                    state.set_waiting(job_id, rec0, Waiting(at, env.event_id))
         elif isinstance(p, JobPlaced):
-            if p.attempt < state.attempt.get(job_id, 0):
+            if p.attempt < state.attempt(job_id):
                 return state  # a placement of an earlier attempt, redelivered late
-            state.unschedulable.pop(job_id, None)
-            state.requota.discard(job_id)
-            state.attempt[job_id] = p.attempt
-            self._forget_idle(state, job_id)  # a new run: telemetry judges it afresh
-            runs = state.runs.get(job_id)
-            if runs:
-                state.runs[job_id] = {k: a for k, a in runs.items() if a >= p.attempt}
+            rec = state.job(job_id)
+            state.set_waiting(job_id, rec, None)
+            rec.requota = False
+            run = state.run(job_id)
+            run.attempt = p.attempt
+            run.idle = None  # a new run: telemetry judges it afresh
+            if run.starts:
+                run.starts = {k: a for k, a in run.starts.items() if a >= p.attempt}
             for a in p.allocations:
-                self._drop_alloc(state, (job_id, a.replica), at)
                 gpus = tuple((i, a.gpu_milli) for i in a.gpu_indices)
-                state.allocs[(job_id, a.replica)] = Alloc(a.node_id, gpus, a.cpu_milli, a.memory_mib, p.attempt)
-                state.on_node.setdefault(a.node_id, set()).add((job_id, a.replica))
-                state.changed_s[a.node_id] = at
+                state.hold(job_id, run, a.replica, Alloc(a.node_id, gpus, a.cpu_milli, a.memory_mib, p.attempt), at)
         elif isinstance(p, JobStarted):
-            if p.attempt >= state.attempt.get(job_id, 0):
-                state.runs.setdefault(job_id, {})[env.event_id] = p.attempt
+            if p.attempt >= state.attempt(job_id):
+                state.run(job_id).starts[env.event_id] = p.attempt
             owner = state.services.get(state.replica_of.get(job_id, ""))
             if owner is not None and job_id in owner.replicas:
                 owner.replicas[job_id].running = True
                 owner.failures = 0
         elif isinstance(p, JobExited):
-            held = state.allocs.get((job_id, p.replica))
-            if held is not None and held.attempt == p.attempt:
-                # (the exit of an earlier attempt frees nothing: the current one holds the node now)
-                self._drop_alloc(state, (job_id, p.replica), at)
+            if (run0 := state.run_of(job_id)) is not None:
+                held = run0.allocs.get(p.replica)
+                if held is not None and held.attempt == p.attempt:
+                    # (the exit of an earlier attempt frees nothing: the current one holds the node now)
+                    state.drop(job_id, run0, p.replica, at)
         elif isinstance(p, JobIdleDetected):
             self._evolve_idle(state, env, p, at)
         elif isinstance(p, JobIdleEnded):
-            self._forget_idle(state, job_id)
-            for key, held in state.allocs.items():
-                if key[0] == job_id:
+            if (run0 := state.run_of(job_id)) is not None:
+                run0.idle = None
+                for held in run0.allocs.values():
                     state.changed_s[held.node_id] = at  # busy again: its node's idle clock restarts
         elif isinstance(p, JobRequestRefused):
             self._evolve_refused(state, env, p, at)
         elif t in ENDED:
-            self._job_ended(state, job_id, at)
+            state.end(job_id, at)
             if svc is not None:
                 svc.active, svc.ended = False, True
             service_id = state.replica_of.get(job_id)
@@ -370,24 +462,22 @@ class AutoscalerCore(BaseCore[AutoscalerState]):
         self._replica_failed(owner, at)
 
     @staticmethod
-    def _forget_idle(state: AutoscalerState, job_id: str) -> None:
-        for key in [k for k in state.idle if k[0] == job_id]:
-            del state.idle[key]
-
-    @staticmethod
     def _evolve_idle(state: AutoscalerState, env: Envelope, p: JobIdleDetected, at: float) -> None:
         """Telemetry's idle fact is about one run (job, attempt: the `job.started` it is caused by)
         on one node (its replica's there); a fact of an earlier run, or of no node we know the
         current run on, marks nothing."""
-        current = state.attempt.get(p.job_id)
-        if current is None:
+        run = state.run_of(p.job_id)
+        if run is None or run.attempt is None:
             return
-        attempt = state.runs.get(p.job_id, {}).get(env.causation_id or "", current)
+        current = run.attempt
+        attempt = run.starts.get(env.causation_id or "", current)
         if attempt != current:
             return
-        nodes = {a.node_id for k, a in state.allocs.items() if k[0] == p.job_id and a.attempt == current}
+        nodes = {a.node_id for a in run.allocs.values() if a.attempt == current}
         for node_id in sorted(nodes if p.node_id is None else nodes & {p.node_id}):
-            state.idle.setdefault((p.job_id, current, node_id), at)
+            if run.idle is None:
+                run.idle = {}
+            run.idle.setdefault((current, node_id), at)
 
     def _evolve_replica_submit(self, state: AutoscalerState, env: Envelope, p: SubmitRequested) -> None:
         """Our own submit of a replica (the spec names its service and index)."""
@@ -403,28 +493,6 @@ class AutoscalerCore(BaseCore[AutoscalerState]):
         state.replica_of[p.job_id] = svc.job_id
         svc.replicas[p.job_id] = ReplicaJob(p.job_id, int(index), submit_id=env.event_id)
         svc.next_index = max(svc.next_index, int(index) + 1)
-
-    def _job_ended(self, state: AutoscalerState, job_id: str, at: float) -> None:
-        state.specs.pop(job_id, None)
-        state.unschedulable.pop(job_id, None)
-        state.requota.discard(job_id)
-        state.attempt.pop(job_id, None)
-        state.runs.pop(job_id, None)
-        self._forget_idle(state, job_id)
-        for key in [k for k in state.allocs if k[0] == job_id]:
-            self._drop_alloc(state, key, at)
-
-    @staticmethod
-    def _drop_alloc(state: AutoscalerState, key: tuple[str, int], at: float) -> None:
-        held = state.allocs.pop(key, None)
-        if held is None:
-            return
-        on = state.on_node.get(held.node_id)
-        if on is not None:
-            on.discard(key)
-            if not on:
-                del state.on_node[held.node_id]
-        state.changed_s[held.node_id] = at
 
     def _evolve_node(self, state: AutoscalerState, env: Envelope, at: float) -> None:
         p = env.payload
@@ -490,8 +558,7 @@ class AutoscalerCore(BaseCore[AutoscalerState]):
         if pool is None or node.offered_s is None:
             return
         room = self._free_room(state, pool, node.node_id)
-        for job_id, w in state.unschedulable.items():
-            spec = state.specs.get(job_id)
+        for _, w, spec in state.waiting():
             if (spec is not None and w.since_s < node.offered_s and replica_fits_shape(node.pool, pool, spec)
                     and pack([room], spec, pool, 0) is not None):
                 w.passed_over.add(node.pool)
@@ -500,8 +567,8 @@ class AutoscalerCore(BaseCore[AutoscalerState]):
     def _free_room(state: AutoscalerState, pool: NodePoolConfig, node_id: str) -> Room:
         room = empty_room(pool)
         room.node_id = node_id
-        for key in state.on_node.get(node_id, ()):
-            held = state.allocs[key]
+        for job_id, replica in state.on_node.get(node_id, ()):
+            _, held = state.placed(job_id, replica)
             room.cpu_milli -= held.cpu_milli
             room.memory_mib -= held.memory_mib
             for i, m in held.gpus:
@@ -694,8 +761,7 @@ class AutoscalerCore(BaseCore[AutoscalerState]):
         # smallest node shapes first: an 8-GPU job does not get a bigger node than it needs
         order = sorted(self.pools, key=lambda n: (self.pools[n].shape.gpus, self.pools[n].shape.cpu_milli,
                                                   self.pools[n].shape.memory_mib, n))
-        for job_id, w in sorted(state.unschedulable.items(), key=lambda kv: (kv[1].since_s, kv[0])):
-            spec = state.specs.get(job_id)
+        for job_id, w, spec in state.waiting():
             if spec is None:
                 continue
             for name in order:
@@ -787,7 +853,7 @@ class AutoscalerCore(BaseCore[AutoscalerState]):
             return None
         # each run on it found idle on this node: an idle fact of an earlier attempt, or of another
         # node of a gang, says nothing about what runs here
-        idle = [state.idle.get((j, state.allocs[(j, r)].attempt, node_id)) for j, r in on]
+        idle = [(run.idle or {}).get((held.attempt, node_id)) for run, held in (state.placed(j, r) for j, r in on)]
         if any(s is None for s in idle):
             return None
         return max(changed, *(s for s in idle if s is not None))

@@ -138,17 +138,28 @@ class Charge:
         return sum((line.idle_unit_seconds for line in self.lines if line.resource.startswith("gpu/")), ZERO)
 
 
+@dataclass(slots=True)
+class BillingJob:
+    """What billing knows of one job that has not ended: one record, forgotten at once when the job
+    ends (`BillingState.end`). Collections stay None until needed: a pending job costs one small
+    record."""
+
+    queue: str | None = None  # from its job.submitted
+    attempt: int = 1  # the latest attempt placed (from job.placed)
+    # interval key -> (tenant, allocation) as placed (open or not started yet), None once it closed
+    # (a late duplicate start reopens nothing)
+    intervals: dict[str, tuple[str, ReplicaAllocation] | None] | None = None
+    idle_seen: set[str] | None = None  # its job.idle_detected ids folded
+
+
 @dataclass
 class BillingState:
     gpu_models: dict[str, dict[int, str]] = field(default_factory=dict)  # node -> GPU index -> model
     mig_devices: dict[str, tuple[str, str]] = field(default_factory=dict)  # MIG UUID -> (model, profile)
-    queues: dict[str, str] = field(default_factory=dict)  # live job -> queue
-    placements: dict[str, tuple[str, ReplicaAllocation]] = field(default_factory=dict)  # key -> tenant, allocation
-    attempts: dict[str, int] = field(default_factory=dict)  # live job -> latest attempt placed (from job.placed)
-    idle_seen: dict[str, set[str]] = field(default_factory=dict)  # live job -> its job.idle_detected ids folded
+    jobs: dict[str, BillingJob] = field(default_factory=dict)
+    # interval key -> the running interval (of a job's `intervals`): what node losses, budgets and
+    # reports walk; opened by `_start`, closed by `_close` (every one of a job before its `end`)
     open: dict[str, OpenInterval] = field(default_factory=dict)
-    closed: set[str] = field(default_factory=set)  # live jobs' closed keys: a late duplicate start reopens nothing
-    keys: dict[str, set[str]] = field(default_factory=dict)  # live job -> its interval keys (placed, open, closed)
     ended: OrderedDict[str, datetime] = field(default_factory=OrderedDict)  # ended job -> log time of its end
     log_time: datetime | None = None  # the latest event time seen: the clock of the pruning
     charges: list[Charge] = field(default_factory=list)  # closed intervals, in log order (kept when asked)
@@ -160,11 +171,26 @@ class BillingState:
 
     def size(self) -> dict[str, int]:
         """How many entries each growing part holds (for `gpufleet bench billing`)."""
-        return {"queues": len(self.queues), "placements": len(self.placements), "attempts": len(self.attempts),
-                "idle_seen": sum(len(s) for s in self.idle_seen.values()),
-                "open": len(self.open), "closed": len(self.closed), "keys": sum(len(k) for k in self.keys.values()),
+        jobs = self.jobs.values()
+        placed = [p for r in jobs for p in (r.intervals or {}).values()]
+        return {"jobs": len(self.jobs), "placements": sum(p is not None for p in placed),
+                "idle_seen": sum(len(r.idle_seen or ()) for r in jobs),
+                "open": len(self.open), "closed": sum(p is None for p in placed),
                 "ended": len(self.ended), "spent": len(self.spent) + len(self.spent_month),
                 "crossed": len(self.crossed), "charges": len(self.charges)}
+
+    def job(self, job_id: str) -> BillingJob:
+        rec = self.jobs.get(job_id)
+        if rec is None:
+            rec = self.jobs[job_id] = BillingJob()
+        return rec
+
+    def end(self, job_id: str, at: datetime) -> None:
+        """The job ended (its intervals closed): all it held goes (placements that never started cost
+        nothing); only its id is kept, for ENDED_KEPT_S of log time, to ignore late copies of its events."""
+        self.jobs.pop(job_id, None)
+        self.ended[job_id] = max(at, self.log_time or at)
+        self.ended.move_to_end(job_id)
 
 
 def interval_key(job_id: str, replica: int, attempt: int) -> str:
@@ -182,6 +208,7 @@ class BillingCore(BaseCore[BillingState]):
         "fleet.evt.sys.budget.*.*.*",
     )
     tick_s = 5.0
+    state_format = 2  # one record per job (BillingJob)
 
     def __init__(self, config: ClusterConfig | None = None, *, keep_charges: bool = False) -> None:
         self.config = config or ClusterConfig()
@@ -212,19 +239,21 @@ class BillingCore(BaseCore[BillingState]):
             for iv in [iv for iv in state.open.values() if iv.node_id == p.node_id]:
                 self._close(state, iv, env.occurred_at, "node_lost")
         elif isinstance(p, JobSubmitted):
-            state.queues.setdefault(p.job_id, p.spec.queue)
+            rec = state.job(p.job_id)
+            if rec.queue is None:
+                rec.queue = p.spec.queue
         elif isinstance(p, JobPlaced):
-            if p.attempt > state.attempts.get(p.job_id, 1):
+            rec = state.job(p.job_id)
+            if p.attempt > rec.attempt:
                 # a later attempt is placed only once the placer freed every GPU of the earlier ones
                 # (their exits): one whose exit the log lacks ends here, not later
-                state.attempts[p.job_id] = p.attempt
+                rec.attempt = p.attempt
                 for iv in [iv for iv in self._of_job(state, p.job_id, None) if iv.attempt < p.attempt]:
                     self._close(state, iv, env.occurred_at, "replaced")
             for a in p.allocations:
-                key = interval_key(p.job_id, a.replica, p.attempt)
-                if key not in state.closed:
-                    state.placements.setdefault(key, (env.tenant, a))
-                    state.keys.setdefault(p.job_id, set()).add(key)
+                if rec.intervals is None:
+                    rec.intervals = {}
+                rec.intervals.setdefault(interval_key(p.job_id, a.replica, p.attempt), (env.tenant, a))
         elif isinstance(p, JobStarted):
             self._start(state, env, p)
         elif isinstance(p, JobExited):
@@ -234,14 +263,16 @@ class BillingCore(BaseCore[BillingState]):
         elif env.type in JOB_ENDS and job_id:
             for iv in self._of_job(state, job_id, None):
                 self._close(state, iv, env.occurred_at, env.type.removeprefix("job."))
-            self._forget_job(state, job_id, env.occurred_at)
+            state.end(job_id, env.occurred_at)
         elif isinstance(p, JobIdleDetected):
-            if p.job_id not in state.keys:
+            rec0 = state.jobs.get(p.job_id)
+            if rec0 is None or not rec0.intervals:
                 return state  # nothing of it placed: nothing to be idle
-            seen = state.idle_seen.setdefault(p.job_id, set())
-            if env.event_id in seen:
+            if rec0.idle_seen is None:
+                rec0.idle_seen = set()
+            if env.event_id in rec0.idle_seen:
                 return state  # a copy of an idle period already counted (it may have ended since)
-            seen.add(env.event_id)
+            rec0.idle_seen.add(env.event_id)
             since = env.occurred_at
             for iv in self._of_job(state, p.job_id, p.node_id):
                 if iv.idle_since is None:
@@ -259,8 +290,10 @@ class BillingCore(BaseCore[BillingState]):
 
     @staticmethod
     def _of_job(state: BillingState, job_id: str, node_id: str | None) -> list[OpenInterval]:
+        """The job's running intervals (on `node_id`), by attempt and replica."""
+        rec = state.jobs.get(job_id)
         out = []
-        for key in state.keys.get(job_id, ()):
+        for key in (rec.intervals or ()) if rec is not None else ():
             iv = state.open.get(key)
             if iv is not None and (node_id is None or iv.node_id == node_id):
                 out.append(iv)
@@ -268,14 +301,15 @@ class BillingCore(BaseCore[BillingState]):
 
     def _start(self, state: BillingState, env: Envelope, p: JobStarted) -> None:
         key = interval_key(p.job_id, p.replica, p.attempt)
-        if key in state.open or key in state.closed:
-            return  # a duplicate, or a late copy of a start whose interval is over
-        placed = state.placements.get(key)
-        if placed is None:
-            return  # no placement in the log: nothing was allocated to charge for
+        rec = state.jobs.get(p.job_id)
+        placed = (rec.intervals or {}).get(key) if rec is not None else None
+        if key in state.open or rec is None or placed is None:
+            # a duplicate, a late copy of a start whose interval is over, or no placement in the log
+            # (nothing was allocated to charge for)
+            return
         tenant, a = placed
         u = self.usage_of(state, a)
-        queue = state.queues.get(p.job_id, "default")
+        queue = rec.queue if rec.queue is not None else "default"
         state.open[key] = OpenInterval(
             key=key, job_id=p.job_id, tenant=tenant, queue=queue, replica=p.replica,
             attempt=p.attempt, node_id=a.node_id, started_at=env.occurred_at, usage=u, hourly=hourly(u, self.prices),
@@ -305,8 +339,9 @@ class BillingCore(BaseCore[BillingState]):
 
     def _close(self, state: BillingState, iv: OpenInterval, end: datetime, why: str) -> None:
         del state.open[iv.key]
-        state.closed.add(iv.key)
-        state.placements.pop(iv.key, None)
+        intervals = state.jobs[iv.job_id].intervals
+        assert intervals is not None  # (it opened from one of them)
+        intervals[iv.key] = None
         charge = self.charge_of(iv, end, why)
         state.intervals += 1
         for scope in (("tenant", iv.tenant), ("queue", iv.queue)):
@@ -329,19 +364,6 @@ class BillingCore(BaseCore[BillingState]):
             out.append((month_of(start), total(lines(iv.usage, self.prices, seconds_between(start, edge)))))
             start = edge
         return out
-
-    @staticmethod
-    def _forget_job(state: BillingState, job_id: str, at: datetime) -> None:
-        """An ended job: drop all it held (placements that never started cost nothing) and keep
-        only its id, for ENDED_KEPT_S of log time, to ignore late copies of its events."""
-        for key in state.keys.pop(job_id, ()):
-            state.placements.pop(key, None)
-            state.closed.discard(key)
-        state.attempts.pop(job_id, None)
-        state.idle_seen.pop(job_id, None)
-        state.queues.pop(job_id, None)
-        state.ended[job_id] = max(at, state.log_time or at)
-        state.ended.move_to_end(job_id)
 
     @staticmethod
     def _prune(state: BillingState) -> None:

@@ -100,13 +100,14 @@ def waiting_ahead(pstate: PlacerState, qstate: QuotaState, priority: int) -> lis
     those waiting for quota with a priority at least `priority` (priority, then admission order)."""
     out: list[Waiting] = []
     for job_id in pstate.pending:
-        spec = pstate.specs.get(job_id)
-        if spec is not None and job_id not in pstate.allocations:
-            held = qstate.reserved.get(job_id)
+        rec = pstate.jobs[job_id]
+        spec = rec.spec
+        if spec is not None and rec.allocations is None:
+            held = qstate.held(job_id)
             out.append(Waiting(job_id, held[0] if held else spec.queue, spec, needs_quota=False))
-    queued = sorted((p for p in qstate.pending.values() if p.priority >= priority and p.job_id in qstate.specs),
-                    key=lambda p: (-p.priority, p.order))
-    out += [Waiting(p.job_id, p.queue, qstate.specs[p.job_id], needs_quota=True) for p in queued]
+    queued = sorted((w for w in qstate.waiting() if w[2].priority >= priority),
+                    key=lambda w: (-w[2].priority, w[1].order))
+    out += [Waiting(j, s.queue, s, needs_quota=True) for j, _, s in queued]
     return out
 
 
@@ -138,8 +139,8 @@ def expected_wait(placer: PlacerCore, pstate: PlacerState, quota: QuotaCore, qst
 
     # the clock: (time, order, job, its allocations, its quota, was it running now)
     ends: list[tuple[float, int, str, tuple[ReplicaAllocation, ...], tuple[str, dict[str, int]] | None, bool]] = []
-    for n, (job_id, end_s) in enumerate(sorted(pstate.ends_at.items(), key=lambda x: (x[1], x[0]))):
-        ends.append((max(now_s, end_s), n, job_id, pstate.allocations.get(job_id, ()), qstate.reserved.get(job_id),
+    for n, (end_s, job_id) in enumerate(pstate.ending()):
+        ends.append((max(now_s, end_s), n, job_id, pstate.jobs[job_id].allocations or (), qstate.held(job_id),
                      True))
     heapq.heapify(ends)
     order = len(ends)
@@ -183,7 +184,7 @@ def expected_wait(placer: PlacerCore, pstate: PlacerState, quota: QuotaCore, qst
                 _add(extra, job.queue, d, +1)
                 held = (job.queue, d)
             else:
-                held = qstate.reserved.get(job.job_id)
+                held = qstate.held(job.job_id)
             heapq.heappush(ends, (t + s.max_runtime_s, order, job.job_id, allocs, held, False))
             order += 1
         if not ends:
