@@ -47,14 +47,19 @@ async def _wait_nodes(bus: Bus, n: int, timeout_s: float) -> None:
     raise TimeoutError(f"{n} nodes not registered and folded by the placer in {timeout_s}s")
 
 
+RATE_TICK_S = 0.01  # with --rate: a publish every 10 ms of what the rate allows by then
+
+
 async def _drive(nats_url: str, sim_nodes: int, jobs: int, progress: Callable[[str], None] | None,
-                 on_ready: Callable[[], None] | None = None, creds: Path | None = None) -> dict[str, Any]:
+                 on_ready: Callable[[], None] | None = None, creds: Path | None = None,
+                 rate: float | None = None) -> dict[str, Any]:
     bus = await Bus.connect(nats_url, name="bench", creds=creds)
     await _wait_nodes(bus, sim_nodes, timeout_s=180)
     if on_ready:
         on_ready()
     placed_at: dict[str, float] = {}
     unschedulable: set[str] = set()
+    queued: set[str] = set()  # waiting for quota, told so
     refused: dict[str, str] = {}  # job -> the code it was rejected or failed with (counted, never hidden)
 
     async def on_msg(msg: Any) -> None:
@@ -64,6 +69,8 @@ async def _drive(nats_url: str, sim_nodes: int, jobs: int, progress: Callable[[s
             placed_at.setdefault(job_id, time.perf_counter())
         elif kind == "unschedulable":
             unschedulable.add(job_id)
+        elif kind == "queued":
+            queued.add(job_id)
         else:  # rejected, failed (never fits)
             try:
                 payload = json.loads(msg.data)["payload"]
@@ -73,7 +80,7 @@ async def _drive(nats_url: str, sim_nodes: int, jobs: int, progress: Callable[[s
                 refused[job_id] = f"{kind}:?"
 
     subs = [await bus.nc.subscribe(f"fleet.evt.*.job.*.{kind}", cb=on_msg)
-            for kind in ("placed", "unschedulable", "rejected", "failed")]
+            for kind in ("placed", "unschedulable", "queued", "rejected", "failed")]
     envs = []
     job_ids: list[str] = []
     for i in range(jobs):
@@ -87,19 +94,32 @@ async def _drive(nats_url: str, sim_nodes: int, jobs: int, progress: Callable[[s
     submitted_at: dict[str, float] = {}
     t0 = time.perf_counter()
     last_report = t0
-    for start in range(0, jobs, SUBMIT_BATCH):
-        chunk = envs[start:start + SUBMIT_BATCH]
+    start = 0
+    while start < jobs:
         now = time.perf_counter()
-        for job_id in job_ids[start:start + SUBMIT_BATCH]:
+        if rate is None:  # as fast as the mesh takes them
+            end = start + SUBMIT_BATCH
+        else:  # a steady offered load: what the rate allows by now, every RATE_TICK_S
+            end = max(start, min(jobs, int((now - t0) * rate) + 1))
+            if end == start:
+                await asyncio.sleep(RATE_TICK_S)
+                continue
+        chunk = envs[start:end]
+        for job_id in job_ids[start:end]:
             submitted_at[job_id] = now
         await bus.publish_batch(chunk)
+        start += len(chunk)
         if progress and now - last_report > 2:
             last_report = now
-            progress(f"submitted {start + len(chunk)}/{jobs}, placed {len(placed_at)}")
+            progress(f"submitted {start}/{jobs}, placed {len(placed_at)}")
     t_submitted = time.perf_counter()
     idle_deadline = time.monotonic() + 60
     seen = -1
-    while len(placed_at.keys() | unschedulable | refused.keys()) < jobs and time.monotonic() < idle_deadline:
+
+    def outcomes() -> set[str]:
+        return placed_at.keys() | unschedulable | queued | refused.keys()
+
+    while len(outcomes()) < jobs and time.monotonic() < idle_deadline:
         await asyncio.sleep(0.25)
         if len(placed_at) != seen:
             seen = len(placed_at)
@@ -118,10 +138,12 @@ async def _drive(nats_url: str, sim_nodes: int, jobs: int, progress: Callable[[s
         "jobs": jobs,
         "placed": len(placed_at),
         "unschedulable": len(unschedulable - set(placed_at)),
+        "queued": len(queued - set(placed_at) - unschedulable),
         # every job's outcome is counted: refused work is reported, and a job with none fails the run
         "refused": len(set(refused) - set(placed_at)),
         "refused_by_code": dict(Counter(c for j, c in refused.items() if j not in placed_at)),
-        "unaccounted": jobs - len(placed_at.keys() | unschedulable | refused.keys()),
+        "unaccounted": jobs - len(outcomes()),
+        "offered_rate_jobs_s": rate,
         "submit_rate_jobs_s": round(jobs / max(1e-9, t_submitted - t0), 1),
         "placed_rate_jobs_s": round(len(placed_at) / max(1e-9, span), 1),
         "latency_p50_ms": round(_pct(lat, 0.50) * 1000, 1),
@@ -143,13 +165,22 @@ def _cpu_s(pid: int) -> float:
 
 def run_e2e(sim_nodes: int = 5000, jobs: int = 20000, postgres: bool = True,
             progress: Callable[[str], None] | None = None, layouts: tuple[str, ...] = ("grouped", "separate"),
-            syncs: tuple[str, ...] = ("always",)) -> dict[str, Any]:
+            syncs: tuple[str, ...] = ("always",), rate: float | None = None) -> dict[str, Any]:
     """Run the bench once per layout, the first being the one reported; the others are baselines.
     With several `syncs` (JetStream fsync policies: `always`, or `lazy` for the server's default),
-    the first layout also runs under each further one, as a baseline of the same run."""
-    runs = {layout: _with_sync(syncs[0], functools.partial(run_layout, sim_nodes, jobs, postgres, layout, progress))
+    the first layout also runs under each further one, as a baseline of the same run. With `rate`
+    the jobs are offered at that many a second instead of as fast as the mesh takes them."""
+    config = {"sim_nodes": sim_nodes, "jobs": jobs, "postgres": postgres, "layouts": list(layouts),
+              "nats_sync": list(syncs), "offered_rate_jobs_s": rate, "submit_batch": SUBMIT_BATCH if rate is None else None,
+              "service_batch": int(os.environ.get("GPUFLEET_BATCH", "256")), "cpus": os.cpu_count(),
+              "limits": "open cluster: no tenants, queues or rate limits configured (nothing is refused for them)"}
+    if progress:
+        progress(f"config: {json.dumps(config)}")
+    runs = {layout: _with_sync(syncs[0], functools.partial(run_layout, sim_nodes, jobs, postgres, layout, progress,
+                                                           rate))
             for layout in layouts}
     main = dict(runs[layouts[0]])
+    main["config"] = config
     main["layout"] = layouts[0]
     main["nats_sync"] = syncs[0]
     for layout in layouts[1:]:
@@ -157,7 +188,7 @@ def run_e2e(sim_nodes: int = 5000, jobs: int = 20000, postgres: bool = True,
         main[f"baseline_{layout}"] = base
         main[f"ratio_vs_{layout}"] = round(main["placed_rate_jobs_s"] / max(1e-9, base["placed_rate_jobs_s"]), 2)
     for sync in syncs[1:]:
-        base = _with_sync(sync, functools.partial(run_layout, sim_nodes, jobs, postgres, layouts[0], progress))
+        base = _with_sync(sync, functools.partial(run_layout, sim_nodes, jobs, postgres, layouts[0], progress, rate))
         main[f"baseline_sync_{sync}"] = base
         main[f"ratio_vs_sync_{sync}"] = round(main["placed_rate_jobs_s"] / max(1e-9, base["placed_rate_jobs_s"]), 2)
     return main
@@ -177,7 +208,7 @@ def _with_sync(sync: str, run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
 
 
 def run_layout(sim_nodes: int, jobs: int, postgres: bool, layout: str,
-               progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+               progress: Callable[[str], None] | None = None, rate: float | None = None) -> dict[str, Any]:
     from gpufleet.mesh import MeshOptions, Supervisor, wait_services_ready
 
     with tempfile.TemporaryDirectory(prefix="gpufleet-bench-") as tmp:
@@ -198,11 +229,15 @@ def run_layout(sim_nodes: int, jobs: int, postgres: bool, layout: str,
                 before.update({name: _cpu_s(pid) for name, pid in pids.items()})
 
             result = asyncio.run(_drive(sup.nats_url, sim_nodes, jobs, progress, ready,
-                                        creds=sup.realm.creds_path("admin") if sup.realm else None))
+                                        creds=sup.realm.creds_path("admin") if sup.realm else None, rate=rate))
+            result["cpu_us_per_job"] = {}  # filled below, from the CPU seconds
             result["postgres"] = postgres
             result["service_restarts"] = sum(c.restarts for c in sup.children.values())
             # CPU seconds each process spent from the first submit to the end of the run
             result["cpu_s"] = {name: round(_cpu_s(pid) - before.get(name, 0.0), 2) for name, pid in pids.items()}
+            # the budget table's unit: CPU-µs each process spent per submitted job
+            result["cpu_us_per_job"] = {name: round(1e6 * s / max(1, jobs)) for name, s in result["cpu_s"].items()}
+            result["cpu_us_per_job"]["total"] = round(1e6 * sum(result["cpu_s"].values()) / max(1, jobs))
             return result
         finally:
             sup.stop_all()

@@ -85,7 +85,7 @@ async def measure_size(events: int, cores: tuple[str, ...], progress: Callable[[
                 state_bytes = len(pickle.dumps(rt.state, protocol=5))
                 held = _rss() - rss0
                 await rt.flush_snapshot()
-                size = len(rt._snap.blob) if rt._snap is not None else 0
+                size = len(rt._snap.packed()) if rt._snap is not None else 0
                 await _decided_to_head(rt, head)
                 await rt.bus.close()
                 rt2, snap_s = await _start(url, creds, name)

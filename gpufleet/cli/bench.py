@@ -28,17 +28,22 @@ def bench_e2e(
     nats_sync: Annotated[str, typer.Option(
         help="JetStream fsync policies: always (the mesh's), lazy (the server's default: every 2 min); "
              "the first reported, the rest as baselines of the first layout")] = "always",
+    rate: Annotated[float | None, typer.Option(
+        help="offer this many jobs a second, steadily (the latency of a loaded mesh), instead of as fast as it takes them")] = None,
 ) -> None:
-    """Submit jobs as fast as the mesh takes them; report submit->placed rate and latency."""
+    """Submit jobs as fast as the mesh takes them (or at --rate); report submit->placed rate and latency."""
     from gpufleet.bench.e2e import run_e2e
 
+    if rate is not None and rate <= 0:
+        typer.echo("error: --rate: jobs a second, above 0", err=True)
+        raise typer.Exit(2)
     syncs = tuple(x.strip() for x in nats_sync.split(",") if x.strip())
     if not syncs or any(x not in ("always", "lazy") for x in syncs):
         typer.echo("error: --nats-sync: a list of always / lazy", err=True)
         raise typer.Exit(2)
     result = run_e2e(sim_nodes=sim_nodes, jobs=jobs_n, postgres=postgres,
                      progress=None if as_json else (lambda s: typer.echo(s, err=True)),
-                     layouts=tuple(x.strip() for x in layouts.split(",") if x.strip()), syncs=syncs)
+                     layouts=tuple(x.strip() for x in layouts.split(",") if x.strip()), syncs=syncs, rate=rate)
     if as_json:
         _print_json(result)
     else:

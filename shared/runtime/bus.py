@@ -42,6 +42,11 @@ ERR_BATCH_DUP_ID = 10201
 DUPLICATE_WINDOW_S = 120.0
 TELEMETRY_MAX_AGE_S = 6 * 3600.0
 PUBLISH_TIMEOUT_S = 10.0
+# Unconditional publishes of this many events or more go as atomic batches (0: never). The
+# crossover is for a server that fsyncs every write (`sync_interval: always`, the embedded
+# default); a server that syncs lazily writes pipelined messages cheaper than batches.
+ATOMIC_FROM = int(os.environ.get("GPUFLEET_ATOMIC_FROM",
+                                 "12" if os.environ.get("GPUFLEET_NATS_SYNC", "always") == "always" else "0"))
 STREAM_WAIT_S = 300.0
 
 
@@ -258,13 +263,20 @@ class Bus:
         return int(ack.seq)
 
     async def publish_many(self, envs: Sequence[Envelope]) -> list[int]:
-        """Publish unconditionally, pipelined (publish_async), every ack awaited with a timeout.
+        """Publish unconditionally: ATOMIC_FROM events or more as atomic batches, fewer pipelined
+        (publish_async), every ack awaited with a timeout.
 
-        Not atomic: after a crash some of these may be written and others not; the derived ids
-        and idempotent decisions make the re-decision write only the missing ones.
+        Why both: with `sync_interval: always` (the embedded default) the server fsyncs every
+        message it is given alone, and an atomic batch once (measured: 256 events in 54.6 ms
+        pipelined, 12.3 ms as one batch; server CPU 100 vs 22 µs an event), while committing a
+        batch costs the server a fixed ~2–3 ms: below ~10 events pipelining is quicker.
+        Pipelined is not atomic: after a crash some may be written and others not; the derived
+        ids and idempotent decisions make the re-decision write only the missing ones.
         """
         if not envs:
             return []
+        if ATOMIC_FROM and len(envs) >= ATOMIC_FROM:
+            return await self.publish_batch(envs)
         futs = [
             await self.js.publish_async(e.subject(), e.to_json(), headers=_headers(e))
             for e in envs

@@ -117,7 +117,8 @@ class Engine(Generic[S]):
     # ---------------------------------------------------------------- committed points
 
     def point(self, stream_created: str) -> Snapshot:
-        return take(self.core, self.state, self.seq, self.last_cas_seq, self.own, stream_created)
+        """The state as a committed point (uncompressed: compressed when stored)."""
+        return take(self.core, self.state, self.seq, self.last_cas_seq, self.own, stream_created, compress=False)
 
     def restore(self, snap: Snapshot | None) -> None:
         """Back to a committed point (None: to the start of the log)."""

@@ -360,7 +360,7 @@ class ServiceRuntime(Generic[S]):
         async def save() -> None:
             try:
                 await self.snapshots.save(snap)
-                log.info("%s: snapshot at seq %d stored (%d bytes)", self.actor, snap.seq, len(snap.blob))
+                log.info("%s: snapshot at seq %d stored (%d bytes pickled)", self.actor, snap.seq, len(snap.blob))
             except Exception as exc:  # noqa: BLE001 - an optimisation: the log holds everything
                 log.warning("%s: storing its snapshot failed (%s: %s)", self.actor, type(exc).__name__, exc)
                 self._stored_seq = 0
@@ -376,8 +376,11 @@ class ServiceRuntime(Generic[S]):
             self._take_snapshot()
 
     def _point_affordable(self) -> bool:
-        """A new rollback point now spends at most SNAPSHOT_CPU_SHARE of the time on them."""
-        return time.monotonic() - self._snap_at >= max(SNAPSHOT_MIN_S, self._snap_cost_s / SNAPSHOT_CPU_SHARE)
+        """A new rollback point now spends at most SNAPSHOT_CPU_SHARE of the time on them, a
+        share the members of a group divide (one process, one budget: six cores each taking
+        their own 2 % spent 14 % of the group's time on points)."""
+        share = SNAPSHOT_CPU_SHARE / (len(self.group.runtimes) if self.group is not None else 1)
+        return time.monotonic() - self._snap_at >= max(SNAPSHOT_MIN_S, self._snap_cost_s / share)
 
     def idle(self) -> None:
         """Nothing came in: a state that moved past its stored snapshot is stored now (events
@@ -893,10 +896,19 @@ class RuntimeGroup:
             parsed: dict[int, Envelope] = {}
             for rt in self.runtimes:
                 rt._parsed = parsed
-                try:
-                    await rt.handle_batch(msgs)
-                finally:
+            try:
+                # Each member decides in turn (its decision runs without a pause up to its
+                # publish) and the members' publishes are in flight together: their states are
+                # apart, and a server that fsyncs each write then waits on one disk flush for all
+                # of them instead of one after the other.
+                results = await asyncio.gather(*(rt.handle_batch(msgs) for rt in self.runtimes),
+                                               return_exceptions=True)
+            finally:
+                for rt in self.runtimes:
                     rt._parsed = None
+            for result in results:
+                if isinstance(result, BaseException):
+                    raise result
             if generation == self._generation:  # no member recreated the consumer meanwhile
                 last = max(msgs, key=lambda m: m.metadata.sequence.stream)
                 await last.ack()

@@ -60,24 +60,36 @@ class Snapshot:
     last_cas_seq: int
     own: tuple[str, ...]  # own outputs evolved already, published after `seq`
     stream_created: str  # the log it belongs to
-    blob: bytes  # zlib(pickle(state))
+    blob: bytes  # pickle(state), zlib-compressed when `compressed`
     taken_at: float = 0.0
+    # An in-memory rollback point stays uncompressed (zlib was about half of taking one); a
+    # point is compressed only when it is stored, and a stored one always is.
+    compressed: bool = True
 
     def state(self) -> Any:
-        return pickle.loads(zlib.decompress(self.blob))  # noqa: S301 - checked by its HMAC first
+        raw = zlib.decompress(self.blob) if self.compressed else self.blob
+        return pickle.loads(raw)  # noqa: S301 - checked by its HMAC first
+
+    def packed(self) -> bytes:
+        """The blob as stored: compressed."""
+        return self.blob if self.compressed else zlib.compress(self.blob, 1)
 
     def encode(self, key: bytes | None) -> bytes:
+        blob = self.packed()
         header = {"format": SNAPSHOT_FORMAT, "core": self.core, "fingerprint": self.fingerprint, "seq": self.seq,
                   "last_cas_seq": self.last_cas_seq, "own": list(self.own), "stream_created": self.stream_created,
-                  "taken_at": self.taken_at, "size": len(self.blob), "mac": _mac(key, self.blob, self.seq)}
+                  "taken_at": self.taken_at, "size": len(blob), "mac": _mac(key, blob, self.seq)}
         h = json.dumps(header).encode()
-        return struct.pack(">I", len(h)) + h + self.blob
+        return struct.pack(">I", len(h)) + h + blob
 
 
-def take(core: Any, state: Any, seq: int, last_cas_seq: int, own: set[str], stream_created: str) -> Snapshot:
-    blob = zlib.compress(pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL), 1)
+def take(core: Any, state: Any, seq: int, last_cas_seq: int, own: set[str], stream_created: str,
+         compress: bool = True) -> Snapshot:
+    blob = pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)
+    if compress:
+        blob = zlib.compress(blob, 1)
     return Snapshot(core.name, state_fingerprint(core, state), seq, last_cas_seq, tuple(sorted(own)),
-                    stream_created, blob, time.time())
+                    stream_created, blob, time.time(), compressed=compress)
 
 
 class SnapshotRefused(ValueError):
