@@ -794,6 +794,24 @@ def test_a_job_that_ends_leaves_no_record_and_frees_its_node() -> None:
     assert h.state.changed_s["h100-0000"] == at(60).timestamp()
 
 
+def test_a_late_fact_about_a_job_that_ended_holds_no_pool_node_and_brings_no_record_back() -> None:
+    """A copy of j1's `job.placed` (and `job.started`, `job.submitted`) redelivered after j1 ended:
+    before, it put j1 back on h100-0000 for ever (a ghost allocation: the node never idle, never
+    drained) and brought back a record nothing would forget."""
+    h = Play(pools())
+    registered_pool_node(h, "h100", "h100-0000", 0)
+    sub, place = submitted(make_job("j").gpus(8), "j1"), _placed("j1", 1, "h100-0000", s=6)
+    run = _started("j1", "h100-0000", 1, s=7)
+    h.given(sub, place, run, event(JobExited(job_id="j1", node_id="h100-0000", attempt=1, exit_code=0), at=at(20)),
+            event(JobCancelled(job_id="j1", reason="x"), at=at(20)))
+    assert h.state.jobs == {} and "h100-0000" not in h.state.on_node
+    h.given(place, run, sub)  # late copies, after the end
+    assert "h100-0000" not in h.state.on_node, "a late job.placed of an ended job holds its node"
+    assert h.state.jobs == {} and not h.state.unschedulable
+    assert h.tick(at(79)) == []  # idle since 20 s: not 60 s yet
+    assert [(e.type, e.node_id) for e in h.tick(at(81))] == [("node.cordoned", "h100-0000")]
+
+
 def _queued(job_id: str, s: float) -> Envelope:
     return event(JobQueued(job_id=job_id, queue="default", reason=Reason(code="queue_limit", message="full")),
                  at=at(s))

@@ -206,3 +206,75 @@ def test_the_guardian_forgets_every_fact_of_a_job_when_it_ends() -> None:
     assert not (h.state.running or h.state.idle or h.state.retrying) and h.state.watched() == []
     h.given(event(JobCheckpointSaved(job_id="j1", uri="file:///c/j1/step-3", step=3, size_bytes=1, sha256="0" * 64)))
     assert "j1" not in h.state.jobs, "a late fact about an ended job brought its record back"
+
+
+def _autoscaler_story(rounds: int) -> Any:
+    """A live inference service whose replicas fail and are replaced every round, and in each round
+    a service that is admitted, scaled up, loses a replica (replaced), then is cancelled with its
+    replicas; then a job ends a day and a half later (past the window for all of it). The rest of
+    the mesh is played here: a replica submitted is submitted, admitted, placed and started; one
+    cancelled ends."""
+    from gpufleet.services.autoscaler.core import AutoscalerCore, replica_job_id
+    from gpufleet.shared.contract.events import (
+        CancelRequestedCmd,
+        JobAdmitted,
+        JobCancelled,
+        JobFailed,
+        Reason,
+        ReportLoadCmd,
+        SubmitRequested,
+    )
+    from gpufleet.shared.contract.spec import parse_spec
+
+    from .builders import placed, started, submitted
+
+    class Play(Harness[Any]):
+        actor = "autoscaler/0"  # (it counts only its own submits)
+
+    h = Play(AutoscalerCore())
+    auto = {"minReplicas": 2, "maxReplicas": 4, "targetRpsPerReplica": 100, "scaleUpCooldown": "10s",
+            "scaleDownCooldown": "60s"}
+    spec = make_job("web").type("inference").gpus(1).runs("1h").set("autoscale", auto).spec()
+
+    def at(s: float) -> Any:
+        return T0 + timedelta(seconds=s)
+
+    def world(out: list[Envelope], s: float) -> None:
+        for e in out:
+            p = e.payload
+            if isinstance(p, SubmitRequested):
+                h.given(submitted(parse_spec(p.spec), p.job_id), event(JobAdmitted(job_id=p.job_id), at=at(s)),
+                        placed(p.job_id, ("n1", [0]), at=at(s)), started(p.job_id, "n1", at=at(s)))
+            elif isinstance(p, CancelRequestedCmd):
+                world(h.when(event(JobCancelled(job_id=p.job_id, reason="x"), at=at(s)), at(s)), s)
+
+    def fail(job_id: str, s: float) -> None:
+        world(h.when(event(JobFailed(job_id=job_id, reason=Reason(code="error", message="exit 1")), at=at(s)),
+                     at(s)), s)
+
+    h.given(submitted(spec, "live"))
+    world(h.when(event(JobAdmitted(job_id="live"), at=at(0)), at(0)), 0)
+    for i in range(rounds):
+        s0, svc = 600.0 * (i + 1), f"svc{i}"
+        h.given(submitted(spec, svc))
+        world(h.when(event(JobAdmitted(job_id=svc), at=at(s0)), at(s0)), s0)
+        world(h.when(event(ReportLoadCmd(job_id=svc, rps=400), at=at(s0 + 1)), at(s0 + 1)), s0 + 1)  # 2 -> 4
+        fail(replica_job_id(svc, 1), s0 + 2)
+        fail(min(h.state.services["live"].replicas), s0 + 2)
+        world(h.tick(at(s0 + 5)), s0 + 5)  # both replaced after their backoff
+        world(h.when(event(JobCancelled(job_id=svc, reason="user"), at=at(s0 + 10)), at(s0 + 10)), s0 + 10)
+    h.given(event(JobSucceeded(job_id="late-job"), at=at(600.0 * (rounds + 1) + 36 * 3600)))
+    return h.state
+
+
+def test_the_autoscaler_forgets_ended_replicas_and_services_past_the_window() -> None:
+    """Services whose replicas come and go: past the window the autoscaler keeps the live service and
+    its live replicas, nothing of the replicas and services that ended (before: every replica ever
+    made stayed in `replica_of`, every service that ended in `services`)."""
+    few, many = _autoscaler_story(3), _autoscaler_story(60)
+    live = many.services["live"]
+    assert len(live.replicas) == 2 and live.next_index == 62  # (each round replaced one of them)
+    assert set(many.services) == {"live"} and set(many.replica_of) == set(live.replicas)
+    assert set(many.jobs) == {"live", *live.replicas} and list(many.ended) == ["late-job"]
+    small, big = len(pickle.dumps(few)), len(pickle.dumps(many))
+    assert big <= small * 1.1 + 256, f"autoscaler: {small} bytes after 3 rounds, {big} after 60"

@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 from gpufleet.shared.contract.clusterconfig import ClusterConfig, NodePoolConfig
@@ -62,6 +63,7 @@ from gpufleet.shared.contract.events import (
 )
 from gpufleet.shared.contract.spec import AutoscaleSpec, JobSpec, spec_to_user
 from gpufleet.shared.runtime.loop import BaseCore, Ctx
+from gpufleet.shared.runtime.retention import EndedJobs
 
 from .pools import Room, empty_room, pack, pool_inventory, replica_fits_shape
 
@@ -172,11 +174,15 @@ class AutoscalerJob:
 
 @dataclass
 class AutoscalerState:
+    # a service that ended stays while something refers to it (a replica not ended yet) and its id
+    # is in `ended`; then it is forgotten (`forget`)
     services: dict[str, Service] = field(default_factory=dict)
     # replica job -> service: kept past the replica's end (the end's decision replaces it by its
-    # service; a late copy of our submit of an ended replica counts nothing)
+    # service; a late copy of our submit of an ended replica counts nothing) until the ended
+    # window forgets the replica
     replica_of: dict[str, str] = field(default_factory=dict)
     jobs: dict[str, AutoscalerJob] = field(default_factory=dict)
+    ended: EndedJobs = field(default_factory=EndedJobs)  # forgotten after a window of log time
     # indexes of `jobs` (kept by `set_waiting`, `hold`, `drop` and `end`, nowhere else)
     unschedulable: set[str] = field(default_factory=set)  # jobs waiting for room (the tick walks them)
     on_node: dict[str, set[tuple[str, int]]] = field(default_factory=dict)  # node -> (job, replica) placed there
@@ -225,15 +231,38 @@ class AutoscalerState:
             out.append((job_id, rec.waiting, rec.spec))
         return sorted(out, key=lambda x: (x[1].since_s, x[0]))
 
-    def end(self, job_id: str, at: float) -> None:
-        """The job ended: what it held is freed and its record forgotten."""
+    def end(self, job_id: str, when: datetime) -> None:
+        """The job ended: remembered as ended for the window; what it held is freed and its record
+        forgotten now. What was kept of the jobs the window forgets goes with them."""
+        for gone in self.ended.add(job_id, when):
+            self.forget(gone)
         rec = self.jobs.pop(job_id, None)
         if rec is None:
             return
         self.unschedulable.discard(job_id)
         if (run := rec.run) is not None:
+            at = when.timestamp()
             for replica in list(run.allocs):
                 self.drop(job_id, run, replica, at)
+
+    def forget(self, job_id: str) -> None:
+        """The ended window forgot `job_id`. A replica's link to its service goes (unless its
+        service counts it still: the id of a user's job that ended, which we submitted as a replica
+        and admission refuses); a service that ended goes once the window forgot it too and no
+        replica of it is left."""
+        service_id = self.replica_of.get(job_id)
+        if service_id is not None:
+            owner = self.services.get(service_id)
+            if owner is None or (job_id not in owner.replicas and job_id not in owner.removing):
+                del self.replica_of[job_id]
+                self._forget_service(service_id)
+        self._forget_service(job_id)
+
+    def _forget_service(self, service_id: str) -> None:
+        svc = self.services.get(service_id)
+        if (svc is not None and svc.ended and service_id not in self.ended
+                and not svc.replicas and not svc.removing):
+            del self.services[service_id]
 
     def set_waiting(self, job_id: str, rec: AutoscalerJob, waiting: Waiting | None) -> None:
         rec.waiting = waiting
@@ -313,7 +342,7 @@ class AutoscalerCore(BaseCore[AutoscalerState]):
         "fleet.evt.sys.node.*.removal_requested", "fleet.evt.sys.node.*.deregistered",
     )
     tick_s = 0.5
-    state_format = 2  # one record per job (AutoscalerJob)
+    state_format = 3  # one record per job (AutoscalerJob); the ended window
 
     def __init__(self, config: ClusterConfig | None = None, providers: tuple[str, ...] = PROVIDERS) -> None:
         self.config = config or ClusterConfig()
@@ -339,6 +368,11 @@ class AutoscalerCore(BaseCore[AutoscalerState]):
             return state
         job_id = env.job_id
         if job_id is None:
+            return state
+        if job_id in state.ended and t.startswith("job.") and t not in ENDED and not isinstance(p, JobRequestRefused):
+            # a late or copied fact about a job that ended changes nothing (a placement would hold
+            # its node for ever). Not commands: our own submit of a replica under the id of a job
+            # that ended is counted, and admission's refusal of it (on that id) replaces it.
             return state
         svc = state.services.get(job_id)
         if isinstance(p, ReportLoadCmd):
@@ -426,7 +460,7 @@ class AutoscalerCore(BaseCore[AutoscalerState]):
         elif isinstance(p, JobRequestRefused):
             self._evolve_refused(state, env, p, at)
         elif t in ENDED:
-            state.end(job_id, at)
+            state.end(job_id, env.occurred_at)
             if svc is not None:
                 svc.active, svc.ended = False, True
             service_id = state.replica_of.get(job_id)
