@@ -28,6 +28,7 @@ from gpufleet.shared.contract.events import (
     JobPreemptionRequested,
     JobQueued,
     JobQuotaReserved,
+    JobResumeRequested,
     JobSucceeded,
     Reason,
 )
@@ -687,7 +688,44 @@ def test_a_reservation_has_the_same_id_whatever_decided_it() -> None:
     out_tick = by_tick.tick(at(14))
 
     assert reserved_ids(out_release) == reserved_ids(out_tick) == ["w1"]
-    assert out_release[0].event_id == out_tick[0].event_id == derive_id("w1", "reserved")
+    w1_admitted = next(e for e in given if e.type == "job.admitted" and e.job_id == "w1")
+    assert out_release[0].event_id == out_tick[0].event_id == derive_id(w1_admitted.event_id, "reserved")
+
+
+def test_what_quota_says_of_a_job_is_caused_by_the_event_that_made_it_wait() -> None:
+    """A client following causation (docs/clients.md: "the event that caused each") finds the
+    job's own `job.admitted` behind its `job.queued` and `job.quota_reserved`, and behind the
+    `job.preemption_requested` of the jobs it preempts; after a preemption, the
+    `job.resume_requested` that put it back in line. Before: the job id, which is no event."""
+    h = quota({"a": {"nominal": {"gpu": 8}}})
+    h.given(submitted(gpu_job(8, priority=1), "low"))
+    low_admitted = admitted_at("low", 0)
+    (low_reserved,) = h.when(low_admitted, at(0))
+    assert (low_reserved.type, low_reserved.causation_id) == ("job.quota_reserved", low_admitted.event_id)
+
+    h.given(submitted(gpu_job(8, priority=5), "high"))
+    high_admitted = admitted_at("high", 1)
+    out = h.when(high_admitted, at(1))
+    assert {(e.type, e.job_id): e.causation_id for e in out} == {
+        ("job.preemption_requested", "low"): high_admitted.event_id, ("job.queued", "high"): high_admitted.event_id}
+    # reserved in the cycle the victim's end runs (not the high job's event): still its admission
+    (high_reserved,) = h.when(preempted("low"), at(2))
+    assert (high_reserved.job_id, high_reserved.causation_id) == ("high", high_admitted.event_id)
+    assert high_reserved.event_id == derive_id(high_admitted.event_id, "reserved")
+
+    # a training job preempted to run again waits for quota again: caused by that resume
+    h2 = quota({"a": {"nominal": {"gpu": 8}}})
+    train = make_job("t").type("training").gpus(8).queue("a")
+    h2.given(submitted(train, "t1"))
+    assert reserved_ids(h2.when(admitted_at("t1", 0), at(0))) == ["t1"]
+    h2.given(submitted(gpu_job(8), "other"), admitted_at("other", 1))  # waits behind t1
+    resume = event(JobResumeRequested(job_id="t1", attempt=2, reason=Reason(code="preempted", message="x")),
+                   at=at(5))
+    out = h2.when(resume, at(5))  # t1's quota goes to `other`; t1 waits again
+    assert reserved_ids(out) == ["other"]
+    assert [(e.type, e.causation_id) for e in out if e.job_id == "t1"] == [("job.queued", resume.event_id)]
+    (again,) = h2.when(succeeded("other"), at(9))
+    assert (again.job_id, again.causation_id) == ("t1", resume.event_id)
 
 
 def test_quota_forgets_every_fact_of_a_job_when_it_ends() -> None:

@@ -29,6 +29,7 @@ One cycle, run when a job is admitted, when quota is released and every few seco
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from datetime import datetime
 
@@ -75,10 +76,12 @@ class QuotaJob:
 
     spec: JobSpec | None = None
     # while it waits for quota (in `QuotaState.pending`): the tenant told, its place in the
-    # admission order and the log time it began to wait (the starvation clock)
+    # admission order, the log time it began to wait (the starvation clock) and the event that
+    # made it wait (its `job.admitted`, or the `job.resume_requested` that put it back in line)
     tenant: str = ""
     order: int = 0
     since_s: float = 0.0
+    cause: str | None = None
     hold: Hold | None = None
     said: str | None = None  # the last reason told
     told: int = 0  # how many reasons told
@@ -113,10 +116,12 @@ class QuotaState:
             self.release(job_id, rec)
             self.pending.discard(job_id)
 
-    def wait(self, job_id: str, rec: QuotaJob, tenant: str, since_s: float) -> None:
-        """The job waits for quota (admitted, or preempted to run again): last in the admission order."""
+    def wait(self, job_id: str, rec: QuotaJob, tenant: str, since_s: float, cause: str) -> None:
+        """The job waits for quota (admitted, or preempted to run again: `cause`, that event's id):
+        last in the admission order."""
         self.admitted_n += 1
-        rec.tenant, rec.order, rec.since_s = tenant, self.admitted_n, since_s
+        # (tenants are few: one copy of each name, not one per job waiting)
+        rec.tenant, rec.order, rec.since_s, rec.cause = sys.intern(tenant), self.admitted_n, since_s, cause
         self.pending.add(job_id)
 
     def reserve(self, job_id: str, rec: QuotaJob, queue: str, d: dict[str, int]) -> Hold:
@@ -178,7 +183,7 @@ class QuotaCore(BaseCore[QuotaState]):
         "fleet.evt.*.job.*.preempted",
     )
     tick_s = 1.0
-    state_format = 2  # one record per job (QuotaJob)
+    state_format = 3  # one record per job (QuotaJob), with the event it waits since
 
     def __init__(self, config: ClusterConfig | None = None) -> None:
         self.config = config or ClusterConfig()
@@ -205,7 +210,7 @@ class QuotaCore(BaseCore[QuotaState]):
             # an autoscaled inference service holds nothing itself: its replicas are jobs of their own
             if (rec is not None and rec.spec is not None and rec.spec.autoscale is None and rec.hold is None
                     and job_id not in state.pending):
-                state.wait(job_id, rec, env.tenant, env.occurred_at.timestamp())
+                state.wait(job_id, rec, env.tenant, env.occurred_at.timestamp(), env.event_id)
         elif isinstance(p, JobQueued):
             rec = state.job(job_id)
             rec.said = p.reason.message if p.reason else ""
@@ -240,7 +245,7 @@ class QuotaCore(BaseCore[QuotaState]):
             state.release(job_id, rec)
             if rec.spec is not None:
                 rec.requeued += 1
-                state.wait(job_id, rec, env.tenant, env.occurred_at.timestamp())
+                state.wait(job_id, rec, env.tenant, env.occurred_at.timestamp(), env.event_id)
         return state
 
     # ------------------------------------------------------------ decide
@@ -284,6 +289,11 @@ class QuotaCore(BaseCore[QuotaState]):
         taken: set[str] = set()  # victims chosen in this cycle
         for job_id, rec, spec in order:
             queue, priority = spec.queue, spec.priority
+            # What the cycle says of a job is caused by the event that made it wait (its
+            # job.admitted, or the job.resume_requested that put it back in line), whatever ran
+            # the cycle (that event, another job's end, a tick): its ids are derived from that event,
+            # so a re-decision says the same under the same ids (docs/clients.md).
+            cause = rec.cause or job_id
             cohort = self._cohort(queue)
             flavor, reason, lacking = self.fit(state, extra, queue, spec)
             hold = blocked.get(cohort)
@@ -309,7 +319,7 @@ class QuotaCore(BaseCore[QuotaState]):
                 out.append(ctx.emit(JobQuotaReserved(
                     job_id=job_id, queue=queue, cpu_milli=d["cpu"], memory_mib=d["memory"],
                     gpus=spec.gpus_total, flavor=flavor or None, mig=spec.mig_total,
-                ), tenant=rec.tenant, cause_id=job_id,
+                ), tenant=rec.tenant, cause_id=cause,
                     key="reserved" + (f":{rec.requeued}" if rec.requeued else "")))
                 continue
             if reason is not None and reason.code in ("queue_limit", "cohort_limit"):
@@ -328,7 +338,7 @@ class QuotaCore(BaseCore[QuotaState]):
                             vhold = state.jobs[victim].hold
                             out.append(ctx.emit(JobPreemptionRequested(
                                 job_id=victim, by_job_id=job_id, reason=why, grace_s=PREEMPT_GRACE_S,
-                            ), tenant=self._tenant(state, victim), cause_id=job_id,
+                            ), tenant=self._tenant(state, victim), cause_id=cause,
                                 key=f"preempt:{victim}:{vhold.order if vhold else 0}"))
                         reason = Reason(code="preempting", message=(
                             f"waiting for {len(victims)} preempted job(s) to give back quota in queue {queue}"))
@@ -343,7 +353,7 @@ class QuotaCore(BaseCore[QuotaState]):
                 # the count keeps ids apart when a reason comes back (A, B, A): the server's
                 # duplicate window would otherwise drop the second A
                 out.append(ctx.emit(JobQueued(job_id=job_id, queue=queue, reason=reason),
-                                    tenant=rec.tenant, cause_id=job_id, key=f"queued:{rec.told}:{reason.message}"))
+                                    tenant=rec.tenant, cause_id=cause, key=f"queued:{rec.told}:{reason.message}"))
         return out
 
     @staticmethod
