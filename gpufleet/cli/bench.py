@@ -176,7 +176,11 @@ def bench_history(
         for j in size.get("explain", {}).get("jobs", []):
             typer.echo(f"  explain {j['job_id']}: {j['s']:.3f} s ({j['events']} events)")
     for name, g in doc.get("growth", {}).items():
-        typer.echo(f"  growth {name}: full fold {g['full_fold']}x, snapshot start {g['snapshot_start']}x")
+        if isinstance(g, dict):
+            typer.echo(f"  growth {name}: full fold {g['full_fold']}x, snapshot start {g['snapshot_start']}x, "
+                       f"state {g['state_bytes']}x")
+        else:
+            typer.echo(f"  growth {name}: {g}x")
 
 
 @bench_app.command("replay")
