@@ -245,6 +245,7 @@ class TelemetryAgent:
 
         now = self.clock()
         facts = []
+        docs: list[tuple[str, bytes]] = []  # the round's samples, published together at its end
         for node_id, backend in sorted(self.backends().items()):
             if node_id in self.state.lost:
                 continue
@@ -259,17 +260,19 @@ class TelemetryAgent:
                 owner = self.world.owners.get
                 use = self.world.use(self.state, node_id)
             if self.publish_samples:
-                await self._publish(node_id, samples, now)
+                docs.append(self._doc(node_id, samples, now))
             _record_metrics(node_id, samples)
             facts += self.core.observe(self.state, self.windows, node_id, samples, owner, use, now, self.runtime.ctx())
+        await self.bus.publish_telemetry_many(docs)
         for f in facts:
             if f.type in ALERTS:  # the alert: in the log (watch, dashboards) and in this service's log
                 log.warning("ALERT %s: %s", f.type, f.payload.model_dump(exclude={"type"}))
         await self.runtime.publish_local(facts)
 
-    async def _publish(self, node_id: str, samples: list[GpuSample], now: float) -> None:
+    @staticmethod
+    def _doc(node_id: str, samples: list[GpuSample], now: float) -> tuple[str, bytes]:
         doc = {"node_id": node_id, "at": now, "gpus": [sample_doc(s) for s in samples]}
-        await self.bus.publish_telemetry(f"fleet.tel.node.{node_id}.gpu", json.dumps(doc).encode())
+        return f"fleet.tel.node.{node_id}.gpu", json.dumps(doc).encode()
 
 
 def _forget_metrics(node_id: str) -> None:
