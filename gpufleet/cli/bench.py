@@ -60,6 +60,25 @@ def bench_e2e(
         raise typer.Exit(1)
 
 
+@bench_app.command("bus")
+def bench_bus(
+    events: Annotated[int, typer.Option(help="events per case (chunks under 32: fewer)")] = 10_000,
+    chunks: Annotated[str, typer.Option(help="events per write, comma-separated")] = "2,8,32,256",
+    nats_sync: Annotated[str, typer.Option(help="fsync policies: always, lazy")] = "always,lazy",
+    as_json: JsonOut = False,
+) -> None:
+    """What a write costs nats-server: pipelined vs atomic batches, by fsync policy."""
+    from gpufleet.bench.bus import run
+
+    doc = run(events, tuple(int(x) for x in chunks.split(",") if x.strip()),
+              tuple(x.strip() for x in nats_sync.split(",") if x.strip()),
+              progress=None if as_json else (lambda s: typer.echo(s, err=True)))
+    if as_json:
+        _print_json(doc)
+    else:
+        typer.echo(f"atomic batches from {doc['atomic_from']} events (GPUFLEET_ATOMIC_FROM)")
+
+
 def _seeds(text: str) -> list[int]:
     out: list[int] = []
     for part in text.split(","):
