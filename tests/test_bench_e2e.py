@@ -18,3 +18,7 @@ def test_a_steady_rate_places_every_job_and_reports_its_budget() -> None:
     per_job = result["cpu_us_per_job"]
     assert per_job["total"] == round(1e6 * sum(result["cpu_s"].values()) / 60)
     assert set(per_job) >= {"placer", "executor", "nats-server", "total"}
+    # every runtime stopped cleanly and said how many compare-and-sets it lost (one placer: none)
+    assert any(a.startswith("placer") for a in result["stats_from"]) and any(
+        a.startswith("quota") for a in result["stats_from"])
+    assert result["cas_conflicts_total"] == 0

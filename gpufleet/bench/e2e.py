@@ -165,7 +165,8 @@ def _cpu_s(pid: int) -> float:
 
 def run_e2e(sim_nodes: int = 5000, jobs: int = 20000, postgres: bool = True,
             progress: Callable[[str], None] | None = None, layouts: tuple[str, ...] = ("grouped", "separate"),
-            syncs: tuple[str, ...] = ("always",), rate: float | None = None) -> dict[str, Any]:
+            syncs: tuple[str, ...] = ("always",), rate: float | None = None, nats_cluster: int = 1,
+            instances: int = 1) -> dict[str, Any]:
     """Run the bench once per layout, the first being the one reported; the others are baselines.
     With several `syncs` (JetStream fsync policies: `always`, or `lazy` for the server's default),
     the first layout also runs under each further one, as a baseline of the same run. With `rate`
@@ -173,12 +174,13 @@ def run_e2e(sim_nodes: int = 5000, jobs: int = 20000, postgres: bool = True,
     config = {"sim_nodes": sim_nodes, "jobs": jobs, "postgres": postgres, "layouts": list(layouts),
               "nats_sync": list(syncs), "offered_rate_jobs_s": rate, "submit_batch": SUBMIT_BATCH if rate is None else None,
               "service_batch": int(os.environ.get("GPUFLEET_BATCH", "256")), "cpus": os.cpu_count(),
+              "nats_cluster": nats_cluster, "instances": instances,
               "limits": "open cluster: no tenants, queues or rate limits configured (nothing is refused for them)"}
     if progress:
         progress(f"config: {json.dumps(config)}")
-    runs = {layout: _with_sync(syncs[0], functools.partial(run_layout, sim_nodes, jobs, postgres, layout, progress,
-                                                           rate))
-            for layout in layouts}
+    layout_run = functools.partial(run_layout, sim_nodes, jobs, postgres, progress=progress, rate=rate,
+                                   nats_cluster=nats_cluster, instances=instances)
+    runs = {layout: _with_sync(syncs[0], functools.partial(layout_run, layout=layout)) for layout in layouts}
     main = dict(runs[layouts[0]])
     main["config"] = config
     main["layout"] = layouts[0]
@@ -188,7 +190,7 @@ def run_e2e(sim_nodes: int = 5000, jobs: int = 20000, postgres: bool = True,
         main[f"baseline_{layout}"] = base
         main[f"ratio_vs_{layout}"] = round(main["placed_rate_jobs_s"] / max(1e-9, base["placed_rate_jobs_s"]), 2)
     for sync in syncs[1:]:
-        base = _with_sync(sync, functools.partial(run_layout, sim_nodes, jobs, postgres, layouts[0], progress, rate))
+        base = _with_sync(sync, functools.partial(layout_run, layout=layouts[0]))
         main[f"baseline_sync_{sync}"] = base
         main[f"ratio_vs_sync_{sync}"] = round(main["placed_rate_jobs_s"] / max(1e-9, base["placed_rate_jobs_s"]), 2)
     return main
@@ -208,12 +210,18 @@ def _with_sync(sync: str, run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
 
 
 def run_layout(sim_nodes: int, jobs: int, postgres: bool, layout: str,
-               progress: Callable[[str], None] | None = None, rate: float | None = None) -> dict[str, Any]:
+               progress: Callable[[str], None] | None = None, rate: float | None = None, nats_cluster: int = 1,
+               instances: int = 1) -> dict[str, Any]:
     from gpufleet.mesh import MeshOptions, Supervisor, wait_services_ready
 
     with tempfile.TemporaryDirectory(prefix="gpufleet-bench-") as tmp:
+        stats_dir = Path(tmp) / "stats"
+        stats_dir.mkdir()
+        old_stats = os.environ.get("GPUFLEET_STATS_DIR")
+        os.environ["GPUFLEET_STATS_DIR"] = str(stats_dir)  # each service's counters, written at its stop
         sup = Supervisor(MeshOptions(Path(tmp), sim_nodes=sim_nodes, postgres=postgres, log_level="WARNING",
-                                     layout=layout))
+                                     layout=layout, nats_cluster=nats_cluster, instances=instances))
+        result: dict[str, Any] = {}
         try:
             sup.start_infra()
             sup.start_services()
@@ -238,6 +246,16 @@ def run_layout(sim_nodes: int, jobs: int, postgres: bool, layout: str,
             # the budget table's unit: CPU-µs each process spent per submitted job
             result["cpu_us_per_job"] = {name: round(1e6 * s / max(1, jobs)) for name, s in result["cpu_s"].items()}
             result["cpu_us_per_job"]["total"] = round(1e6 * sum(result["cpu_s"].values()) / max(1, jobs))
-            return result
         finally:
             sup.stop_all()
+            if old_stats is None:
+                os.environ.pop("GPUFLEET_STATS_DIR", None)
+            else:
+                os.environ["GPUFLEET_STATS_DIR"] = old_stats
+        stats = {f.stem: json.loads(f.read_text()) for f in sorted(stats_dir.glob("*.json"))}
+        # lost compare-and-sets (two placers side by side, or a placer racing a preemption) and refolds
+        result["cas_conflicts"] = {actor: st["cas_conflicts"] for actor, st in stats.items() if st.get("cas_conflicts")}
+        result["cas_conflicts_total"] = sum(st.get("cas_conflicts", 0) for st in stats.values())
+        result["refolds"] = {actor: st["refolds"] for actor, st in stats.items() if st.get("refolds", 0) > 1}
+        result["stats_from"] = sorted(stats)  # the runtimes that reported (every one that stopped cleanly)
+        return result

@@ -30,6 +30,9 @@ def bench_e2e(
              "the first reported, the rest as baselines of the first layout")] = "always",
     rate: Annotated[float | None, typer.Option(
         help="offer this many jobs a second, steadily (the latency of a loaded mesh), instead of as fast as it takes them")] = None,
+    nats_cluster: Annotated[int, typer.Option(help="nats-servers: 1, or a JetStream cluster of 3 (FLEET at R3)")] = 1,
+    instances: Annotated[int, typer.Option(
+        help="2: every service twice (separate layout): placers side by side, their lost compare-and-sets counted")] = 1,
 ) -> None:
     """Submit jobs as fast as the mesh takes them (or at --rate); report submit->placed rate and latency."""
     from gpufleet.bench.e2e import run_e2e
@@ -43,7 +46,8 @@ def bench_e2e(
         raise typer.Exit(2)
     result = run_e2e(sim_nodes=sim_nodes, jobs=jobs_n, postgres=postgres,
                      progress=None if as_json else (lambda s: typer.echo(s, err=True)),
-                     layouts=tuple(x.strip() for x in layouts.split(",") if x.strip()), syncs=syncs, rate=rate)
+                     layouts=tuple(x.strip() for x in layouts.split(",") if x.strip()), syncs=syncs, rate=rate,
+                     nats_cluster=nats_cluster, instances=instances)
     if as_json:
         _print_json(result)
     else:
@@ -279,15 +283,25 @@ def bench_chaos(
     jobs: Annotated[int, typer.Option(help="jobs in the workload")] = 300,
     sim_nodes: Annotated[int, typer.Option(help="simulated nodes")] = 8,
     extra_faults: Annotated[int, typer.Option(help="faults beyond one of each kind")] = 3,
+    partitions: Annotated[bool, typer.Option(help="the NATS nodes in network namespaces (Linux, root) and network "
+                                                  "partitions among the faults: one node cut off (the stream's "
+                                                  "leader too), and Jepsen's split brain (a node killed while "
+                                                  "another is cut off, then every node killed at once)")] = False,
     as_json: JsonOut = False,
 ) -> None:
     """A seeded fault campaign on a 3-node NATS cluster with every service twice: kill -9 of
-    service instances, NATS nodes (the stream's leader too) and PostgreSQL, a frozen node agent;
-    then every job ended once, the audit, replay = read model, each run billed once. Exit 1 if not."""
+    service instances, NATS nodes (the stream's leader too) and PostgreSQL, a frozen node agent
+    (with --partitions, network partitions of NATS nodes); then every job ended once, the audit,
+    replay = read model, each run billed once. Exit 1 if not."""
+    from gpufleet.bench.chaos import ChaosFailed
     from gpufleet.bench.chaos import run as run_chaos
 
-    doc = run_chaos(seed, jobs, sim_nodes=sim_nodes, extra_faults=extra_faults,
-                    progress=None if as_json else (lambda s: typer.echo(s, err=True)))
+    try:
+        doc = run_chaos(seed, jobs, sim_nodes=sim_nodes, extra_faults=extra_faults, partitions=partitions,
+                        progress=None if as_json else (lambda s: typer.echo(s, err=True)))
+    except ChaosFailed as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
     if as_json:
         _print_json(doc)
     else:
@@ -295,6 +309,9 @@ def bench_chaos(
                    f"ended {doc['ended_by_type']}; mesh up in {doc['mesh_start_s']} s")
         for f in doc["faults"]:
             rec = f"placed a probe {f['recovery_s']} s later" if f["recovery_s"] is not None else "probe NOT placed"
+            if "during_s" in f:
+                rec += (f"; one submitted during it {f['during_s']} s" if f["during_s"] is not None
+                        else "; one submitted during it NOT placed")
             typer.echo(f"  {f['at_s']:>6.1f}s {f['kind']:<17} {f['hit']:<40} {rec}")
         typer.echo(f"not ended {doc['not_ended_count']}, ended twice {len(doc['ended_twice'])}, audit "
                    f"{'ok' if doc['audit_ok'] else 'FAILED'}, replay = read model: {doc['replay_equals_read_model']}, "

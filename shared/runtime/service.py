@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import json
 import logging
 import os
 import signal
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from gpufleet.shared.contract.config import resolve_nats_url
@@ -125,8 +128,9 @@ async def run_core(core: Core[Any], nats_url: str, instance: str = "0", batch: i
             await _flush_snapshots([rt])
         return not lost
     finally:
-        await bus.close()
+        _write_stats([rt])
         log.info("%s stopped: %s", rt.actor, rt.stats)
+        await bus.close()
 
 
 async def _flush_snapshots(runtimes: list[ServiceRuntime[Any]]) -> None:
@@ -170,7 +174,21 @@ async def run_group(cores: list[Core[Any]], nats_url: str, instance: str = "0", 
         await asyncio.gather(group.run(), *(s.run() for s in sidecars))
         await _flush_snapshots(group.runtimes)
     finally:
+        _write_stats(group.runtimes)
         await bus.close()
+
+
+def _write_stats(runtimes: list[ServiceRuntime[Any]]) -> None:
+    """At the stop, with $GPUFLEET_STATS_DIR set (bench e2e): each runtime's counters (batches,
+    compare-and-set conflicts, refolds, ...) as `<dir>/<service>-<instance>.json`."""
+    where = os.environ.get("GPUFLEET_STATS_DIR")
+    if not where:
+        return
+    for rt in runtimes:
+        try:
+            Path(where, f"{rt.actor.replace('/', '-')}.json").write_text(json.dumps(dataclasses.asdict(rt.stats)))
+        except OSError as exc:
+            log.warning("%s: its stats not written to %s (%s)", rt.actor, where, exc)
 
 
 def main(argv: list[str] | None = None) -> None:
