@@ -7,9 +7,6 @@ skips, saying why, without them.
 
 from __future__ import annotations
 
-import asyncio
-import json
-import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -19,12 +16,10 @@ import jsonschema
 import pytest
 
 from gpufleet.shared.runtime.bus import Bus
-from gpufleet.shared.trust.authz import Realm
 
-from .helpers import default_cores, nodes_registered, running, wait_until
+from . import outside_clients as outside
 
 CLIENT = Path(__file__).resolve().parent.parent / "clients" / "node"
-SCHEMAS = Path(__file__).resolve().parent.parent / "docs" / "schemas"
 
 pytestmark = pytest.mark.skipif(shutil.which("node") is None or shutil.which("npm") is None,
                                 reason="no node / npm on this machine")
@@ -41,26 +36,15 @@ def node_client() -> Path:
 
 
 async def run_client(script: Path, url: str, spec: dict[str, Any]) -> tuple[int, list[dict[str, Any]]]:
-    """Runs as the tenant acme, with the credentials `gpufleet tenant creds acme` hands out."""
-    creds = Realm(Path(os.environ["GPUFLEET_TEST_REALM"])).creds_path("tenant-acme")
-    proc = await asyncio.create_subprocess_exec("node", str(script), url, json.dumps(spec), "--timeout-s", "60",
-                                                "--creds", str(creds),
-                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-    out, err = await asyncio.wait_for(proc.communicate(), 90)
-    lines = [json.loads(line) for line in out.decode().splitlines() if line.strip()]
-    assert proc.returncode is not None
-    if proc.returncode == 2 or not lines:
-        raise AssertionError(f"exit {proc.returncode}: {err.decode()[-2000:]}")
-    return proc.returncode, lines
+    """The script under node, as the tenant acme (tests/outside_clients.py)."""
+    code, lines, _ = await outside.run_outside_client(["node", str(script)], url, spec, timeout_s=60)
+    return code, lines
 
 
 async def test_a_node_client_submits_and_follows_its_job_to_the_end(bus: Bus, nats_url: str,
                                                                    node_client: Path) -> None:
-    spec = {"name": "from-node", "tenant": "acme", "type": "batch",
-            "resources": {"gpu": 1, "cpu": "500m", "memory": "1Gi"}, "sim": {"duration": "1s"}}
-    async with running(nats_url, default_cores(sim_nodes=1)):
-        await wait_until(lambda: nodes_registered(bus, 1))
-        code, lines = await run_client(node_client, nats_url, spec)
+    async with outside.one_node_mesh(bus, nats_url):
+        code, lines = await run_client(node_client, nats_url, outside.good_spec("from-node"))
     job_id = lines[0]["submitted"]
     types = [ln["type"] for ln in lines if "type" in ln]
     assert code == 0 and lines[-1] == {"done": "job.succeeded", "job_id": job_id}
@@ -70,16 +54,13 @@ async def test_a_node_client_submits_and_follows_its_job_to_the_end(bus: Bus, na
     seqs = [ln["seq"] for ln in lines if "seq" in ln and "type" in ln]
     assert seqs == sorted(seqs)  # in log order
     # what it published is a valid envelope by the published schema, and the services parsed it
-    msg = await bus.js.get_msg("FLEET", lines[0]["seq"])
-    doc = json.loads(msg.data or b"")
-    schema = json.loads((SCHEMAS / "cmd.submit.schema.json").read_text())
-    jsonschema.validate(doc, schema)
-    assert doc["payload"]["job_id"] == job_id and (msg.headers or {}).get("Nats-Msg-Id") == doc["event_id"]
+    doc, headers = await outside.published(bus, lines[0]["seq"])
+    jsonschema.validate(doc, outside.schema("cmd.submit"))
+    assert doc["payload"]["job_id"] == job_id and headers.get("Nats-Msg-Id") == doc["event_id"]
 
 
 async def test_a_node_client_is_told_why_a_bad_spec_is_rejected(bus: Bus, nats_url: str, node_client: Path) -> None:
     spec = {"name": "too-big", "tenant": "acme", "resources": {"gpu": 64}}  # no node has 64 GPUs
-    async with running(nats_url, default_cores(sim_nodes=1)):
-        await wait_until(lambda: nodes_registered(bus, 1))
+    async with outside.one_node_mesh(bus, nats_url):
         code, lines = await run_client(node_client, nats_url, spec)
     assert code == 1 and lines[-1]["done"] == "job.rejected"

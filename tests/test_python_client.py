@@ -6,68 +6,27 @@ outside client beside clients/node/)."""
 from __future__ import annotations
 
 import ast
-import asyncio
-import json
-import os
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Any
 
-import jsonschema
 import pytest
 
 from gpufleet.shared.runtime.bus import Bus
-from gpufleet.shared.trust.authz import Realm
 
-from .helpers import default_cores, nodes_registered, running, wait_until
+from . import outside_clients as outside
 
 CLIENT = Path(__file__).resolve().parent.parent / "clients" / "python" / "submit_and_follow.py"
-SCHEMAS = Path(__file__).resolve().parent.parent / "docs" / "schemas"
 ALLOWED_IMPORTS = {"nats", "nkeys"}  # and the standard library
 
 
-def schema(kind: str) -> dict[str, Any]:
-    doc: dict[str, Any] = json.loads((SCHEMAS / f"{kind}.schema.json").read_text())
-    return doc
-
-
-async def run_client(url: str, spec: dict[str, Any], *extra: str,
-                     timeout_s: float = 60) -> tuple[int, list[dict[str, Any]], str]:
-    """Runs as the tenant acme, with the credentials `gpufleet tenant creds acme` hands out, in a
-    Python that has nats-py (this one) but with nothing of gpufleet on its path."""
-    creds = Realm(Path(os.environ["GPUFLEET_TEST_REALM"])).creds_path("tenant-acme")
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "GPUFLEET_CREDS")}
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-I", str(CLIENT), url, json.dumps(spec), "--creds", str(creds),
-        "--timeout-s", str(timeout_s), *extra, cwd=CLIENT.parent, env=env,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-    out, err = await asyncio.wait_for(proc.communicate(), timeout_s + 30)
-    lines = [json.loads(line) for line in out.decode().splitlines() if line.strip()]
-    assert proc.returncode is not None
-    if proc.returncode == 2 or not lines:
-        raise AssertionError(f"exit {proc.returncode}: {err.decode()[-2000:]}")
-    return proc.returncode, lines, err.decode()
-
-
-def events(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [ln for ln in lines if "event" in ln]
-
-
-def check_events_against_schemas(lines: list[dict[str, Any]]) -> None:
-    """Every event the client was pushed is valid by its published schema, on its subject."""
-    for ln in events(lines):
-        env = ln["event"]
-        jsonschema.validate(env, schema(env["type"]))
-        job_id = env["payload"]["job_id"]
-        assert ln["subject"] == f"fleet.evt.acme.job.{job_id}.{env['type'].split('.', 1)[1]}"
-    seqs = [ln["seq"] for ln in events(lines)]
-    assert all(isinstance(s, int) for s in seqs) and seqs == sorted(seqs)  # in log order, seq from the reply
-
-
-async def published(bus: Bus, seq: int) -> tuple[dict[str, Any], dict[str, str]]:
-    msg = await bus.js.get_msg("FLEET", seq)
-    return json.loads(msg.data or b""), dict(msg.headers or {})
+async def run_client(url: str, spec: dict[str, Any], *extra: str, timeout_s: float = 60) -> outside.Result:
+    """As the tenant acme (tests/outside_clients.py), in a Python that has nats-py (this one) but
+    with nothing of gpufleet on its path."""
+    return await outside.run_outside_client([sys.executable, "-I", str(CLIENT)], url, spec, *extra,
+                                            timeout_s=timeout_s, drop_env=("PYTHONPATH",), cwd=CLIENT.parent)
 
 
 def test_the_client_imports_only_the_standard_library_and_nats() -> None:
@@ -93,125 +52,32 @@ def test_the_client_imports_only_the_standard_library_and_nats() -> None:
 
 
 async def test_a_python_client_submits_and_follows_its_job_to_the_end(bus: Bus, nats_url: str) -> None:
-    spec = {"name": "from-python", "tenant": "acme", "type": "batch",
-            "resources": {"gpu": 1, "cpu": "500m", "memory": "1Gi"}, "sim": {"duration": "1s"}}
-    async with running(nats_url, default_cores(sim_nodes=1)):
-        await wait_until(lambda: nodes_registered(bus, 1))
-        code, lines, err = await run_client(nats_url, spec, "--verdict")
-    job_id = lines[0]["submitted"]
-    types = [ln["type"] for ln in events(lines)]
-    assert code == 0, (lines, err)
-    assert lines[-1]["done"] == "job.succeeded" and lines[-1]["job_id"] == job_id
-    assert types[0] == "job.submitted" and types[-1] == "job.succeeded", types
-    for t in ("job.admitted", "job.quota_reserved", "job.placed", "job.started", "job.exited"):
-        assert t in types, (t, types)
-    check_events_against_schemas(lines)
-    # the request/reply verdict (section 2): accepted, with the job.admitted envelope of the log
-    verdict = next(ln["verdict"] for ln in lines if "verdict" in ln)
-    admitted = next(ln["event"] for ln in events(lines) if ln["type"] == "job.admitted")
-    assert verdict == {"accepted": True, "events": [admitted]}
-    # what it published is a valid envelope by the published schema, and the services parsed it
-    doc, headers = await published(bus, lines[0]["seq"])
-    jsonschema.validate(doc, schema("cmd.submit"))
-    assert doc["payload"]["job_id"] == job_id and headers.get("Nats-Msg-Id") == doc["event_id"]
-    assert headers.get("Gpufleet-Reply", "").startswith("_INBOX.tenant.acme.")
-    # every event of the job carries the job id as its correlation id (section 2's table)
-    assert {ln["event"]["correlation_id"] for ln in events(lines)} == {job_id}
+    async with outside.one_node_mesh(bus, nats_url):
+        result = await run_client(nats_url, outside.good_spec("from-python"), "--verdict")
+    await outside.check_followed_to_the_end(bus, result)
 
 
-@pytest.mark.parametrize("spec,code,field", [
-    # a value the schema refuses: the field is named
-    ({"name": "bad-spec", "tenant": "acme", "resources": {"gpu": 2, "cpu": "lots"}}, "invalid_spec", "resources.cpu"),
-    # the normalised names of the events are not a spelling of the spec (docs/clients.md, section 2)
-    ({"name": "normalised", "tenant": "acme", "resources": {"gpu": 1, "cpu_milli": 500}}, "invalid_spec",
-     "resources.cpu_milli"),
-    # valid by the schema, but beyond the cluster: no node has 64 GPUs
-    ({"name": "too-big", "tenant": "acme", "resources": {"gpu": 64}}, "exceeds_node", "resources.gpu"),
-])
+@pytest.mark.parametrize("spec,code,field", outside.BAD_SPECS)
 async def test_a_python_client_is_told_which_field_of_a_bad_spec_is_wrong(
         bus: Bus, nats_url: str, spec: dict[str, Any], code: str, field: str) -> None:
-    async with running(nats_url, default_cores(sim_nodes=1)):
-        await wait_until(lambda: nodes_registered(bus, 1))
-        exit_code, lines, err = await run_client(nats_url, spec, "--verdict")
-    assert exit_code == 1, (lines, err)
-    end = lines[-1]
-    assert end["done"] == "job.rejected", lines
-    assert [ln["type"] for ln in events(lines)] == ["job.rejected"], lines  # alone: no job.submitted
-    assert (code, field) in {(r["code"], r["field"]) for r in end["reasons"]}, end["reasons"]
-    assert all(r["message"] for r in end["reasons"])
-    check_events_against_schemas(lines)
-    verdict = next(ln["verdict"] for ln in lines if "verdict" in ln)
-    assert verdict == {"accepted": False, "events": [events(lines)[-1]["event"]]}
-    # the client's envelope was valid by the published schema; only a spec that breaks the schema breaks it
-    doc, _ = await published(bus, lines[0]["seq"])
-    if code == "invalid_spec":
-        with pytest.raises(jsonschema.ValidationError):
-            jsonschema.validate(doc, schema("cmd.submit"))
-    else:
-        jsonschema.validate(doc, schema("cmd.submit"))
-    jsonschema.validate({**doc, "payload": {**doc["payload"], "spec": {"name": "x", "tenant": "acme"}}},
-                        schema("cmd.submit"))
-
-
-async def dead_letters(bus: Bus) -> list[dict[str, Any]]:
-    from gpufleet.shared.runtime.log import read_stream
-
-    out: list[dict[str, Any]] = []
-    async for batch in read_stream(bus, ("fleet.evt.sys.deadletter.>",)):
-        out += [json.loads(m.data) for m in batch]
-    return out
-
-
-# each broken envelope of docs/clients.md section 5, and the field its reason names
-BROKEN = [("no-actor", "actor"), ("tenant-mismatch", "tenant"), ("no-msg-id", "Nats-Msg-Id"),
-          ("msg-id-mismatch", "Nats-Msg-Id"), ("event-id-not-ulid", "event_id"), ("extra-field", "colour")]
+    async with outside.one_node_mesh(bus, nats_url):  # a mesh for each
+        result = await run_client(nats_url, spec, "--verdict")
+    await outside.check_rejected_spec(bus, result, code, field)
 
 
 async def test_a_python_client_is_answered_on_its_job_when_its_envelope_is_broken(bus: Bus, nats_url: str) -> None:
-    spec = {"name": "bad-envelope", "tenant": "acme", "resources": {"gpu": 1}, "sim": {"duration": "1s"}}
-    runs = {}
-    async with running(nats_url, default_cores(sim_nodes=1)):
-        await wait_until(lambda: nodes_registered(bus, 1))
-        for bad, _ in BROKEN:
-            runs[bad] = await run_client(nats_url, spec, "--verdict", "--bad-envelope", bad)
-        letters = await dead_letters(bus)
-    for bad, field in BROKEN:
-        code, lines, err = runs[bad]
-        assert code == 1, (bad, lines, err)
-        end, job_id = lines[-1], lines[0]["submitted"]
-        assert end["done"] == "job.rejected", (bad, lines)
-        assert [ln["type"] for ln in events(lines)] == ["job.rejected"], (bad, lines)  # never read: no job.submitted
-        assert [(r["code"], r["field"]) for r in end["reasons"]] == [("invalid_envelope", field)], (bad, end)
-        check_events_against_schemas(lines)
-        rejected = events(lines)[0]["event"]
-        assert rejected["correlation_id"] == job_id and rejected.get("causation_id") is None
-        verdict = next(ln["verdict"] for ln in lines if "verdict" in ln)
-        assert verdict == {"accepted": False, "events": [rejected]}, bad
-        # and a dead letter for the operator, naming the tenant and the job
-        letter = next(d["payload"] for d in letters if d["payload"]["stream_seq"] == lines[0]["seq"])
-        assert (letter["service"], letter["tenant"], letter["about_job"]) == ("admission", "acme", job_id), letter
-    # what the client published breaks the published schema (or the header rule), as intended
-    for bad in ("no-actor", "tenant-mismatch", "extra-field"):
-        doc, _ = await published(bus, runs[bad][1][0]["seq"])
-        if bad == "tenant-mismatch":
-            assert doc["tenant"] != "acme"
-            continue
-        with pytest.raises(jsonschema.ValidationError):
-            jsonschema.validate(doc, schema("cmd.submit"))
+    run = partial(run_client, nats_url, outside.BROKEN_ENVELOPE_SPEC, "--verdict", "--bad-envelope")
+    async with outside.one_node_mesh(bus, nats_url):
+        runs = {bad: await run(bad) for bad, _ in outside.BROKEN}
+        letters = await outside.dead_letters(bus)
+    await outside.check_broken_envelopes(bus, runs, letters)
 
 
 async def test_a_message_without_a_readable_job_id_gets_only_a_dead_letter(bus: Bus, nats_url: str) -> None:
-    spec = {"name": "bad-json", "tenant": "acme", "resources": {"gpu": 1}}
-    async with running(nats_url, default_cores(sim_nodes=1)):
-        await wait_until(lambda: nodes_registered(bus, 1))
-        code, lines, _ = await run_client(nats_url, spec, "--bad-envelope", "bad-json", timeout_s=3)
-        assert code == 3 and lines[-1] == {"done": None, "job_id": lines[0]["submitted"], "timeout": True}, lines
-        assert not events(lines)
+    run = partial(run_client, nats_url, outside.BAD_JSON_SPEC)
+    async with outside.one_node_mesh(bus, nats_url):
+        outside.check_unanswered(await run("--bad-envelope", "bad-json", timeout_s=3))
         # asked for, the verdict says refused, with no events
-        code, lines, _ = await run_client(nats_url, spec, "--verdict", "--bad-envelope", "bad-json", timeout_s=10)
-        letters = await dead_letters(bus)
-    assert code == 1 and not events(lines), lines
-    assert [ln["verdict"] for ln in lines if "verdict" in ln] == [{"accepted": False, "events": []}]
-    assert lines[-1] == {"done": None, "job_id": lines[0]["submitted"], "refused": True, "reasons": []}
-    letter = next(d["payload"] for d in letters if d["payload"]["stream_seq"] == lines[0]["seq"])
-    assert letter["tenant"] == "acme" and letter.get("about_job") is None, letter
+        refused = await run("--verdict", "--bad-envelope", "bad-json", timeout_s=10)
+        letters = await outside.dead_letters(bus)
+    outside.check_refused_with_only_a_dead_letter(refused, letters)
