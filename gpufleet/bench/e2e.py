@@ -229,8 +229,10 @@ def run_layout(sim_nodes: int, jobs: int, postgres: bool, layout: str,
             if progress:
                 progress(f"[{layout}] mesh up with {sim_nodes} sim nodes; registering")
             pids = {name: c.proc.pid for name, c in sup.children.items() if c.proc}
-            if sup.nats_proc:
-                pids["nats-server"] = sup.nats_proc.pid
+            servers = [n["proc"] for n in sup.cluster if n.get("proc") is not None] or (
+                [sup.nats_proc] if sup.nats_proc else [])
+            for i, proc in enumerate(servers):  # every server of a cluster counts
+                pids["nats-server" if len(servers) == 1 else f"nats-server-{i + 1}"] = proc.pid
             before: dict[str, float] = {}
 
             def ready() -> None:  # CPU used by start-up and node registration is not the run's
