@@ -261,6 +261,26 @@ async def _wait_ends(fleet: Any, jobs: set[str], timeout_s: float, say: Callable
         await asyncio.sleep(3.0)
 
 
+async def _audit(d: Path, within_s: float = 90.0) -> dict[str, Any]:
+    """`gpufleet audit --json --full`, again while it cannot read the log (exit neither 0 nor 1, or no
+    JSON: the cluster may still be electing a leader after the last fault). A run that never gets
+    through comes back as `{"ok": false, "error": ...}` with the command's own words, so a failed
+    audit always says why."""
+    deadline = time.monotonic() + within_s
+    while True:
+        proc = _cli(d, "audit", "--json", "--full", check=False, timeout=300)
+        try:
+            doc: dict[str, Any] = json.loads(proc.stdout)
+        except ValueError:
+            doc = {}
+        if proc.returncode in (0, 1) and "ok" in doc:
+            return doc
+        if time.monotonic() > deadline:
+            return {"ok": False, "error": f"audit exited {proc.returncode}: "
+                                          f"{(proc.stderr.strip() or proc.stdout.strip())[-800:]}"}
+        await asyncio.sleep(2.0)
+
+
 async def _check(d: Path, fleet: Any, jobs: set[str], ends: dict[str, tuple[str, int]],
                  say: Callable[[str], None]) -> dict[str, Any]:
     from datetime import UTC, datetime
@@ -273,9 +293,11 @@ async def _check(d: Path, fleet: Any, jobs: set[str], ends: dict[str, tuple[str,
     out["not_ended"] = sorted(jobs - set(ends))[:20]
     out["not_ended_count"] = len(jobs - set(ends))
     out["ended_twice"] = sorted(j for j, (_t, n) in ends.items() if n > 1)
-    audit = json.loads(_cli(d, "audit", "--json", "--full", check=False, timeout=300).stdout or "{}")
+    audit = await _audit(d)
     out["audit_ok"] = bool(audit.get("ok"))
     out["audit_violations"] = audit.get("violations", [])[:5]
+    if "error" in audit:
+        out["audit_error"] = audit["error"]
     deadline = time.monotonic() + 60
     while True:  # the read model catches up asynchronously (PostgreSQL was killed during the run)
         replay = json.loads(_cli(d, "replay", "--json", "--all").stdout)
