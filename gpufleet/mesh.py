@@ -71,6 +71,7 @@ class MeshOptions:
     retention: str = ""  # FLEET's retention ('' keeps everything): older events are archived, then purged
     nats_cluster: int = 1  # nats-servers: 1, or a JetStream cluster of 3 (or 5) on loopback, FLEET at R3
     instances: int = 1  # 2: each service twice (separate layout): leased ones active/passive, placers side by side
+    nats_netns: bool = False  # each clustered nats-server in a network namespace of its own (partitions: netns.py)
 
 
 @dataclass
@@ -101,6 +102,7 @@ class Supervisor:
         self.realm: Realm | None = None
         self._nats_conf: Path | None = None
         self.infra_restarts: dict[str, int] = {}
+        self.lab: Any = None  # with --nats-netns: the NetLab the clustered servers run in
 
     # -------------------------------------------------------------- mesh.json
 
@@ -115,6 +117,8 @@ class Supervisor:
             "creds_dir": str(self.realm.creds_dir) if self.realm is not None else None,
             "sim_nodes": self.opts.sim_nodes,
             "started_at": time.time(),
+            **({"netns": {"owner": self.lab.owner, "n": self.lab.n, "net": str(self.lab.net)}}
+               if self.lab is not None else {}),
             "parts": {
                 "nats": {"pid": self.nats_proc.pid if self.nats_proc else None,
                          "restarts": self.infra_restarts.get("nats", 0)},
@@ -191,23 +195,42 @@ class Supervisor:
 
     def _start_cluster(self) -> None:
         """A JetStream cluster of `nats_cluster` servers on loopback (routes between them on
-        127.0.0.1: no TLS, the traffic never leaves the machine), FLEET and every bucket at R3."""
+        127.0.0.1: no TLS, the traffic never leaves the machine), FLEET and every bucket at R3.
+        With `nats_netns`, each server in a network namespace of its own on one bridge
+        (shared/embedded/netns.py), so that a partition between them is a real one."""
         from gpufleet.shared.trust.authz import cluster_nats_config
 
         assert self.realm is not None
         n = self.opts.nats_cluster
+        if self.opts.nats_netns:
+            from gpufleet.shared.embedded import netns
+
+            why = netns.available()
+            if why is not None:
+                raise SystemExit(f"--nats-netns: {why}")
+            netns.sweep()
+            self.lab = netns.NetLab(n).create()
+        hosts = [self.lab.addr(i + 1) if self.lab is not None else "127.0.0.1" for i in range(n)]
         ports = [(self.opts.nats_port + i if self.opts.nats_port else free_port(), free_port()) for i in range(n)]
-        routes = [f"nats://127.0.0.1:{rp}" for _, rp in ports]
+        routes = [f"nats://{h}:{rp}" for h, (_, rp) in zip(hosts, ports, strict=True)]
         for i, (cp, rp) in enumerate(ports):
             name = "nats" if i == 0 else f"nats-{i + 1}"
             store = self.dir / "nats-cluster" / f"nats-{i + 1}"
             conf = write_nats_config(self.dir / f"nats-{i + 1}.conf", cluster_nats_config(
-                self.realm, f"nats-{i + 1}", store, cp, rp, routes, None))
-            self.cluster.append({"name": name, "server_name": f"nats-{i + 1}", "port": cp, "conf": conf, "store": store,
-                                 "proc": start_nats(store, cp, log_file=self.logs / f"nats-{i + 1}.log", config=conf)})
+                self.realm, f"nats-{i + 1}", store, cp, rp, routes, None, host=hosts[i], lab=self.lab is not None))
+            node = {"name": name, "server_name": f"nats-{i + 1}", "index": i + 1, "host": hosts[i], "port": cp,
+                    "conf": conf, "store": store}
+            self.cluster.append(node)
+            node["proc"] = self._start_node(node)
         self.nats_proc = self.cluster[0]["proc"]
-        self.nats_url = ",".join(f"nats://127.0.0.1:{c['port']}" for c in self.cluster)
+        self.nats_url = ",".join(f"nats://{c['host']}:{c['port']}" for c in self.cluster)
         os.environ["GPUFLEET_STREAM_REPLICAS"] = str(min(n, 3))  # the supervisor's streams and every child's buckets
+
+    def _start_node(self, node: dict[str, Any]) -> subprocess.Popen[bytes]:
+        lab = self.lab
+        return start_nats(node["store"], node["port"], log_file=self.logs / f"{node['server_name']}.log",
+                          config=node["conf"], host=node["host"],
+                          wrap=(lambda argv: lab.argv(node["index"], argv)) if lab is not None else None)
 
     def child_creds(self, services: tuple[str, ...]) -> Path:
         name = "-".join(services)  # (the read model's and the view's are named after them too)
@@ -276,8 +299,7 @@ class Supervisor:
             if node["proc"].poll() is not None:
                 log.warning("%s exited with %s; restarting it", node["server_name"], node["proc"].returncode)
                 self.infra_restarts[node["name"]] = self.infra_restarts.get(node["name"], 0) + 1
-                node["proc"] = start_nats(node["store"], node["port"], log_file=self.logs / f"{node['server_name']}.log",
-                                          config=node["conf"])
+                node["proc"] = self._start_node(node)
                 if node["name"] == "nats":
                     self.nats_proc = node["proc"]
                 self.write_mesh("running")
@@ -328,6 +350,8 @@ class Supervisor:
             stop_process(self.nats_proc)
         for node in self.cluster[1:]:
             stop_process(node["proc"])
+        if self.lab is not None:
+            self.lab.destroy()
         try:
             (self.dir / MESH_FILE).unlink()
         except FileNotFoundError:
@@ -434,6 +458,7 @@ def up_detached(opts: MeshOptions, timeout_s: float = 90.0) -> dict[str, Any]:
         "--sim-nodes", str(opts.sim_nodes), "--nats-port", str(opts.nats_port), "--pg-port", str(opts.pg_port),
         "--log-level", opts.log_level, "--layout", opts.layout, "--sim-mix", opts.sim_mix, "--driver", opts.driver,
         "--retention", opts.retention, "--nats-cluster", str(opts.nats_cluster), "--instances", str(opts.instances),
+        *(["--nats-netns"] if opts.nats_netns else []),
         *(["--config", str(Path(opts.config).resolve())] if opts.config else []), *([] if opts.postgres else ["--no-postgres"]),
     ]
     (opts.data_dir / "logs").mkdir(exist_ok=True)
@@ -472,6 +497,14 @@ def down(ddir: Path, timeout_s: float = 60.0) -> bool:
         p = part.get("pid")
         if p and pid_alive(int(p)):
             os.kill(int(p), signal.SIGTERM)
+    if doc.get("netns"):  # its NATS nodes ran in network namespaces: remove them once the servers stop
+        from gpufleet.shared.embedded import netns
+
+        deadline = time.monotonic() + 10
+        while any(pid_alive(int(p["pid"])) for n, p in doc.get("parts", {}).items()
+                  if (n == "nats" or n.startswith("nats-")) and p.get("pid")) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        netns.sweep()
     (ddir / MESH_FILE).unlink(missing_ok=True)
     return True
 
@@ -511,12 +544,13 @@ def main(argv: list[str] | None = None) -> None:
     sp.add_argument("--retention", default="")
     sp.add_argument("--nats-cluster", type=int, default=1)
     sp.add_argument("--instances", type=int, default=1)
+    sp.add_argument("--nats-netns", action="store_true")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     opts = MeshOptions(Path(args.data_dir), args.sim_nodes, args.nats_port, args.pg_port,
                        not args.no_postgres, args.log_level, args.layout,
                        Path(args.config) if args.config else None, args.sim_mix, args.driver, args.retention,
-                       args.nats_cluster, args.instances)
+                       args.nats_cluster, args.instances, args.nats_netns)
     Supervisor(opts).run()
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpufleet.bench.chaos import FAULT_KINDS, run, schedule, workload
+from gpufleet.bench.chaos import FAULT_KINDS, PARTITION_KINDS, fault_kinds, run, schedule, workload
 
 pytestmark = pytest.mark.slow
 
@@ -13,13 +13,19 @@ pytestmark = pytest.mark.slow
 def test_the_seed_fixes_the_workload_and_the_faults() -> None:
     assert workload(3, 50) == workload(3, 50) and workload(3, 50) != workload(4, 50)
     faults = schedule(3, 60.0, 2)
-    assert faults == schedule(3, 60.0, 2) and {k for _, k in faults} == set(FAULT_KINDS) and len(faults) == 7
+    assert faults == schedule(3, 60.0, 2) and {k for _, k in faults} == set(FAULT_KINDS)
+    assert len(faults) == len(FAULT_KINDS) + 2
     assert all(0 < at < 60 for at, _ in faults) and faults == sorted(faults)
+    without = schedule(3, 60.0, 2, partitions=False)
+    assert {k for _, k in without} == set(FAULT_KINDS) - set(PARTITION_KINDS) and len(without) == len(FAULT_KINDS) - 1
 
 
 def test_a_short_campaign_loses_nothing_and_does_nothing_twice() -> None:
     doc = run(seed=2, jobs=60, sim_nodes=6, extra_faults=0)
-    assert {f["kind"] for f in doc["faults"]} == set(FAULT_KINDS)
+    partitioned = doc["partitions"].startswith("injected")
+    assert {f["kind"] for f in doc["faults"]} == set(fault_kinds(partitioned)), doc["partitions"]
+    # a cut that was made and healed names its victim and the leader after it
+    assert all(" cut " in f["hit"] for f in doc["faults"] if f["kind"] in PARTITION_KINDS), doc["faults"]
     assert all("nothing hit" not in f["hit"] for f in doc["faults"]), doc["faults"]
     assert doc["submitted"] + doc["not_acknowledged"] == 60 + len(doc["faults"])
     assert doc["not_ended_count"] == 0, doc["not_ended"]

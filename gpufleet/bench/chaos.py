@@ -11,7 +11,18 @@ that reclaim borrowed quota, cancels), faults are injected in an order drawn fro
   which the supervisor restarts on its port and store (it rejoins the cluster);
 - `kill_postgres`: `kill -9` of PostgreSQL's postmaster (restarted; the read model catches up);
 - `stop_executor`: the node agent frozen (SIGSTOP) for 2-8 s, then let go (SIGCONT): shorter than
-  the heartbeat lease, so no node may be declared lost for it.
+  the heartbeat lease, so no node may be declared lost for it;
+- `partition`: one NATS node that does not lead the stream cut from the other two for 3-8 s (each
+  server runs in a network namespace of its own, shared/embedded/netns.py: a pair of blackhole
+  routes, while the clients on the host still reach it), then healed;
+- `partition_leader`: the same for the stream's leader: the other two elect a new one, the old one
+  is left with connected clients and no quorum (the bus moves them, shared/runtime/bus.py);
+- `split_brain`: Jepsen's NATS 2.12.1 case, a single-node crash plus a partition: `kill -9` of a
+  node that does not lead, and once the supervisor has it back, the leader cut off for 3-8 s, so
+  that the node that just crashed must form the new quorum with the third.
+
+The partition kinds need network namespaces (root, iproute2); without them the campaign runs
+the other kinds and says why (`partitions`).
 
 After each fault a probe job is submitted; its submit -> placed time is the fault's recovery
 time (what a user sees). At the end, every figure is checked and counted, never assumed:
@@ -22,8 +33,7 @@ time (what a user sees). At the end, every figure is checked and counted, never 
 - `replay --all` equals the read model (`jobs`), row by row;
 - the bill charges each run (job, attempt, replica) at most once, and every run that started.
 
-Not injected (yet): a network partition of one NATS node (network namespaces), and a node lost
-for longer than the lease. The seed fixes the workload and the fault order; the timing of a real
+Not injected (yet): a node lost for longer than the lease. The seed fixes the workload and the fault order; the timing of a real
 cluster does not repeat exactly, so two runs of a seed inject the same faults at the same offsets
 but may interleave them with the jobs differently.
 """
@@ -44,7 +54,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-FAULT_KINDS = ("kill_service", "kill_nats", "kill_nats_leader", "kill_postgres", "stop_executor")
+PARTITION_KINDS = ("partition", "partition_leader", "split_brain")
+FAULT_KINDS = ("kill_service", "kill_nats", "kill_nats_leader", "kill_postgres", "stop_executor", *PARTITION_KINDS)
 CONFIG = """\
 cohorts: {shared: {}}
 queues:
@@ -80,10 +91,16 @@ def workload(seed: int, jobs: int) -> list[tuple[dict[str, Any], bool]]:
     return out
 
 
-def schedule(seed: int, window_s: float, extra: int) -> list[tuple[float, str]]:
+def fault_kinds(partitions: bool) -> tuple[str, ...]:
+    """The kinds a campaign injects: every one, or those without a partition (no network namespaces)."""
+    return FAULT_KINDS if partitions else tuple(k for k in FAULT_KINDS if k not in PARTITION_KINDS)
+
+
+def schedule(seed: int, window_s: float, extra: int, partitions: bool = True) -> list[tuple[float, str]]:
     """(offset in s, fault kind): every kind once, then `extra` more drawn from the seed."""
     rng = random.Random(f"chaos-faults:{seed}")
-    kinds = list(FAULT_KINDS) + [rng.choice(FAULT_KINDS) for _ in range(extra)]
+    pool = fault_kinds(partitions)
+    kinds = list(pool) + [rng.choice(pool) for _ in range(extra)]
     rng.shuffle(kinds)
     gap = window_s / (len(kinds) + 1)
     return [(round(gap * (i + 1) + rng.uniform(-0.2, 0.2) * gap, 2), k) for i, k in enumerate(kinds)]
@@ -112,18 +129,67 @@ async def _leader(fleet: Any) -> str | None:
         return None
 
 
+def _nats_nodes(parts: dict[str, Any]) -> list[str]:
+    return sorted(n for n in parts if n == "nats" or n.startswith("nats-"))
+
+
+def _node_index(parts: dict[str, Any], name: str) -> int:
+    """A NATS part's place in the cluster (1 for `nats`, K for `nats-K`): its network namespace."""
+    return int(parts[name].get("server_name", "nats-1").split("-")[1])
+
+
+async def _partition(d: Path, fleet: Any, rng: random.Random, victim: str, what: str) -> str:
+    """Cut `victim` from the other NATS nodes for 3-8 s (seeded), then heal."""
+    from gpufleet.shared.embedded.netns import NetLab
+
+    lab = NetLab.attach(json.loads((d / "mesh.json").read_text())["netns"])
+    hold = rng.uniform(3.0, 8.0)
+    lab.isolate(_node_index(_parts(d), victim))
+    try:
+        await asyncio.sleep(hold)
+    finally:
+        lab.heal()
+    leader = await _leader(fleet)
+    return f"{what}{victim} cut {hold:.1f} s (leader after: {leader})"
+
+
+async def _back(d: Path, victim: str, pid: int, within_s: float = 30.0) -> bool:
+    """The supervisor restarted `victim` (a new pid in mesh.json)."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        now = _parts(d).get(victim, {}).get("pid")
+        if now and int(now) != pid:
+            return True
+        await asyncio.sleep(0.2)
+    return False
+
+
 async def inject(kind: str, d: Path, fleet: Any, rng: random.Random) -> str:
     """Inject one fault; returns what was hit."""
     parts = _parts(d)
+    nodes = _nats_nodes(parts)
+    leader = await _leader(fleet) if kind in ("kill_nats_leader", "partition", "partition_leader", "split_brain") else None
+    leading = next((n for n in nodes if parts[n].get("server_name", "nats-1") == leader), None)
+    others = [n for n in nodes if n != leading]
     if kind == "kill_service":
         names = sorted(n for n, p in parts.items() if p.get("process") and p.get("pid"))
         victim = rng.choice(names)
     elif kind in ("kill_nats", "kill_nats_leader"):
-        nodes = sorted(n for n in parts if n == "nats" or n.startswith("nats-"))
         victim = rng.choice(nodes)
-        if kind == "kill_nats_leader":
-            leader = await _leader(fleet)
-            victim = next((n for n in nodes if parts[n].get("server_name", "nats-1") == leader), victim)
+        if kind == "kill_nats_leader" and leading is not None:
+            victim = leading
+    elif kind == "partition":
+        return await _partition(d, fleet, rng, rng.choice(others), "")
+    elif kind == "partition_leader":
+        return await _partition(d, fleet, rng, leading or rng.choice(nodes), "the leader " if leading else "")
+    elif kind == "split_brain":
+        crashed = rng.choice(others)
+        pid = int(parts[crashed]["pid"])
+        os.kill(pid, signal.SIGKILL)
+        back = await _back(d, crashed, pid)
+        cut = await _partition(d, fleet, rng, leading or rng.choice([n for n in nodes if n != crashed]),
+                               "then the leader " if leading else "then ")
+        return f"{crashed} (pid {pid}) killed, {'back' if back else 'NOT back'}; {cut}"
     elif kind == "kill_postgres":
         victim = "postgres"
     else:  # stop_executor
@@ -147,7 +213,7 @@ async def inject(kind: str, d: Path, fleet: Any, rng: random.Random) -> str:
 
 
 async def campaign(d: Path, seed: int, jobs: int, extra_faults: int,
-                   progress: Callable[[str], None] | None) -> dict[str, Any]:
+                   progress: Callable[[str], None] | None, partitions: bool = True) -> dict[str, Any]:
     from gpufleet.sdk import Fleet
 
     say = progress or (lambda _s: None)
@@ -162,7 +228,7 @@ async def campaign(d: Path, seed: int, jobs: int, extra_faults: int,
     rng = random.Random(f"chaos-run:{seed}")
     work = workload(seed, jobs)
     window_s = max(20.0, jobs / 15)
-    faults = schedule(seed, window_s, extra_faults)
+    faults = schedule(seed, window_s, extra_faults, partitions)
     accepted: dict[str, float] = {}
     refused: list[str] = []
     cancels: list[str] = []
@@ -326,18 +392,24 @@ async def _check(d: Path, fleet: Any, jobs: set[str], ends: dict[str, tuple[str,
 
 def run(seed: int, jobs: int, sim_nodes: int = 8, extra_faults: int = 3, keep: Path | None = None,
         progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Start the distributed shape, run the campaign, stop it; the report (`ok`: every check held)."""
+    """Start the distributed shape, run the campaign, stop it; the report (`ok`: every check held).
+    With network namespaces here, every NATS node in its own (the partition kinds); else without them."""
+    from gpufleet.shared.embedded import netns
+
+    no_netns = netns.available()
     tmp = tempfile.TemporaryDirectory(prefix="gpufleet-chaos-") if keep is None else None
     d = keep if keep is not None else Path(tmp.name if tmp is not None else ".") / "mesh"
     d.mkdir(parents=True, exist_ok=True)
     (d.parent / "chaos-cluster.yaml").write_text(CONFIG)
     t0 = time.monotonic()
     _cli(d, "up", "--detach", "--nats-cluster", "3", "--layout", "separate", "--instances", "2",
-         "--sim-nodes", str(sim_nodes), "--config", str(d.parent / "chaos-cluster.yaml"), timeout=300)
+         "--sim-nodes", str(sim_nodes), "--config", str(d.parent / "chaos-cluster.yaml"),
+         *([] if no_netns else ["--nats-netns"]), timeout=300)
     started_s = time.monotonic() - t0
     try:
-        doc = asyncio.run(campaign(d, seed, jobs, extra_faults, progress))
+        doc = asyncio.run(campaign(d, seed, jobs, extra_faults, progress, partitions=no_netns is None))
         doc["mesh_start_s"] = round(started_s, 1)
+        doc["partitions"] = "injected (network namespaces)" if no_netns is None else f"not injected: {no_netns}"
         doc["restarts"] = {n: p.get("restarts", 0) for n, p in _parts(d).items() if p.get("restarts")}
         return doc
     finally:

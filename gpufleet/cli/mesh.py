@@ -40,6 +40,8 @@ def up(
     instances: Annotated[int, typer.Option(help="2: every service twice (with --layout separate): one instance of "
                                                 "each decides while holding its lease, the other waits; two placers "
                                                 "decide side by side (compare-and-set); one executor per node")] = 1,
+    nats_netns: Annotated[bool, typer.Option("--nats-netns", help="with --nats-cluster: each nats-server in a network "
+                                             "namespace of its own (root), so that bench chaos can partition them")] = False,
 ) -> None:
     """Start nats-server, PostgreSQL, the eight services and N simulated nodes (or this machine as a node)."""
     from gpufleet.mesh import MeshOptions, Supervisor, running_supervisor, up_detached
@@ -81,8 +83,16 @@ def up(
     if nats_cluster not in (1, 3, 5):
         typer.echo(f"error: --nats-cluster: 1, 3 or 5 servers (a quorum needs an odd number), not {nats_cluster}", err=True)
         raise typer.Exit(2)
+    if nats_netns:
+        from gpufleet.shared.embedded import netns
+
+        why = "it partitions a cluster: give --nats-cluster 3 or 5" if nats_cluster == 1 else netns.available()
+        if why is not None:
+            typer.echo(f"error: --nats-netns: {why}", err=True)
+            raise typer.Exit(2)
     opts = MeshOptions(ddir, sim_nodes, nats_port, pg_port, postgres, layout=layout, config=config, sim_mix=sim_mix,
-                       driver=driver, retention=retention, nats_cluster=nats_cluster, instances=instances)
+                       driver=driver, retention=retention, nats_cluster=nats_cluster, instances=instances,
+                       nats_netns=nats_netns)
     if detach:
         doc = up_detached(opts)
         typer.echo(f"gpufleet running in {ddir}: NATS {doc['nats_url']}, PostgreSQL {doc['pg_dsn'] or '-'}, "

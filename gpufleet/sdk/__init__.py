@@ -45,7 +45,12 @@ from gpufleet.shared.trust.authz import ADMIN, find_creds
 
 log = logging.getLogger(__name__)
 
-COMMAND_RETRY_S = 10.0  # how long a command is sent again while the stream does not answer
+# how long a command is sent again while the stream does not answer: a cut-off leader is replaced
+# after its election timeout (4-9 s in nats-server), and a client on the cut server moves first
+COMMAND_RETRY_S = 20.0
+# one try's wait for the stream's ack: short, so that a try through a server cut from the quorum
+# leaves time for more once the bus has moved to another (shared/runtime/bus.py watch_server)
+COMMAND_TRY_S = 2.0
 
 if TYPE_CHECKING:
     from gpufleet.tools.dashboard import Board
@@ -149,7 +154,7 @@ class Fleet:
         wait = 0.2
         while True:
             try:
-                await self.bus.publish(env, headers_extra=headers)
+                await self.bus.publish(env, headers_extra=headers, ack_within_s=COMMAND_TRY_S)
                 return
             except RetryableError:
                 if time.monotonic() + wait > deadline:

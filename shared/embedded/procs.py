@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -41,9 +42,11 @@ def wait_port(port: int, timeout_s: float = 10.0, host: str = "127.0.0.1") -> No
 
 
 def start_nats(store_dir: Path, port: int, log_file: Path | None = None, detach: bool = False,
-               config: Path | None = None) -> subprocess.Popen[bytes]:
-    """nats-server with JetStream on 127.0.0.1:port, storing under store_dir; with `config` (a
-    file shared/trust/authz.py wrote: listen address, store, fsync policy, authorization) from it."""
+               config: Path | None = None, host: str = "127.0.0.1",
+               wrap: Callable[[list[str]], list[str]] | None = None) -> subprocess.Popen[bytes]:
+    """nats-server with JetStream on host:port, storing under store_dir; with `config` (a
+    file shared/trust/authz.py wrote: listen address, store, fsync policy, authorization) from it.
+    `wrap`: the command line run instead (a network namespace's `ip netns exec`, shared/embedded/netns.py)."""
     store_dir.mkdir(parents=True, exist_ok=True)
     if config is not None:
         args = [nats_server_binary(), "-c", str(config)]
@@ -51,9 +54,9 @@ def start_nats(store_dir: Path, port: int, log_file: Path | None = None, detach:
         args = [nats_server_binary(), "-js", "-a", "127.0.0.1", "-p", str(port), "-sd", str(store_dir)]
     out = open(log_file, "ab") if log_file else subprocess.DEVNULL  # noqa: SIM115 - handed to the child
     proc = subprocess.Popen(
-        args, stdout=out, stderr=subprocess.STDOUT, start_new_session=detach,
+        wrap(args) if wrap is not None else args, stdout=out, stderr=subprocess.STDOUT, start_new_session=detach,
     )
-    wait_port(port)
+    wait_port(port, host=host)
     return proc
 
 

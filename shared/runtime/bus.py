@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 ATOMIC_BATCH_MAX = 500  # the server accepts up to 1000 messages in one atomic batch
 ERR_WRONG_LAST_SEQ = 10071
 ERR_BATCH_DUP_ID = 10201
+ERR_DUP_IN_PROCESS = 10158  # a copy of this Nats-Msg-Id is still being stored: ask again for its ack
 DUPLICATE_WINDOW_S = 120.0
 TELEMETRY_MAX_AGE_S = 6 * 3600.0
 PUBLISH_TIMEOUT_S = 10.0
@@ -54,6 +55,12 @@ MAX_OUTSTANDING_PINGS = 3
 ATOMIC_FROM = int(os.environ.get("GPUFLEET_ATOMIC_FROM",
                                  "12" if os.environ.get("GPUFLEET_NATS_SYNC", "always") == "always" else "0"))
 STREAM_WAIT_S = 300.0
+# A server that answers pings but not JetStream (it is on the minority side of a partition: its
+# routes to the quorum are cut, tests/test_partition.py) holds its clients for as long as the cut
+# lasts. With several servers listed, the bus asks JetStream for its account info every
+# JS_WATCH_S and moves to another server once it has gone unanswered for JS_FAILOVER_S.
+JS_WATCH_S = float(os.environ.get("GPUFLEET_JS_WATCH_S", "1"))
+JS_FAILOVER_S = float(os.environ.get("GPUFLEET_JS_FAILOVER_S", "3"))
 
 
 def fleet_stream_config(replicas: int = 1) -> StreamConfig:
@@ -162,6 +169,9 @@ class Bus:
         self._batch_counter = 0
         self._telemetry_atomic = True  # until the telemetry stream refuses a batch
         self.creds: Creds | None = None  # who this connection is (None: a server without auth)
+        self._watch: asyncio.Task[None] | None = None
+        self._closing = False
+        self.failovers = 0  # moves to another server because this one did not answer JetStream
 
     @property
     def tenant_scope(self) -> str | None:
@@ -185,15 +195,69 @@ class Bus:
         nc = await nats.connect(servers, **opts)
         bus = cls(nc, replicas=replicas)
         bus.creds = ident
+        if len(servers) > 1 and JS_WATCH_S > 0:
+            bus._watch = asyncio.create_task(bus.watch_server(), name=f"{name}-js-watch")
         return bus
 
+    async def watch_server(self) -> None:
+        """Move to another server of the cluster while this one does not answer JetStream.
+
+        A partition leaves a server connected to its clients but cut from the quorum: every
+        publish and fetch through it times out, and nats-py does not move (the server answers its
+        pings). Every JS_WATCH_S this asks for the account info ($JS.API.INFO, which every identity
+        may ask); unanswered for JS_FAILOVER_S on end, the connection is moved to the next server
+        of the pool (`force_reconnect`: subscriptions are made again there, the JetStream consumers
+        live in the cluster and are found again). A whole cluster without a leader moves the
+        connection round the pool, which costs a reconnect each time and nothing else."""
+        failing_since: float | None = None
+        first = True
+        while not self.nc.is_closed and not self._closing:
+            if not first:  # the first look at once: a client that lands on a cut server finds out soonest
+                await asyncio.sleep(JS_WATCH_S)
+            first = False
+            if not self.nc.is_connected:
+                failing_since = None  # nats-py is reconnecting by itself
+                continue
+            try:
+                reply = await self.nc.request("$JS.API.INFO", b"", timeout=max(0.5, JS_WATCH_S * 1.5))
+                if b'"error"' not in reply.data:  # a minority server answers 503 "temporarily unavailable"
+                    failing_since = None
+                    continue
+            except (TimeoutError, nats.errors.TimeoutError, nats.errors.NoRespondersError):
+                pass
+            except Exception:  # noqa: BLE001 - closing, draining, a reconnect under way: look again later
+                continue
+            now = time.monotonic()
+            failing_since = failing_since or now
+            if now - failing_since < JS_FAILOVER_S:
+                continue
+            url = self.nc.connected_url.netloc if self.nc.connected_url else "?"
+            log.warning("NATS server %s has not answered JetStream for %.1f s (cut from the cluster's quorum?): "
+                        "moving to another server", url, now - failing_since)
+            self.failovers += 1
+            failing_since = None
+            try:
+                await self.nc.force_reconnect()
+            except Exception:  # noqa: BLE001 - nats-py goes on reconnecting by itself
+                log.exception("moving to another NATS server")
+
     async def close(self) -> None:
+        if self._watch is not None:
+            # a flag as well as the cancel: nats-py's request can turn a cancel into its own error,
+            # which the watch takes for an unanswered probe (seen: close waited for ever)
+            self._closing = True
+            self._watch.cancel()
+            await asyncio.wait({self._watch}, timeout=2 * JS_WATCH_S + 1)
+            self._watch = None
         if not self.nc.is_closed:
             try:
                 await asyncio.wait_for(self.nc.flush(), 2.0)
             except Exception:  # noqa: BLE001 - closing anyway
                 pass
-            await self.nc.close()
+            try:  # bounded: a command's close must not outlast the command (a reconnect may be under way)
+                await asyncio.wait_for(self.nc.close(), 5.0)
+            except TimeoutError:
+                log.warning("closing the NATS connection took over 5 s; left to the process's end")
 
     async def ensure_streams(self) -> None:
         """Create or update FLEET and FLEET_TELEMETRY; safe to call from every service at start.
@@ -252,8 +316,10 @@ class Bus:
         info = await self.js.stream_info(stream)
         return int(info.state.last_seq)
 
-    async def publish(self, env: Envelope, cas: Cas | None = None, headers_extra: dict[str, str] | None = None) -> int:
-        """Publish one event and wait for its ack; returns the stream sequence."""
+    async def publish(self, env: Envelope, cas: Cas | None = None, headers_extra: dict[str, str] | None = None,
+                      ack_within_s: float | None = None) -> int:
+        """Publish one event and wait for its ack (up to `ack_within_s`, PUBLISH_TIMEOUT_S by default);
+        returns the stream sequence."""
         headers = {**(headers_extra or {}), "Nats-Msg-Id": env.event_id}
         if otel.TRACING:
             headers.update(otel.inject_headers(env))
@@ -261,7 +327,7 @@ class Bus:
             headers["Nats-Expected-Last-Subject-Sequence"] = str(cas.last_seq)
             headers["Nats-Expected-Last-Subject-Sequence-Subject"] = cas.subject
         try:
-            ack = await self.js.publish(env.subject(), env.to_json(), headers=headers)
+            ack = await self.js.publish(env.subject(), env.to_json(), headers=headers, timeout=ack_within_s)
         except nats.js.errors.BadRequestError as exc:
             if exc.err_code == ERR_WRONG_LAST_SEQ:
                 raise CasConflict(str(exc)) from None
@@ -269,6 +335,10 @@ class Bus:
         except (nats.errors.TimeoutError, nats.js.errors.NoStreamResponseError, nats.errors.NoRespondersError,
                 nats.js.errors.ServiceUnavailableError) as exc:
             raise RetryableError(f"publish {env.type}: {exc!r}") from None
+        except nats.js.errors.APIError as exc:
+            if exc.err_code == ERR_DUP_IN_PROCESS:  # a re-send overtook the first copy, still in the cluster
+                raise RetryableError(f"publish {env.type}: {exc!r}") from None
+            raise
         return int(ack.seq)
 
     async def publish_many(self, envs: Sequence[Envelope]) -> list[int]:

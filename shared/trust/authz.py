@@ -23,6 +23,7 @@ must use `inbox_prefix` for its reply subjects.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import secrets
@@ -437,14 +438,16 @@ def cluster_nats_config(realm: Realm | None, server_name: str, store_dir: Path, 
                         cluster_port: int, routes: Sequence[str], tls: ServerTls | None, *, host: str = "127.0.0.1",
                         cluster_host: str | None = None, cluster_name: str = "gpufleet",
                         sync_interval: str = DEFAULT_SYNC, tls_timeout: float = TLS_TIMEOUT_S,
-                        http_port: int | None = None) -> dict[str, Any]:
+                        http_port: int | None = None, lab: bool = False) -> dict[str, Any]:
     """One node of a JetStream cluster (distributed mode, deploy/README.md): the same
     authorization as the single server (`realm`'s users and permissions), JetStream fsyncing
     every write, TLS for clients (the server's certificate; clients authenticate with their
     nkey, so no client certificate: `verify: false`) and mutual TLS between the nodes (`cluster.tls`,
     `verify: true`: each route presents its certificate, signed by the same CA). `routes`: every
     node's route URL, `nats://host:port` (a node skips the one to itself). `tls` None: a cluster
-    on this machine's loopback only (`gpufleet up --nats-cluster 3`), whose traffic never leaves it."""
+    on this machine's loopback only (`gpufleet up --nats-cluster 3`), whose traffic never leaves it;
+    `lab`: on the addresses of a network-namespace lab on this machine (`--nats-netns`), which
+    never leave it either."""
     conf = nats_config(store_dir, client_port, realm, host=host, sync_interval=sync_interval)
     conf["server_name"] = server_name
     conf["cluster"] = {
@@ -454,7 +457,9 @@ def cluster_nats_config(realm: Realm | None, server_name: str, store_dir: Path, 
     }
     if tls is None:
         loopback = {host, cluster_host or host} <= {"127.0.0.1", "localhost", "::1"}
-        if not loopback:
+        in_lab = lab and all(ipaddress.ip_address(h) in ipaddress.ip_network("198.18.0.0/15")
+                             for h in {host, cluster_host or host})
+        if not loopback and not in_lab:
             raise ValueError("a cluster without TLS listens on loopback only (127.0.0.1): give it certificates")
         return conf
     conf["tls"] = tls_block(tls, verify=False, timeout=tls_timeout)
