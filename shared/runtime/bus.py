@@ -57,7 +57,7 @@ ATOMIC_FROM = int(os.environ.get("GPUFLEET_ATOMIC_FROM",
 STREAM_WAIT_S = 300.0
 # A server that answers pings but not JetStream (it is on the minority side of a partition: its
 # routes to the quorum are cut, tests/test_partition.py) holds its clients for as long as the cut
-# lasts. With several servers listed, the bus asks JetStream for its account info every
+# lasts. With several servers known (listed, or told by the first one), the bus asks JetStream for its account info every
 # JS_WATCH_S and moves to another server once it has gone unanswered for JS_FAILOVER_S.
 JS_WATCH_S = float(os.environ.get("GPUFLEET_JS_WATCH_S", "1"))
 JS_FAILOVER_S = float(os.environ.get("GPUFLEET_JS_FAILOVER_S", "3"))
@@ -195,7 +195,7 @@ class Bus:
         nc = await nats.connect(servers, **opts)
         bus = cls(nc, replicas=replicas)
         bus.creds = ident
-        if len(servers) > 1 and JS_WATCH_S > 0:
+        if JS_WATCH_S > 0:  # it moves only where the pool holds another server (listed, or learnt from INFO)
             bus._watch = asyncio.create_task(bus.watch_server(), name=f"{name}-js-watch")
         return bus
 
@@ -229,7 +229,7 @@ class Bus:
                 continue
             now = time.monotonic()
             failing_since = failing_since or now
-            if now - failing_since < JS_FAILOVER_S:
+            if now - failing_since < JS_FAILOVER_S or len(self.nc.servers) < 2:
                 continue
             url = self.nc.connected_url.netloc if self.nc.connected_url else "?"
             log.warning("NATS server %s has not answered JetStream for %.1f s (cut from the cluster's quorum?): "
