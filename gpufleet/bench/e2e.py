@@ -163,6 +163,16 @@ def _cpu_s(pid: int) -> float:
         return float("nan")
 
 
+def _limits() -> str:
+    """What an open cluster still refuses: each tenant's default policy (its refusals are counted)."""
+    from gpufleet.shared.contract.clusterconfig import TenantPolicy
+
+    p = TenantPolicy()
+    return (f"open cluster: no tenants or queues configured; each tenant has the default policy "
+            f"({p.submit_rate_per_s:g} submits/s, burst {p.submit_burst}, {p.max_pending_jobs} pending): "
+            "what it refuses is counted")
+
+
 def run_e2e(sim_nodes: int = 5000, jobs: int = 20000, postgres: bool = True,
             progress: Callable[[str], None] | None = None, layouts: tuple[str, ...] = ("grouped", "separate"),
             syncs: tuple[str, ...] = ("always",), rate: float | None = None, nats_cluster: int = 1,
@@ -175,7 +185,7 @@ def run_e2e(sim_nodes: int = 5000, jobs: int = 20000, postgres: bool = True,
               "nats_sync": list(syncs), "offered_rate_jobs_s": rate, "submit_batch": SUBMIT_BATCH if rate is None else None,
               "service_batch": int(os.environ.get("GPUFLEET_BATCH", "256")), "cpus": os.cpu_count(),
               "nats_cluster": nats_cluster, "instances": instances,
-              "limits": "open cluster: no tenants, queues or rate limits configured (nothing is refused for them)"}
+              "limits": _limits()}
     if progress:
         progress(f"config: {json.dumps(config)}")
     layout_run = functools.partial(run_layout, sim_nodes, jobs, postgres, progress=progress, rate=rate,
