@@ -33,8 +33,9 @@ def make_core(name: str, args: argparse.Namespace) -> Core[Any]:
         return ExecutorCore(sim_fleet(getattr(args, "sim_nodes", 4), getattr(args, "node_prefix", "sim"),
                                       getattr(args, "sim_mix", "")), sim_pools=not getattr(args, "no_sim_pools", False))
     if name == "telemetry":
+        from gpufleet.services.telemetry.agent import rules_from_env
         from gpufleet.services.telemetry.core import TelemetryCore
-        return TelemetryCore()
+        return TelemetryCore(rules_from_env())
     if name == "guardian":
         from gpufleet.services.guardian.core import GuardianCore
         from gpufleet.shared.contract.clusterconfig import load_config

@@ -34,4 +34,6 @@ def test_a_short_campaign_loses_nothing_and_does_nothing_twice() -> None:
     assert doc["runs_started"] > 0 and doc["runs_charged_twice"] == [] and doc["runs_not_charged"] == 0
     # a probe the client was told was not taken (the stream electing its leader) is no recovery to time
     assert all(f["recovery_s"] is not None for f in doc["faults"] if f["probe"] is not None), doc["faults"]
+    # the node lost past its lease was declared lost, and no other fault cost a node
+    assert doc["nodes_lost"] > 0 and doc["nodes_lost_elsewhere"] == [], doc["nodes_lost_elsewhere"]
     assert doc["ok"]

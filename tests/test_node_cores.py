@@ -379,3 +379,59 @@ def test_executor_kills_a_replica_started_again_once() -> None:
     assert e.payload.attempt == 2  # type: ignore[union-attr]
     st = fold(core, st, ev(JobExited(job_id="j", node_id="s0", exit_code=0, attempt=2), at=T0 + 6))
     assert core.decide(fold(core, st, cancel), cancel, ctx(T0 + 7)) == []
+
+
+# ---------------------------------------------------------------- a node lost past its lease (the executor)
+
+SIM_INV = INV.model_copy(update={"driver": "sim"})
+
+
+def _lost(node: str = NODE) -> Envelope:
+    from gpufleet.shared.contract.events import NodeLost
+
+    return ev(NodeLost(node_id=node, reason="no heartbeat for 15s (lease 15s)"), tenant="sys")
+
+
+def _sim_executor(*envs: Envelope) -> tuple[ExecutorCore, ExecutorState]:
+    core = ExecutorCore({NODE: SIM_INV})
+    return core, fold(core, core.initial_state(), *envs)
+
+
+def test_a_placement_on_a_node_already_lost_is_ended_not_started() -> None:
+    """Nobody else ends it: telemetry ended what the node held when it was lost."""
+    reg = ev(NodeRegistered(node_id=NODE, inventory=SIM_INV), tenant="sys")
+    p = placed("j")
+    for core, st in (_sim_executor(reg, submitted("j"), _lost(), p),
+                     executor(reg, submitted("j"), _lost(), p)):  # a driver node: nothing to reconcile either
+        (out,) = core.decide(st, p, ctx())
+        assert out.type == "job.exited" and out.payload.reason == "node_lost"  # type: ignore[union-attr]
+        assert reconcile(st, core.nodes, [], T0) == [] or not core.driver_nodes
+        st = fold(core, st, out)  # its own exit, back: a redelivered placement says nothing again
+        assert core.decide(st, p, ctx()) == []
+
+
+def test_a_placement_its_node_lost_since_is_not_started_even_once_the_node_is_back() -> None:
+    """The executor decided on a state the loss had not reached (frozen past its lease): its start
+    conflicts on the guard and is decided again on the log as it is: telemetry ended that run."""
+    reg = ev(NodeRegistered(node_id=NODE, inventory=SIM_INV), tenant="sys")
+    p = placed("j")
+    ended = ev(JobExited(job_id="j", node_id=NODE, exit_code=137, reason="node_lost"))
+    core, st = _sim_executor(reg, submitted("j"), p, _lost(), ended)
+    assert core.decide(st, p, ctx()) == []  # lost: telemetry's exit covers it
+    st = fold(core, st, ev(NodeRegistered(node_id=NODE, inventory=SIM_INV), tenant="sys", at=T0 + 30))
+    assert core.decide(st, p, ctx()) == []  # back, but that run ended
+    core, fresh = _sim_executor(reg, submitted("j"), p)
+    assert [o.type for o in core.decide(fresh, p, ctx())] == ["job.started"]
+
+
+def test_the_executor_guards_its_starts_and_exits_by_the_nodes_losses() -> None:
+    from gpufleet.shared.runtime.engine import Engine
+
+    core, st = _sim_executor(submitted("j"))
+    eng = Engine(core, st)
+    start = ev(JobStarted(job_id="j", node_id=NODE, driver="sim"))
+    assert eng.takes_capacity([start]) and eng.takes_capacity([ev(JobExited(job_id="j", node_id=NODE, exit_code=0))])
+    assert not eng.takes_capacity([ev(NodeRegistered(node_id=NODE, inventory=SIM_INV), tenant="sys")])
+    assert eng.takes(_lost().subject()) and not eng.takes(start.subject())
+    eng.fold(_lost(), seq=7)
+    assert eng.last_cas_seq == 7  # the guard a start decided now is published under

@@ -10,8 +10,13 @@ that reclaim borrowed quota, cancels), faults are injected in an order drawn fro
 - `kill_nats` / `kill_nats_leader`: `kill -9` of a NATS node (the stream's leader for the second),
   which the supervisor restarts on its port and store (it rejoins the cluster);
 - `kill_postgres`: `kill -9` of PostgreSQL's postmaster (restarted; the read model catches up);
-- `stop_executor`: the node agent frozen (SIGSTOP) for 2-8 s, then let go (SIGCONT): shorter than
-  the heartbeat lease, so no node may be declared lost for it;
+- `stop_executor`: the node agent frozen (SIGSTOP) for 2-6 s, then let go (SIGCONT): shorter than
+  the heartbeat lease (15 s in the campaign's mesh, `GPUFLEET_NODE_LEASE_S`) less a heartbeat
+  period, so no node may be declared lost for it;
+- `lose_node`: the node agent frozen for 5-10 s longer than the lease: telemetry declares its
+  nodes lost and their runs ended (`node_lost`), the guardian runs them again once the nodes
+  register again (the agent, let go, hears that it was lost); a run must not end twice, nor
+  be billed twice, nor hold GPUs on a node the log says is gone;
 - `partition`: one NATS node that does not lead the stream cut from the other two for 3-8 s (each
   server runs in a network namespace of its own, shared/embedded/netns.py: a pair of blackhole
   routes, while the clients on the host still reach it), then healed;
@@ -24,8 +29,10 @@ that reclaim borrowed quota, cancels), faults are injected in an order drawn fro
 The partition kinds need network namespaces (root, iproute2); without them the campaign runs
 the other kinds and says why (`partitions`).
 
-After each fault a probe job is submitted; its submit -> placed time is the fault's recovery
-time (what a user sees). At the end, every figure is checked and counted, never assumed:
+After each fault a probe job is submitted to a queue of its own (`probe`: 8 GPUs no other queue
+may borrow, and the others' borrowing leaves 16 GPUs free), so that it waits for the control
+plane, not behind the workload's backlog: its submit -> placed time is the fault's recovery time
+(what a user sees). At the end, every figure is checked and counted, never assumed:
 
 - every acknowledged submit reached an end (succeeded, failed, cancelled, rejected, preempted),
   and no job ended twice (terminal events per job in the log);
@@ -33,7 +40,7 @@ time (what a user sees). At the end, every figure is checked and counted, never 
 - `replay --all` equals the read model (`jobs`), row by row;
 - the bill charges each run (job, attempt, replica) at most once, and every run that started.
 
-Not injected (yet): a node lost for longer than the lease. The seed fixes the workload and the fault order; the timing of a real
+The seed fixes the workload and the fault order; the timing of a real
 cluster does not repeat exactly, so two runs of a seed inject the same faults at the same offsets
 but may interleave them with the jobs differently.
 """
@@ -55,12 +62,15 @@ from pathlib import Path
 from typing import Any
 
 PARTITION_KINDS = ("partition", "partition_leader", "split_brain")
-FAULT_KINDS = ("kill_service", "kill_nats", "kill_nats_leader", "kill_postgres", "stop_executor", *PARTITION_KINDS)
+FAULT_KINDS = ("kill_service", "kill_nats", "kill_nats_leader", "kill_postgres", "stop_executor", "lose_node",
+               *PARTITION_KINDS)
+NODE_LEASE_S = 15.0  # the campaign mesh's heartbeat lease (30 s by default): a lost node costs less of the run
 CONFIG = """\
 cohorts: {shared: {}}
 queues:
-  prod: {cohort: shared, nominal: {gpu: 16}, borrowingLimit: {gpu: 16}}
-  research: {cohort: shared, nominal: {gpu: 16}, borrowingLimit: {gpu: 16}}
+  prod: {cohort: shared, nominal: {gpu: 16}, borrowingLimit: {gpu: 8}}
+  research: {cohort: shared, nominal: {gpu: 16}, borrowingLimit: {gpu: 8}}
+  probe: {nominal: {gpu: 8}}
 """
 
 
@@ -106,9 +116,10 @@ def schedule(seed: int, window_s: float, extra: int, partitions: bool = True) ->
     return [(round(gap * (i + 1) + rng.uniform(-0.2, 0.2) * gap, 2), k) for i, k in enumerate(kinds)]
 
 
-def _cli(d: Path, *args: str, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess[str]:
+def _cli(d: Path, *args: str, timeout: float = 120, check: bool = True,
+         env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     proc = subprocess.run([sys.executable, "-m", "gpufleet.cli", *args, "--data-dir", str(d)],
-                          capture_output=True, text=True, timeout=timeout)
+                          capture_output=True, text=True, timeout=timeout, env=env)
     if check and proc.returncode != 0:
         raise ChaosFailed(f"gpufleet {' '.join(args)} exited {proc.returncode}: {proc.stderr.strip()[-800:]}")
     return proc
@@ -192,13 +203,13 @@ async def inject(kind: str, d: Path, fleet: Any, rng: random.Random) -> str:
         return f"{crashed} (pid {pid}) killed, {'back' if back else 'NOT back'}; {cut}"
     elif kind == "kill_postgres":
         victim = "postgres"
-    else:  # stop_executor
+    else:  # stop_executor, lose_node
         victim = "executor"
     pid = parts.get(victim, {}).get("pid")
     if not pid:
         return f"{victim} (not running: nothing hit)"
-    if kind == "stop_executor":
-        pause = rng.uniform(2.0, 8.0)
+    if kind in ("stop_executor", "lose_node"):
+        pause = rng.uniform(2.0, 6.0) if kind == "stop_executor" else NODE_LEASE_S + rng.uniform(5.0, 10.0)
         os.kill(int(pid), signal.SIGSTOP)
         try:
             await asyncio.sleep(pause)
@@ -264,13 +275,17 @@ async def campaign(d: Path, seed: int, jobs: int, extra_faults: int,
                 asyncio.create_task(later())
 
     injected: list[dict[str, Any]] = []
+    lost_windows: list[tuple[float, float]] = []
 
     async def injector() -> None:
         for at, kind in faults:
             await asyncio.sleep(max(0.0, t0 + at - time.monotonic()))
+            began = time.time()
             hit = await inject(kind, d, fleet, rng)
             done = time.monotonic()
-            probe = await submit({"name": f"probe-{len(injected)}", "tenant": "acme", "queue": "research",
+            if kind == "lose_node":  # (node.lost is allowed inside this window only)
+                lost_windows.append((began, time.time() + 2.0))
+            probe = await submit({"name": f"probe-{len(injected)}", "tenant": "acme", "queue": "probe",
                                   "resources": {"gpu": 1}, "sim": {"duration": "1s"}})
             if probe is not None:
                 probes[probe] = done
@@ -285,7 +300,7 @@ async def campaign(d: Path, seed: int, jobs: int, extra_faults: int,
         job = row["probe"]
         row["recovery_s"] = round(placed_at[job] - probes[job], 2) if job in placed_at else None
     await sub.unsubscribe()
-    report = await _check(d, fleet, set(accepted), ends, say)
+    report = await _check(d, fleet, set(accepted), ends, say, lost_windows)
     await fleet.close()
     counts = Counter(ends[j][0] for j in accepted if j in ends)
     report.update({
@@ -348,7 +363,7 @@ async def _audit(d: Path, within_s: float = 90.0) -> dict[str, Any]:
 
 
 async def _check(d: Path, fleet: Any, jobs: set[str], ends: dict[str, tuple[str, int]],
-                 say: Callable[[str], None]) -> dict[str, Any]:
+                 say: Callable[[str], None], lost_windows: list[tuple[float, float]] | None = None) -> dict[str, Any]:
     from datetime import UTC, datetime
 
     from gpufleet.services.billing import report
@@ -361,7 +376,9 @@ async def _check(d: Path, fleet: Any, jobs: set[str], ends: dict[str, tuple[str,
     out["ended_twice"] = sorted(j for j, (_t, n) in ends.items() if n > 1)
     audit = await _audit(d)
     out["audit_ok"] = bool(audit.get("ok"))
-    out["audit_violations"] = audit.get("violations", [])[:5]
+    # (the audit's JSON: each invariant's ok, its count of violations and the first of them)
+    out["audit_violations"] = [{"invariant": name, "count": inv.get("violations"), "first": inv.get("first")}
+                               for name, inv in audit.get("invariants", {}).items() if not inv.get("ok", True)]
     if "error" in audit:
         out["audit_error"] = audit["error"]
     deadline = time.monotonic() + 60
@@ -384,7 +401,15 @@ async def _check(d: Path, fleet: Any, jobs: set[str], ends: dict[str, tuple[str,
     out["runs_started"] = len(started)
     out["runs_charged_twice"] = sorted(f"{j}/{a}/{r}" for (j, a, r), n in per_run.items() if n > 1)[:10]
     out["runs_not_charged"] = len(started - set(per_run) - {(c.job_id, c.attempt, c.replica) for c in charges})
+    # a node is declared lost only where one was (lose_node); a frozen agent inside the lease, a
+    # NATS node killed or cut, must not cost anyone's run
+    lost = await _retrying(lambda: fleet.history("fleet.evt.sys.node.*.lost"))
+    out["nodes_lost"] = len(lost)
+    out["nodes_lost_elsewhere"] = sorted(
+        f"{e.node_id} at {e.occurred_at.isoformat()}" for _s, e in lost
+        if not any(a <= e.occurred_at.timestamp() <= b for a, b in lost_windows or ()))[:10]
     out["ok"] = (not out["not_ended_count"] and not out["ended_twice"] and out["audit_ok"]
+                 and not out["nodes_lost_elsewhere"]
                  and out["replay_equals_read_model"] and not out["runs_charged_twice"] and not out["runs_not_charged"])
     say(f"checked: ok={out['ok']}")
     return out
@@ -404,7 +429,8 @@ def run(seed: int, jobs: int, sim_nodes: int = 8, extra_faults: int = 3, keep: P
     t0 = time.monotonic()
     _cli(d, "up", "--detach", "--nats-cluster", "3", "--layout", "separate", "--instances", "2",
          "--sim-nodes", str(sim_nodes), "--config", str(d.parent / "chaos-cluster.yaml"),
-         *([] if no_netns else ["--nats-netns"]), timeout=300)
+         *([] if no_netns else ["--nats-netns"]), timeout=300,
+         env={**os.environ, "GPUFLEET_NODE_LEASE_S": f"{NODE_LEASE_S:g}s"})
     started_s = time.monotonic() - t0
     try:
         doc = asyncio.run(campaign(d, seed, jobs, extra_faults, progress, partitions=no_netns is None))

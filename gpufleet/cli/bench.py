@@ -283,15 +283,19 @@ def bench_chaos(
     jobs: Annotated[int, typer.Option(help="jobs in the workload")] = 300,
     sim_nodes: Annotated[int, typer.Option(help="simulated nodes")] = 8,
     extra_faults: Annotated[int, typer.Option(help="faults beyond one of each kind")] = 3,
+    keep: Annotated[Path | None, typer.Option(help="keep the mesh's data dir here (logs, stores) for a "
+                                                   "review of the run: the log replays after it")] = None,
     as_json: JsonOut = False,
 ) -> None:
     """A seeded fault campaign on a 3-node NATS cluster with every service twice: kill -9 of
-    service instances, NATS nodes (the stream's leader too) and PostgreSQL, a frozen node agent;
-    then every job ended once, the audit, replay = read model, each run billed once. Exit 1 if not."""
+    service instances, NATS nodes (the stream's leader too) and PostgreSQL, a frozen node agent,
+    a node lost past its heartbeat lease, NATS partitions (network namespaces, root);
+    then every job ended once, the audit, replay = read model, each run billed once. Exit 1 if not.
+    Progress goes to stderr, with --json too."""
     from gpufleet.bench.chaos import run as run_chaos
 
-    doc = run_chaos(seed, jobs, sim_nodes=sim_nodes, extra_faults=extra_faults,
-                    progress=None if as_json else (lambda s: typer.echo(s, err=True)))
+    doc = run_chaos(seed, jobs, sim_nodes=sim_nodes, extra_faults=extra_faults, keep=keep,
+                    progress=lambda s: typer.echo(s, err=True))
     if as_json:
         _print_json(doc)
     else:
@@ -303,6 +307,7 @@ def bench_chaos(
         typer.echo(f"not ended {doc['not_ended_count']}, ended twice {len(doc['ended_twice'])}, audit "
                    f"{'ok' if doc['audit_ok'] else 'FAILED'}, replay = read model: {doc['replay_equals_read_model']}, "
                    f"runs started {doc['runs_started']}, charged twice {len(doc['runs_charged_twice'])}, "
-                   f"not charged {doc['runs_not_charged']}")
+                   f"not charged {doc['runs_not_charged']}, nodes declared lost {doc['nodes_lost']} "
+                   f"({len(doc['nodes_lost_elsewhere'])} outside a lose_node fault)")
     if not doc["ok"]:
         raise typer.Exit(1)

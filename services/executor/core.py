@@ -122,8 +122,12 @@ class ExecutorJob:
     max_runtime_s: float = 86400.0
     spec: JobSpec | None = None  # driver executors only: what its replicas run (the event's, shared)
     attempt: int = 1  # its current attempt (resumes)
-    # (replica, attempt) started here: a placement redelivered after its replica exited starts nothing
+    # (replica, attempt) started or ended here: a placement redelivered after its replica exited (or
+    # after telemetry ended it with its lost node) starts nothing
     started: set[tuple[int, int]] | None = None
+    # (replica, attempt) placed on a node the log had declared lost: nobody else ends them (telemetry
+    # ends what a node held when it was lost), so the executor does, instead of starting them
+    placed_on_lost: set[tuple[int, int]] | None = None
     running: dict[int, Running] | None = None  # replica -> its run here, in the order they started
     cancelling: bool = False  # asked to stop: a late placement does not run
     driver: DriverJob | None = None
@@ -268,8 +272,13 @@ class ExecutorCore(BaseCore[ExecutorState]):
         "fleet.evt.sys.node.*.provision_requested", "fleet.evt.sys.node.*.removal_requested",
         "fleet.evt.sys.node.*.deregistered",
     )
+    # A start or an exit is published only if no node was declared lost since the executor decided
+    # it: one that was frozen past its lease, or decided on a state the loss had not reached yet,
+    # decides again on the log as it is (a run its node lost is neither started nor reported twice)
+    cas_subject = "fleet.evt.sys.node.*.lost"
+    cas_outputs = ("fleet.evt.*.job.*.started", "fleet.evt.*.job.*.exited")
     tick_s = 0.2
-    state_format = 2  # one record per job (ExecutorJob)
+    state_format = 3  # one record per job (ExecutorJob), with the placements on lost nodes
 
     def __init__(self, nodes: dict[str, NodeInventory], sim_pools: bool = False) -> None:
         self.nodes = nodes
@@ -279,6 +288,11 @@ class ExecutorCore(BaseCore[ExecutorState]):
     def hosts(self, state: ExecutorState, node_id: str) -> bool:
         """Whether the node is this executor's: one of its own, or a pool node it provides."""
         return node_id in self.nodes or node_id in state.pool_nodes
+
+    @staticmethod
+    def is_lost(state: ExecutorState, node_id: str) -> bool:
+        """The log declared the node lost, and it has not registered again since."""
+        return node_id in state.lost and node_id not in state.registered
 
     def inventory(self, state: ExecutorState, node_id: str) -> NodeInventory:
         pool = state.pool_nodes.get(node_id)
@@ -326,9 +340,17 @@ class ExecutorCore(BaseCore[ExecutorState]):
             if self.driver_nodes:
                 rec.spec = p.spec
         elif isinstance(p, JobPlaced):
-            if job_id not in state.ended and self.driver_nodes and p.attempt >= state.peek(job_id).attempt:
+            if job_id in state.ended:
+                return state
+            for a in p.allocations:
+                if self.hosts(state, a.node_id) and self.is_lost(state, a.node_id):
+                    rec = state.job(job_id)
+                    if rec.placed_on_lost is None:
+                        rec.placed_on_lost = set()
+                    rec.placed_on_lost.add((a.replica, p.attempt))
+            if self.driver_nodes and p.attempt >= state.peek(job_id).attempt:
                 for a in p.allocations:
-                    if a.node_id in self.driver_nodes:
+                    if a.node_id in self.driver_nodes and not self.is_lost(state, a.node_id):
                         state.set_desired(job_id, state.driver(job_id), a.replica,
                                           Desired(a, p.attempt, env.tenant, env.event_id))
         elif isinstance(p, JobResumeRequested):
@@ -363,6 +385,11 @@ class ExecutorCore(BaseCore[ExecutorState]):
                     state.add_run(rec, Running(job_id, env.tenant, p.replica, p.node_id,
                                                env.occurred_at.timestamp(), env.event_id, plan, p.attempt))
         elif isinstance(p, JobExited):
+            if self.hosts(state, p.node_id) and job_id not in state.ended:
+                rec = state.job(job_id)
+                if rec.started is None:
+                    rec.started = set()
+                rec.started.add((p.replica, p.attempt))  # ended: never started again
             if p.node_id in self.driver_nodes:
                 dj = state.driver(job_id)
                 if dj.exits_logged is None:
@@ -415,6 +442,15 @@ class ExecutorCore(BaseCore[ExecutorState]):
             out = []
             rec = state.peek(job_id)
             for a in p.allocations:
+                if (a.replica, p.attempt) in (rec.placed_on_lost or ()) and (a.replica, p.attempt) not in (rec.started or ()):
+                    # placed on a node the log had declared lost: never started; what it holds is freed
+                    out.append(ctx.emit(JobExited(
+                        job_id=job_id, node_id=a.node_id, replica=a.replica, exit_code=LOST_EXIT,
+                        reason="node_lost", attempt=p.attempt,
+                    ), key=f"start:{a.replica}"))
+                    continue
+                if self.hosts(state, a.node_id) and self.is_lost(state, a.node_id):
+                    continue  # lost after it was placed: telemetry ended it with the node
                 if a.node_id in self.driver_nodes:
                     continue  # started by the agent once its driver has it running (reconcile)
                 if (self.hosts(state, a.node_id) and a.replica not in (rec.running or {})

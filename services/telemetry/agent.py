@@ -22,11 +22,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from gpufleet.shared.contract.spec import parse_duration_s
 from gpufleet.shared.node.gpu import GpuBackend, GpuSample, SimGpuBackend, sample_doc
 from gpufleet.shared.runtime.bus import Bus
 from gpufleet.shared.runtime.loop import ServiceRuntime, every
 
-from .core import JobUse, Owner, TelemetryCore, TelemetryState, Windows
+from .core import JobUse, Owner, Rules, TelemetryCore, TelemetryState, Windows
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +128,24 @@ def _group_ticks(pgid: int) -> tuple[float, float]:
             cpu += int(f[11]) + int(f[12])  # utime + stime
             blkio += int(f[39])  # delayacct_blkio_ticks
     return cpu, blkio
+
+
+LEASE_ENV = "GPUFLEET_NODE_LEASE_S"  # the heartbeat lease (`--lease-s`), for every telemetry of a mesh
+
+
+def rules_from_env() -> Rules:
+    """The default rules, with the heartbeat lease from GPUFLEET_NODE_LEASE_S where it is set (a
+    duration: `12s`, `1m`); a bad value is refused, naming the variable."""
+    raw = os.environ.get(LEASE_ENV, "").strip()
+    if not raw:
+        return Rules()
+    try:
+        lease = parse_duration_s(raw)
+    except ValueError as exc:
+        raise SystemExit(f"{LEASE_ENV}={raw!r}: {exc}") from None
+    if lease <= 0:
+        raise SystemExit(f"{LEASE_ENV}={raw!r}: the lease must be longer than 0 s")
+    return Rules(lease_s=lease)
 
 
 class TelemetryAgent:
@@ -316,12 +335,9 @@ def main(argv: list[str] | None = None) -> None:
 
     from gpufleet.services.executor.agent import _stop_on_signals, setup_process
     from gpufleet.shared.contract.config import resolve_nats_url
-    from gpufleet.shared.contract.spec import parse_duration_s
     from gpufleet.shared.runtime.service import base_parser
 
-    from .core import Rules
-
-    d = Rules()
+    d = rules_from_env()
     ap = base_parser("telemetry")
     ap.add_argument("--sample-s", type=float, default=float(os.environ.get("GPUFLEET_SAMPLE_S", SAMPLE_S)),
                     help="seconds between GPU samples")

@@ -55,7 +55,9 @@ class Engine(Generic[S]):
     def __init__(self, core: Core[S], state: S | None = None) -> None:
         self.core = core
         self.interest = SubjectFilter(core.subjects)
-        self.takes = SubjectFilter([core.cas_subject] if core.cas_subject else [])
+        self.takes = SubjectFilter([core.cas_subject] if core.cas_subject else [])  # moves the guard
+        guarded = getattr(core, "cas_outputs", ()) or ([core.cas_subject] if core.cas_subject else [])
+        self.guarded = SubjectFilter(list(guarded) if core.cas_subject else [])  # outputs that carry it
         self.state: S = core.initial_state() if state is None else state
         self.seq = 0  # every event of the core's subjects up to here is folded
         self.last_cas_seq = 0  # the last sequence seen on its compare-and-set subject
@@ -112,7 +114,8 @@ class Engine(Generic[S]):
         return outs
 
     def takes_capacity(self, outputs: Iterable[Envelope]) -> bool:
-        return any(self.takes(o.subject()) for o in outputs)
+        """Whether these outputs must be published under the compare-and-set guard."""
+        return any(self.guarded(o.subject()) for o in outputs)
 
     # ---------------------------------------------------------------- committed points
 

@@ -121,6 +121,8 @@ class Core(Protocol[S]):
     @property
     def cas_subject(self) -> str | None: ...  # wildcard subject its capacity decisions are serialised on
     @property
+    def cas_outputs(self) -> tuple[str, ...]: ...  # the outputs that carry the guard (() : those on cas_subject)
+    @property
     def tick_s(self) -> float | None: ...  # how often `tick` runs (None: never)
 
     def initial_state(self) -> S: ...
@@ -137,6 +139,10 @@ class BaseCore(Generic[S]):
     name = "core"
     subjects: tuple[str, ...] = ()
     cas_subject: str | None = None
+    # Outputs published only if nothing new was written on `cas_subject` since the core decided
+    # them; () means the outputs on `cas_subject` itself (the placer: a placement, guarded by the
+    # placements). The executor guards its starts and exits by the nodes' losses instead.
+    cas_outputs: tuple[str, ...] = ()
     tick_s: float | None = None
 
     def decide(self, state: S, env: Envelope, ctx: Ctx) -> list[Envelope]:
