@@ -62,11 +62,29 @@ def test_work_on_a_lost_node_and_preemption_without_request() -> None:
                        placed("j"), ev(JobStarted(job_id="j", node_id=NODE)),
                        ev(JobPreempted(job_id="k", reason=Reason(code="x", message="y")))))
     f = firsts(report)
-    assert f["lost_node"] == (3, "replica 0 placed on n0, which was lost")
+    assert f["lost_node"] == (3, "replica 0 placed on n0, which was lost (at seq 2, before the event it was decided on)")
     assert f["preemption_request"] == (5, "preempted without a preemption request")
     back = audit(log(ev(NodeRegistered(node_id=NODE, inventory=INV)), ev(NodeLost(node_id=NODE)),
                      ev(NodeRegistered(node_id=NODE, inventory=INV)), placed("j")))
     assert back.first()["lost_node"] is None
+
+
+def test_a_placement_decided_before_the_loss_it_crossed_is_a_race_not_a_violation() -> None:
+    """The placer decided on an event from before the loss and its placement was written just
+    after it: nothing could have told it (kube-scheduler binding to a node going NotReady). It is
+    allowed as long as it never starts; a placement caused by an event after the loss is not."""
+    before = reserved("j")
+    after = reserved("k")
+    raced = placed("j").model_copy(update={"causation_id": before.event_id})
+    knew = placed("k").model_copy(update={"causation_id": after.event_id, "event_id": "01KPLACEDAFTERTHELOSS00000"})
+    report = audit(log(ev(NodeRegistered(node_id=NODE, inventory=INV)), before, ev(NodeLost(node_id=NODE)),
+                       raced, after, knew))
+    lost = [(v.seq, v.job_id) for v in report.violations if v.invariant == "lost_node"]
+    assert lost == [(6, "k")]
+    assert "before the event it was decided on" in report.first()["lost_node"].message  # type: ignore[union-attr]
+    started = audit(log(ev(NodeRegistered(node_id=NODE, inventory=INV)), before, ev(NodeLost(node_id=NODE)),
+                        raced, ev(JobStarted(job_id="j", node_id=NODE))))
+    assert firsts(started)["lost_node"] == (5, "started on n0, which was lost")
 
 
 def test_quota_over_a_queue_or_cohort_limit() -> None:

@@ -9,8 +9,13 @@ a service shows up here instead of being agreed with:
   borrowingLimit, no root over the quota it holds (the cluster config's tree);
 - pending_reason: every job submitted either ended, runs (a service: serves), or waits with a reason it was told
   (`job.queued`, `job.unschedulable`, `job.rejected` ...) — checked at the head of the log;
-- lost_node: no job is placed or started on a node after it was lost (until it registers again)
-  or removed (`node.deregistered`: a removed node's GPUs leave the capacity books);
+- lost_node: no job is placed on a node its placer knew was lost (until it registers again) or
+  removed (`node.deregistered`: a removed node's GPUs leave the capacity books), and none is
+  started on one. A placement written just after a loss but decided on an event before it (its
+  cause, within RACE_WINDOW events of the loss) is the race every scheduler has (kube-scheduler
+  binds to a node going NotReady): nothing can have told the placer yet, and NATS lets a publish
+  carry one guard subject, the placements'. It is allowed as long as it never starts: the
+  executor ends it (`node_lost`) and the job is placed again;
 - preemption_request: every preemption (`job.preempted`, an exit `preempted`) follows a
   `job.preemption_requested` for that job;
 - author: every fact is by an owner of its type (shared/trust/authz.py `OWNERS`), and sits on the
@@ -57,6 +62,7 @@ MILLI = 1000
 INVARIANTS = ("gpu_capacity", "quota_limit", "pending_reason", "lost_node", "preemption_request",
               "author", "gap", "head")
 ENDED = RUN_ENDED_JOB_TYPES
+RACE_WINDOW = 10_000  # events after a loss within which a placement may have been decided before it
 TOLD = frozenset({"job.queued", "job.unschedulable", "job.backfill_reserved", "job.rejected"})
 
 
@@ -91,6 +97,8 @@ class _Books:
     used: dict[tuple[str, int], int] = field(default_factory=dict)  # (node, gpu) -> milli held
     held: dict[tuple[str, int], tuple[int, ReplicaAllocation]] = field(default_factory=dict)  # (job, replica)
     lost: set[str] = field(default_factory=set)
+    lost_at: dict[str, int] = field(default_factory=dict)  # node -> the sequence it was lost at
+    since_loss: dict[str, int] = field(default_factory=dict)  # event id -> seq, in RACE_WINDOW of a loss
     gone: set[str] = field(default_factory=set)  # removed (deregistered), until it registers again
     reserved: dict[str, tuple[str, dict[str, int]]] = field(default_factory=dict)  # job -> (queue, demand)
     usage: dict[str, dict[str, int]] = field(default_factory=dict)  # queue -> resource -> amount
@@ -119,6 +127,25 @@ class Report:
                                       "violations": sum(1 for v in self.violations if v.invariant == name),
                                       "first": asdict(v) if (v := first[name]) is not None else None}
                                for name in INVARIANTS}}
+
+
+def _remember_since_loss(b: _Books, seq: int, env: Envelope) -> None:
+    """Keep the ids of the events in RACE_WINDOW after a loss (none at all when no node was lost
+    lately), so a placement on a lost node can be told decided after the loss or before it."""
+    recent = max(b.lost_at.values(), default=0)
+    if recent and seq - recent <= RACE_WINDOW:
+        b.since_loss[env.event_id] = seq
+    elif b.since_loss:
+        b.since_loss.clear()
+
+
+def _decided_before_loss(b: _Books, seq: int, env: Envelope, node: str) -> bool:
+    """Whether this placement on a lost node was decided on an event from before the loss:
+    written within RACE_WINDOW of the loss, with a cause that is not among the events since."""
+    lost = b.lost_at.get(node)
+    if lost is None or seq - lost > RACE_WINDOW or env.causation_id is None:
+        return False
+    return env.causation_id not in b.since_loss
 
 
 def _log_integrity(rep: Report, log: LogFacts, verified_to: int = 0) -> None:
@@ -180,6 +207,7 @@ class Auditor:
         st.verified_to = seq
         st.events += 1
         st.head_at = max(st.head_at, env.occurred_at.timestamp())
+        _remember_since_loss(st.books, seq, env)
 
         def bad(name: str, seq: int, env: Envelope, message: str, node: str | None = None) -> None:
             st.violations.append(Violation(name, seq, env.event_id, env.type, message, env.job_id, node))
@@ -198,17 +226,20 @@ class Auditor:
             b.gpus[p.node_id] = {g.index for g in p.inventory.gpus if not g.mig_enabled}
             b.mig[p.node_id] = {m.uuid for g in p.inventory.gpus for m in g.mig_devices}
             b.lost.discard(p.node_id)
+            b.lost_at.pop(p.node_id, None)
             b.gone.discard(p.node_id)
         elif isinstance(p, NodeLost):
             b.lost.add(p.node_id)
+            b.lost_at[p.node_id] = seq
         elif isinstance(p, NodeDeregistered):
             b.gone.add(p.node_id)
             b.gpus.pop(p.node_id, None)
             b.mig.pop(p.node_id, None)
         elif isinstance(p, JobPlaced):
             for a in p.allocations:
-                if a.node_id in b.lost:
-                    bad("lost_node", seq, env, f"replica {a.replica} placed on {a.node_id}, which was lost", a.node_id)
+                if a.node_id in b.lost and not _decided_before_loss(b, seq, env, a.node_id):
+                    bad("lost_node", seq, env, f"replica {a.replica} placed on {a.node_id}, which was lost "
+                        f"(at seq {b.lost_at.get(a.node_id, '?')}, before the event it was decided on)", a.node_id)
                 if a.node_id in b.gone:
                     bad("lost_node", seq, env, f"replica {a.replica} placed on {a.node_id}, which was removed",
                         a.node_id)
