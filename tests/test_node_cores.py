@@ -435,3 +435,18 @@ def test_the_executor_guards_its_starts_and_exits_by_the_nodes_losses() -> None:
     assert eng.takes(_lost().subject()) and not eng.takes(start.subject())
     eng.fold(_lost(), seq=7)
     assert eng.last_cas_seq == 7  # the guard a start decided now is published under
+
+
+def test_the_process_parses_an_event_of_the_log_once_and_never_a_changed_one() -> None:
+    """A grouped process's ledger reads what its cores parsed (shared/runtime/engine.py
+    `parse_logged`); a stream created again reuses sequences, so a hit must carry the same bytes."""
+    from gpufleet.shared.runtime import engine as eng
+
+    a, b = submitted("pa").to_json(), submitted("pb").to_json()
+    first = eng.parse_logged(10**12, a)
+    assert eng.parse_logged(10**12, bytes(a)) is first  # equal bytes, another object: the same parse
+    other = eng.parse_logged(10**12, b)  # the same sequence, other bytes: parsed anew
+    assert other.job_id == "pb" and first.job_id == "pa"
+    for seq in range(eng.PARSED_RECENT + 1):  # bounded: the oldest leaves
+        eng.parse_logged(10**12 + 1 + seq, a)
+    assert len(eng._parsed) <= eng.PARSED_RECENT and 10**12 not in eng._parsed

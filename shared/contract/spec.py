@@ -65,8 +65,15 @@ _DUR_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*(ms|s|m|h|d)?\s*$")
 _DUR_UNITS = {"ms": 0.001, "s": 1.0, "": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
 
+class _Canonical(int):
+    """A quantity given under its canonical wire name (cpu_milli, memory_mib): already in the
+    unit, so it is taken as it is (every process parses each job.submitted's spec)."""
+
+
 def parse_cpu_milli(value: Any) -> int:
     """'500m' -> 500, 2 -> 2000, '1.5' -> 1500."""
+    if type(value) is _Canonical:
+        return int(value)
     if isinstance(value, bool):
         raise ValueError("must be a CPU quantity such as 2 or '500m', not a boolean")
     if isinstance(value, int | float):
@@ -87,6 +94,8 @@ def parse_cpu_milli(value: Any) -> int:
 
 def parse_memory_mib(value: Any) -> int:
     """'128Gi' -> 131072 (MiB). A bare number is bytes, as in Kubernetes."""
+    if type(value) is _Canonical:
+        return int(value)
     if isinstance(value, bool):
         raise ValueError("must be a memory quantity such as '128Gi', not a boolean")
     if isinstance(value, int | float):
@@ -129,8 +138,9 @@ def _canonical_to_quantities(data: dict[str, Any]) -> dict[str, Any]:
         return data
     data = dict(data)
     for name, unit in names:
-        if name in data and isinstance(data[name], int) and not isinstance(data[name], bool):
-            data[name] = f"{data[name]}{unit}"
+        v = data.get(name)
+        if type(v) is int:
+            data[name] = _Canonical(v) if v >= 0 else f"{v}{unit}"  # (a negative one: refused as before)
     return data
 
 
@@ -390,13 +400,23 @@ _INTERNED: dict[type, dict[Any, Any]] = {}
 _FIELDS_SETS: dict[frozenset[str], set[str]] = {}
 
 
+_PLAIN = frozenset({str, int, float, bool, type(None)})
+
+
 def _key(v: Any) -> Any:
+    """A hashable value equal for equal parts (the intern table's key). Plain values stand for
+    themselves without a call: a spec's parts are mostly those (parsed for every job.submitted
+    each process reads, so this is on the hot path)."""
+    t = type(v)
+    if t in _PLAIN:
+        return v
     if isinstance(v, BaseModel):
-        return (type(v), frozenset(v.__pydantic_fields_set__), tuple(_key(x) for x in v.__dict__.values()))
+        return (t, frozenset(v.__pydantic_fields_set__),
+                tuple([x if type(x) in _PLAIN else _key(x) for x in v.__dict__.values()]))
     if isinstance(v, dict):
-        return ("dict", tuple((k, _key(x)) for k, x in v.items()))
+        return ("dict", tuple([(k, x if type(x) in _PLAIN else _key(x)) for k, x in v.items()]))
     if isinstance(v, list | tuple):
-        return (type(v).__name__, tuple(_key(x) for x in v))
+        return (t.__name__, tuple([x if type(x) in _PLAIN else _key(x) for x in v]))
     return v
 
 

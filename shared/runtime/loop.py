@@ -44,7 +44,6 @@ from gpufleet.shared.contract.events import (
     DeadLetter,
     Envelope,
     Payload,
-    parse_envelope,
     subject_for,
     utc,
 )
@@ -52,7 +51,7 @@ from gpufleet.shared.contract.ids import derive_id, is_token
 from gpufleet.shared.contract.subjects import consumer_filter
 from gpufleet.shared.runtime import otel
 from gpufleet.shared.runtime.bus import Bus, Cas, while_unanswered
-from gpufleet.shared.runtime.engine import Engine, FoldStats, fold_engines, fold_tail, refusal
+from gpufleet.shared.runtime.engine import Engine, FoldStats, fold_engines, fold_tail, parse_logged, refusal
 from gpufleet.shared.runtime.snapshots import Snapshot, SnapshotStore
 
 log = logging.getLogger(__name__)
@@ -540,7 +539,7 @@ class ServiceRuntime(Generic[S]):
             seq = md.sequence.stream
             try:
                 cached = self._parsed.get(seq) if self._parsed is not None else None
-                env = cached or parse_envelope(msg.data)
+                env = cached or parse_logged(seq, msg.data)
                 if self._parsed is not None:
                     self._parsed[seq] = env
             except Exception as exc:  # noqa: BLE001 - any parse failure is a bad message
