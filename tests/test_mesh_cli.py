@@ -253,6 +253,20 @@ def test_a_tenant_added_to_a_running_mesh_works_as_itself_and_only_as_itself(mes
     seen = json.loads(cli(mesh, "--creds", str(creds), "jobs", "--json").stdout)
     assert {r["tenant"] for r in seen} == {"initech"}
 
+    # adjust and run again: a copy of its own past job, changed, validated like any spec
+    mine_id = lines[0]["job_id"]
+    copy = json.loads(cli(mesh, "--creds", str(creds), "submit", "--from", mine_id, "--set", "resources.gpu=2",
+                          "--set", "sim.duration=2s", "--yes", "--json").stdout)["job_id"]
+    got = json.loads(cli(mesh, "explain", copy, "--json").stdout)
+    [sub] = [e for e in got["events"] if e["type"] == "job.submitted"]
+    spec = sub["payload"]["spec"]
+    assert (sub["tenant"], spec["name"], spec["resources"]["gpu"], spec["sim"]["duration_s"]) == ("initech", "mine", 2, 2.0)
+    assert spec["resources"]["cpu_milli"] == 1000 and spec["resources"]["memory_mib"] == 1024  # the rest as it was
+    not_mine = cli(mesh, "--creds", str(creds), "submit", "--from", theirs, "--yes", check=False)
+    assert not_mine.returncode == 1 and f"no job {theirs}" in not_mine.stderr  # another tenant's spec is not read
+    bad = cli(mesh, "submit", "--from", mine_id, "--set", "resources.gpu=lots", "--yes", check=False)
+    assert bad.returncode == 2 and "resources.gpu" in bad.stderr, bad.stderr
+
     wait_jobs(mesh, {theirs}, "running", timeout_s=30)
     cli(mesh, "--creds", str(creds), "cancel", theirs)  # asked on initech's own subject: refused
     wrong = tmp_path / "wrong.yaml"

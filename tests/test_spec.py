@@ -241,3 +241,24 @@ def test_bad_yaml(text: str, says: str) -> None:
     with pytest.raises(SpecError, match=says) as caught:
         load_spec_yaml(text)
     assert caught.value.field == "spec"
+
+
+def test_a_spec_as_a_person_writes_it_round_trips_and_takes_set_paths() -> None:
+    """`submit --from JOB --set PATH=VALUE`: the past spec as written (`spec_to_user`), changed
+    in its own spelling, parses back to the same spec but for the change."""
+    from gpufleet.shared.contract.spec import parse_spec, set_path, spec_to_user
+
+    spec = parse_spec({"name": "t", "tenant": "acme", "resources": {"gpu": 2, "cpu": "1500m", "memory": "3Gi"},
+                       "sim": {"duration": "90s", "gpuMemoryUsed": "10Gi"}})
+    doc = spec_to_user(spec)
+    assert parse_spec(doc) == spec  # (gpuMemoryUsed too: a bare number would be bytes)
+    set_path(doc, "resources.gpu=4")
+    set_path(doc, "sim.duration=2h")
+    set_path(doc, "env.MODE=fast")  # a level that was not there
+    again = parse_spec(doc)
+    assert (again.resources.gpu, again.sim.duration_s, again.env) == (4, 7200.0, {"MODE": "fast"})
+    assert again.resources.cpu_milli == 1500 and again.sim.gpu_mem_used_mib == 10240
+    for wrong, field in (("resources.gpu", "--set"), ("=4", "--set"), ("name.first=x", "name")):
+        with pytest.raises(SpecError) as err:
+            set_path(doc, wrong)
+        assert err.value.field == field

@@ -34,7 +34,11 @@ from gpufleet.shared.contract.spec import load_spec_yaml
 
 @app.command()
 def submit(
-    file: Annotated[Path, typer.Argument(exists=True, dir_okay=False, help="job spec YAML")],
+    file: Annotated[Path | None, typer.Argument(exists=True, dir_okay=False, help="job spec YAML")] = None,
+    from_job: Annotated[str | None, typer.Option(
+        "--from", help="copy the spec a past job was submitted with (changed by --set)")] = None,
+    sets: Annotated[list[str] | None, typer.Option(
+        "--set", help="PATH=VALUE: change the spec, e.g. --set resources.gpu=4 --set sim.duration=2h")] = None,
     data_dir: DataDir = None,
     as_json: JsonOut = False,
     wait: Annotated[bool, typer.Option("--wait", help="follow the job to its end, showing progress")] = False,
@@ -42,22 +46,49 @@ def submit(
     config: ConfigOpt = None,
 ) -> None:
     """Submit a job; prints its id. Shows its cost estimate first (on a terminal: and asks) unless --yes.
-    With a tenant's credentials a spec without `tenant` is that tenant's."""
-    from gpufleet.shared.contract.spec import parse_spec
+    With a tenant's credentials a spec without `tenant` is that tenant's. `--from JOB` submits a copy
+    of a past job's spec instead of a file; `--set` changes either, validated like any spec."""
+    from gpufleet.shared.contract.spec import parse_spec, set_path
     from gpufleet.shared.trust.authz import find_creds
 
-    text = file.read_text()
+    if (file is None) == (from_job is None):
+        typer.echo("error: give a job spec file or --from JOB (one of them)", err=True)
+        raise typer.Exit(2)
+    where = str(file) if file is not None else f"--from {from_job}"
+    if from_job is not None:
+        job = from_job
+
+        async def spec_of(fleet: Any) -> dict[str, Any] | None:
+            got: dict[str, Any] | None = await fleet.spec_of(job)
+            return got
+
+        try:
+            found = _run(_reading(data_dir, spec_of))
+        except ValueError as exc:
+            typer.echo(f"error: --from: {exc}", err=True)
+            raise typer.Exit(2) from None
+        if found is None:
+            typer.echo(f"error: --from: no job {from_job} in the log (or not one of yours)", err=True)
+            raise typer.Exit(1)
+        text = yaml.safe_dump(found)
+    else:
+        assert file is not None
+        text = file.read_text()
     try:
         spec = yaml.safe_load(text)
         ident = find_creds(None, resolve_data_dir(data_dir))
         if isinstance(spec, dict) and ident is not None and ident.tenant is not None and "tenant" not in spec:
             spec["tenant"] = ident.tenant
+        if sets and not isinstance(spec, dict):
+            raise SpecError("spec", f"must be a mapping, got {type(spec).__name__}")
+        for assignment in sets or ():
+            set_path(spec, assignment)
         parsed = parse_spec(spec) if isinstance(spec, dict) else load_spec_yaml(text)
     except yaml.YAMLError as exc:
-        typer.echo(f"error: invalid job spec {file}: spec: not valid YAML: {exc}", err=True)
+        typer.echo(f"error: invalid job spec {where}: spec: not valid YAML: {exc}", err=True)
         raise typer.Exit(2) from None
     except SpecError as exc:
-        typer.echo(f"error: invalid job spec {file}: {exc}", err=True)
+        typer.echo(f"error: invalid job spec {where}: {exc}", err=True)
         raise typer.Exit(2) from None
     est = None if yes else _submit_estimate(parsed, data_dir, config, as_json, spec)
 

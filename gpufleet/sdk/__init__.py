@@ -31,13 +31,14 @@ from gpufleet.shared.contract.events import (
     TERMINAL_JOB_TYPES,
     CancelRequestedCmd,
     Envelope,
+    JobSubmitted,
     ReportLoadCmd,
     SubmitRequested,
     parse_envelope,
     utc,
 )
 from gpufleet.shared.contract.ids import check_token, derive_id, ulid, ulid_time_ms
-from gpufleet.shared.contract.spec import parse_spec
+from gpufleet.shared.contract.spec import parse_spec, spec_to_user
 from gpufleet.shared.read.view import ClusterView
 from gpufleet.shared.runtime.bus import Bus
 from gpufleet.shared.runtime.log import read_stream
@@ -333,6 +334,17 @@ class Fleet:
             self.commands_read += 1
 
         return await self.history(subjects, until_seq=until, from_time=start, seen=count)
+
+    async def spec_of(self, job_id: str) -> dict[str, Any] | None:
+        """The spec job `job_id` was submitted with, as a person writes it (`spec_to_user`):
+        what `gpufleet submit --from JOB` copies. None when the log has no such job (of this
+        tenant, with a tenant's credentials)."""
+        check_token(job_id, "job_id")
+        hist = await self.history(job_filter(tenant=self.tenant, job_id=job_id, type_pattern="job.submitted"))
+        for _seq, env in hist:
+            if isinstance(env.payload, JobSubmitted):
+                return spec_to_user(env.payload.spec)
+        return None
 
     async def explain(self, job_id: str) -> Explanation | None:
         """What `gpufleet explain JOB` says: the job's events (with the client commands that name

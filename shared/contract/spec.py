@@ -550,7 +550,34 @@ def spec_to_user(spec: JobSpec) -> dict[str, Any]:
         for key in ("memory", "gpuMemory"):
             if key in res:
                 res[key] = f"{res[key]}Mi"
+    sim = doc.get("sim")
+    if isinstance(sim, dict) and "gpuMemoryUsed" in sim:  # (a bare number would be bytes)
+        sim["gpuMemoryUsed"] = f"{sim['gpuMemoryUsed']}Mi"
     return doc
+
+
+def set_path(doc: dict[str, Any], assignment: str) -> None:
+    """`PATH=VALUE` into a spec as a person writes it (`submit --set resources.gpu=4`): the path
+    in the spec's own spelling, dots between levels; the value read as YAML (4, 2h, true, [a, b]).
+    Raises SpecError naming the assignment when it is not PATH=VALUE or its path runs through
+    something that is not a mapping; what the value means is checked by `parse_spec`."""
+    path, eq, raw = assignment.partition("=")
+    keys = path.strip().split(".")
+    if not eq or not all(keys):
+        raise SpecError("--set", f"{assignment!r}: write PATH=VALUE, e.g. resources.gpu=4 or sim.duration=2h")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise SpecError("--set", f"{assignment!r}: the value is not valid YAML: {exc}") from None
+    at: Any = doc
+    for i, key in enumerate(keys[:-1]):
+        nxt = at.get(key)
+        if nxt is None:
+            nxt = at[key] = {}
+        if not isinstance(nxt, dict):
+            raise SpecError(".".join(keys[:i + 1]), f"{assignment!r}: {'.'.join(keys[:i + 1])} is not a mapping")
+        at = nxt
+    at[keys[-1]] = value
 
 
 def spec_to_wire(spec: JobSpec) -> dict[str, Any]:
