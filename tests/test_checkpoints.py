@@ -179,3 +179,35 @@ def test_verification_is_remembered_until_a_file_changes(tmp_path: Path, monkeyp
     (c.path / "weights.bin").write_bytes(b"\1" * 10240)  # same size, new bytes, new mtime
     bad, reason = checkpoints.verify(c.path)
     assert bad is None and reason == "weights.bin does not match its sha256" and calls
+
+
+def test_a_location_is_judged_by_the_filesystem_it_is_on(tmp_path: Path) -> None:
+    """tmpfs, ramfs, a container's overlay keep nothing, wherever they are mounted: the job's own
+    path there fails its run; the verdict names the filesystem either way."""
+    table = tmp_path / "mountinfo"
+    table.write_text("22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/sda1 rw\n"
+                     "30 22 0:27 / /data/fast rw shared:9 - tmpfs tmpfs rw\n"
+                     "31 22 0:28 / /data/fast rw shared:10 - ext4 /dev/sdb1 rw\n"  # mounted on top of it
+                     "32 22 0:29 / /scratch\\040space rw - ramfs ramfs rw\n")
+    real = checkpoints.filesystem_of
+    assert real("/proc/self") == ("proc", "/proc")  # the machine's own table
+    assert real(tmp_path / "not" / "there") is not None  # (its nearest existing ancestor)
+    assert real("/dev/shm/x", mountinfo=str(table)) == ("ext4", "/")
+    assert real("/", mountinfo=str(table / "missing")) is None
+    # (these paths do not exist here: their nearest ancestor is /, so the table is read with a stand-in)
+    table.write_text("22 1 8:1 / / rw - ext4 /dev/sda1 rw\n"
+                     f"30 22 0:27 / {tmp_path} rw - tmpfs tmpfs rw\n")
+    assert real(tmp_path / "ckpt", mountinfo=str(table)) == ("tmpfs", str(tmp_path))
+    assert checkpoints.ephemeral_filesystem(("ext4", "/"), "/data") is None
+
+    own = str(tmp_path / "ckpt")
+    core, st = guardian(tmp_path, checkpoint={"path": own})
+    (f,) = core.watch(st, "j", own, None, [], T0 + 1, ctx(T0 + 1), filesystem=("tmpfs", str(tmp_path)))
+    assert f.type == "job.failed" and f.payload.reason.code == "checkpoint_location_ephemeral"  # type: ignore[union-attr]
+    assert "tmpfs" in f.payload.reason.message and f.payload.reason.field == "checkpoint.path"  # type: ignore[union-attr]
+    core, st = guardian(tmp_path)  # the root's location on tmpfs: the operator's choice, reported at start
+    (v,) = core.watch(st, "j", own, None, [], T0 + 1, ctx(T0 + 1), filesystem=("tmpfs", str(tmp_path)))
+    assert v.type == "job.checkpoint_verified" and v.payload.filesystem == f"tmpfs at {tmp_path}"  # type: ignore[union-attr]
+    core, st = guardian(tmp_path, checkpoint={"path": own})
+    (ok,) = core.watch(st, "j", own, None, [], T0 + 1, ctx(T0 + 1), filesystem=("ext4", "/"))
+    assert ok.type == "job.checkpoint_verified" and ok.payload.filesystem == "ext4 at /"  # type: ignore[union-attr]

@@ -14,10 +14,14 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
+import tempfile
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from gpufleet.services.admission.core import AdmissionCore
 from gpufleet.services.executor.agent import ExecutorAgent
@@ -122,6 +126,7 @@ async def test_node_lost_mid_run_resumes_elsewhere_from_the_last_checkpoint(
     assert 0 < resume.lost_work_s < 5  # type: ignore[union-attr]  # work since the last checkpoint, not since the start
     verified = [e.payload for e in await of_type(bus, "job.checkpoint_verified", job_id)]
     assert [v.attempt for v in verified] == [1, 2]  # type: ignore[union-attr]
+    assert all(v.filesystem and " at /" in v.filesystem for v in verified)  # type: ignore[union-attr]  # named
     assert verified[1].latest_step == resumed_from - 1  # type: ignore[union-attr]
     assert [r.field for r in verified[1].skipped] == [newest.resolve().as_uri()]  # type: ignore[union-attr]
     assert "the manifest says" in verified[1].skipped[0].message  # type: ignore[union-attr]
@@ -222,3 +227,38 @@ async def test_preempted_training_checkpoints_in_its_grace_and_resumes_later(
 
     report = audit(await read_log(bus), config, pending_grace_s=0)  # and the log holds every invariant
     assert report.ok, report.violations
+
+
+
+@pytest.fixture
+def tmpfs() -> Any:
+    """A tmpfs mounted where admission's path rules see nothing wrong (not under /tmp; root only)."""
+    try:
+        Path("/mnt").mkdir(exist_ok=True)
+        ram = Path(tempfile.mkdtemp(prefix="gpufleet-ram-", dir="/mnt"))
+    except OSError as exc:
+        pytest.skip(f"cannot make a mount point under /mnt: {exc}")
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m,mode=1777", "tmpfs", str(ram)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        ram.rmdir()
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.strip()}")
+    try:
+        yield ram
+    finally:
+        subprocess.run(["umount", "-l", str(ram)], capture_output=True)
+        ram.rmdir()
+
+
+async def test_a_checkpoint_path_on_a_tmpfs_mounted_anywhere_fails_the_run(
+        bus: Bus, nats_url: str, tmp_path: Path, job_dir: Path, tmpfs: Path) -> None:
+    """Judged by the filesystem, not the path: a tmpfs keeps nothing past a reboot, so the run
+    fails at its start and says why."""
+    job, _ = training(job_dir, checkpoint={"path": str(tmpfs / "ckpt")})
+    job_id = job.job_id or ""
+    async with control_plane(nats_url, job_dir / "ckpt"), proc_executor(nats_url, "a", tmp_path, job_dir / "ckpt"):
+        await bus.publish(job)
+        failed = (await wait_for_type(bus, "job.failed", job_id))[0].payload
+    assert failed.reason.code == "checkpoint_location_ephemeral"  # type: ignore[union-attr]
+    assert f"tmpfs (mounted at {tmpfs})" in failed.reason.message  # type: ignore[union-attr]
+    assert await of_type(bus, "job.checkpoint_verified", job_id) == []

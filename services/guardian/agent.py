@@ -37,7 +37,13 @@ class GuardianAgent:
         self._stop = asyncio.Event()
 
     async def start(self) -> None:
-        pass
+        fs = await asyncio.to_thread(checkpoints.filesystem_of, self.root)
+        gone = checkpoints.ephemeral_filesystem(fs, self.root)
+        if gone is not None:  # every job without a path of its own checkpoints there
+            log.error("the checkpoint root %s: checkpoints under it are lost with the machine; set "
+                      "GPUFLEET_CHECKPOINT_ROOT to a persistent filesystem", gone)
+        else:
+            log.info("checkpoint root %s on %s", self.root, f"{fs[0]} at {fs[1]}" if fs else "an unknown filesystem")
 
     def stop(self) -> None:
         self._stop.set()
@@ -66,11 +72,14 @@ class GuardianAgent:
             except ValueError as exc:
                 log.warning("%s: %s", job_id, exc)
                 continue
-            unwritable = None
+            unwritable, fs = None, None
             if attempt not in (rec.verified or ()):
                 unwritable = await asyncio.to_thread(store.check_writable, where)
+                of = getattr(store, "filesystem", None)  # (an object store is on none)
+                fs = await asyncio.to_thread(of, where) if of is not None else None
             scans = await asyncio.to_thread(store.scan, where)
-            facts += self.core.watch(state, job_id, where, unwritable, scans, self.clock(), self.runtime.ctx())
+            facts += self.core.watch(state, job_id, where, unwritable, scans, self.clock(), self.runtime.ctx(),
+                                     filesystem=fs)
             await asyncio.to_thread(store.prune, where, spec.checkpoint.keep if spec.checkpoint else 3)
         for f in facts:
             if f.type in ("job.checkpoint_invalid", "job.checkpoint_overdue", "job.failed"):

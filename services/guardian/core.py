@@ -45,7 +45,7 @@ from gpufleet.shared.contract.events import (
     utc,
 )
 from gpufleet.shared.contract.spec import JobSpec
-from gpufleet.shared.node.checkpoints import CHECKPOINTED_TYPES, Scanned
+from gpufleet.shared.node.checkpoints import CHECKPOINTED_TYPES, Scanned, ephemeral_filesystem
 from gpufleet.shared.runtime.loop import BaseCore, Ctx
 from gpufleet.shared.runtime.retention import EndedJobs
 
@@ -351,8 +351,9 @@ class GuardianCore(BaseCore[GuardianState]):
     # ------------------------------------------------------------ checkpoints (the agent's observations)
 
     def watch(self, state: GuardianState, job_id: str, location: str, unwritable: str | None,
-              scans: list[Scanned], now: float, ctx: Ctx) -> list[Envelope]:
-        """Facts about a running training job's checkpoint location, from what the agent found."""
+              scans: list[Scanned], now: float, ctx: Ctx, filesystem: tuple[str, str] | None = None) -> list[Envelope]:
+        """Facts about a running training job's checkpoint location, from what the agent found
+        (`filesystem`: the (type, mount point) it is on, looked at with the writability)."""
         rec = state.jobs.get(job_id)  # (none once the job ended)
         if rec is None or rec.spec is None or rec.started is None:
             return []
@@ -368,8 +369,16 @@ class GuardianCore(BaseCore[GuardianState]):
                 return [ctx.emit(JobFailed(job_id=job_id, reason=Reason(
                     code="checkpoint_location_unwritable", message=unwritable, field="checkpoint.path")),
                     tenant=tenant, cause_id=started_id, key="end")]
+            gone = ephemeral_filesystem(filesystem, location)
+            if gone is not None and spec.checkpoint is not None and spec.checkpoint.path:
+                # the job's own path (the root is the operator's: reported when the guardian starts)
+                return [ctx.emit(JobFailed(job_id=job_id, reason=Reason(
+                    code="checkpoint_location_ephemeral", message=f"checkpoint.path {gone}: nothing could be "
+                    "resumed from it; name a persistent path or leave it out (the cluster's checkpoint root)",
+                    field="checkpoint.path")), tenant=tenant, cause_id=started_id, key="end")]
             out.append(ctx.emit(JobCheckpointVerified(
                 job_id=job_id, location=location, attempt=attempt,
+                filesystem=f"{filesystem[0]} at {filesystem[1]}" if filesystem else None,
                 latest_uri=latest.checkpoint.uri if latest and latest.checkpoint else None,
                 latest_step=latest.step if latest else None,
                 skipped=tuple(Reason(code="checkpoint_invalid", message=s.reason, field=s.path.resolve().as_uri())

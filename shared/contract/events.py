@@ -203,6 +203,7 @@ class JobCheckpointVerified(_JobPayload):
     latest_uri: str | None = None
     latest_step: int | None = None
     skipped: tuple[Reason, ...] = ()  # code "checkpoint_invalid", field = the URI, message = why
+    filesystem: str | None = None  # what the location is on, as the guardian saw it: "ext4 at /data"
 
 
 class JobCheckpointInvalid(_JobPayload):

@@ -15,7 +15,12 @@ Locations: a training / finetune job gets `<root>/<tenant>/<job>` under the conf
 checkpoint root, unless its spec names a persistent `checkpoint.path` of its own. A path on
 ephemeral storage (a temp dir, shared memory, or a relative path inside the container's own
 filesystem) vanishes with the container: `ephemeral_reason` says why, and the tenant's policy
-rejects the job or corrects the path (docs/config.md).
+rejects the job or corrects the path (docs/config.md). A path is also judged by the filesystem
+it is on, where the guardian can see it (`filesystem_of`, /proc/self/mountinfo): tmpfs, ramfs,
+a container's own overlay keep nothing past a reboot or the container, wherever they are
+mounted. A job's own `checkpoint.path` on one fails at the start of its run
+(`checkpoint_location_ephemeral`); the checkpoint root on one is reported when the guardian
+starts; every run's `job.checkpoint_verified` names the filesystem.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ from typing import Protocol
 MANIFEST = "manifest.json"
 STEP_DIR = re.compile(r"^step-(\d+)$")
 EPHEMERAL_PREFIXES = ("/tmp", "/var/tmp", "/dev/shm", "/run", "/proc", "/sys")
+# filesystems that keep nothing past a reboot or their container, wherever they are mounted
+EPHEMERAL_FILESYSTEMS = frozenset({"tmpfs", "ramfs", "devtmpfs", "overlay", "aufs", "zram"})
 CHECKPOINTED_TYPES = ("training", "finetune")
 
 
@@ -70,6 +77,37 @@ def ephemeral_reason(path: str) -> str | None:
         if norm == prefix or norm.startswith(prefix + "/"):
             return f"{path!r} is under {prefix}, which does not outlive the container"
     return None
+
+
+def filesystem_of(path: str | os.PathLike[str], mountinfo: str = "/proc/self/mountinfo") -> tuple[str, str] | None:
+    """(type, mount point) of the filesystem `path` is on (its nearest existing ancestor, links
+    resolved), or None where the mount table cannot be read (not Linux)."""
+    p = Path(os.path.realpath(path))
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        table = Path(mountinfo).read_text()
+    except OSError:
+        return None
+    at, best = str(p), None
+    for line in table.splitlines():
+        left, _, right = line.partition(" - ")
+        fields, kind = left.split(), right.split()
+        if len(fields) < 5 or not kind:
+            continue
+        mnt = fields[4].replace("\\040", " ").replace("\\011", "\t").replace("\\134", "\\")
+        inside = at == mnt or at.startswith(mnt.rstrip("/") + "/")
+        if inside and (best is None or len(mnt) >= len(best[1])):  # (a later mount on the same point is on top)
+            best = (kind[0], mnt)
+    return best
+
+
+def ephemeral_filesystem(fs: tuple[str, str] | None, path: str) -> str | None:
+    """Why `path`, on filesystem `fs` (`filesystem_of`), would not outlive the machine or the
+    container, or None."""
+    if fs is None or fs[0] not in EPHEMERAL_FILESYSTEMS:
+        return None
+    return f"{path} is on {fs[0]} (mounted at {fs[1]}), which keeps nothing past a reboot or its container"
 
 
 def location(root: str, tenant: str, job_id: str, own_path: str | None = None) -> str:
@@ -218,6 +256,10 @@ class LocalStore:
 
     def check_writable(self, location: str) -> str | None:
         return check_writable(_path(location))
+
+    def filesystem(self, location: str) -> tuple[str, str] | None:
+        """(type, mount point) of the filesystem the location is on (an object store has none)."""
+        return filesystem_of(_path(location))
 
     def scan(self, location: str) -> list[Scanned]:
         return scan(_path(location))
