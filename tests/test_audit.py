@@ -11,6 +11,7 @@ from gpufleet.shared.contract.events import (
     Envelope,
     JobAdmitted,
     JobExited,
+    JobPlaced,
     JobPreempted,
     JobQueued,
     JobQuotaReserved,
@@ -18,6 +19,7 @@ from gpufleet.shared.contract.events import (
     NodeLost,
     NodeRegistered,
     Reason,
+    ReplicaAllocation,
 )
 from gpufleet.shared.runtime.bus import Bus
 from gpufleet.tools.audit import audit
@@ -62,7 +64,7 @@ def test_work_on_a_lost_node_and_preemption_without_request() -> None:
                        placed("j"), ev(JobStarted(job_id="j", node_id=NODE)),
                        ev(JobPreempted(job_id="k", reason=Reason(code="x", message="y")))))
     f = firsts(report)
-    assert f["lost_node"] == (3, "replica 0 placed on n0, which was lost (at seq 2, before the event it was decided on)")
+    assert f["lost_node"] == (3, "replica 0 placed on n0, which was lost at seq 2, before its placer decided")
     assert f["preemption_request"] == (5, "preempted without a preemption request")
     back = audit(log(ev(NodeRegistered(node_id=NODE, inventory=INV)), ev(NodeLost(node_id=NODE)),
                      ev(NodeRegistered(node_id=NODE, inventory=INV)), placed("j")))
@@ -81,7 +83,22 @@ def test_a_placement_decided_before_the_loss_it_crossed_is_a_race_not_a_violatio
                        raced, after, knew))
     lost = [(v.seq, v.job_id) for v in report.violations if v.invariant == "lost_node"]
     assert lost == [(6, "k")]
-    assert "before the event it was decided on" in report.first()["lost_node"].message  # type: ignore[union-attr]
+    assert "before its placer decided" in report.first()["lost_node"].message  # type: ignore[union-attr]
+    # a placement caused by the loss itself was decided knowing it
+    loss = ev(NodeLost(node_id=NODE))
+    on_loss = placed("j").model_copy(update={"causation_id": loss.event_id})
+    assert [v.seq for v in audit(log(ev(NodeRegistered(node_id=NODE, inventory=INV)), loss, on_loss)).violations
+            if v.invariant == "lost_node"] == [3]
+    # two losses: a cause between them is before the second one's
+    other = "n1"
+    x = reserved("x")
+    raced_b = placed("x").model_copy(update={"causation_id": x.event_id, "payload": JobPlaced(
+        job_id="x", attempt=1, allocations=(ReplicaAllocation(replica=0, node_id=other, gpu_indices=(0,)),))})
+    two = audit(log(ev(NodeRegistered(node_id=NODE, inventory=INV)),
+                    ev(NodeRegistered(node_id=other, inventory=INV)).model_copy(update={"event_id": "01KREGISTEREDN1000000000000"[:26]}),
+                    ev(NodeLost(node_id=NODE)), x,
+                    ev(NodeLost(node_id=other)).model_copy(update={"event_id": "01KLOSTN100000000000000000"}), raced_b))
+    assert [v for v in two.violations if v.invariant == "lost_node"] == []
     started = audit(log(ev(NodeRegistered(node_id=NODE, inventory=INV)), before, ev(NodeLost(node_id=NODE)),
                         raced, ev(JobStarted(job_id="j", node_id=NODE))))
     assert firsts(started)["lost_node"] == (5, "started on n0, which was lost")

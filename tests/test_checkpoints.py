@@ -185,19 +185,19 @@ def test_a_location_is_judged_by_the_filesystem_it_is_on(tmp_path: Path) -> None
     """tmpfs, ramfs, a container's overlay keep nothing, wherever they are mounted: the job's own
     path there fails its run; the verdict names the filesystem either way."""
     table = tmp_path / "mountinfo"
+    (tmp_path / "fast").mkdir()
+    (tmp_path / "scratch space").mkdir()
     table.write_text("22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/sda1 rw\n"
-                     "30 22 0:27 / /data/fast rw shared:9 - tmpfs tmpfs rw\n"
-                     "31 22 0:28 / /data/fast rw shared:10 - ext4 /dev/sdb1 rw\n"  # mounted on top of it
-                     "32 22 0:29 / /scratch\\040space rw - ramfs ramfs rw\n")
+                     f"30 22 0:27 / {tmp_path}/fast rw shared:9 - tmpfs tmpfs rw\n"
+                     f"31 22 0:28 / {tmp_path}/fast rw shared:10 - ext4 /dev/sdb1 rw\n"  # mounted on top of it
+                     f"32 22 0:29 / {tmp_path}/scratch\\040space rw - ramfs ramfs rw\n")
     real = checkpoints.filesystem_of
     assert real("/proc/self") == ("proc", "/proc")  # the machine's own table
     assert real(tmp_path / "not" / "there") is not None  # (its nearest existing ancestor)
-    assert real("/dev/shm/x", mountinfo=str(table)) == ("ext4", "/")
+    assert real(tmp_path / "fast" / "ckpt", mountinfo=str(table)) == ("ext4", f"{tmp_path}/fast")  # the top one
+    assert real(tmp_path / "scratch space" / "x", mountinfo=str(table)) == ("ramfs", f"{tmp_path}/scratch space")
+    assert real(tmp_path / "elsewhere", mountinfo=str(table)) == ("ext4", "/")
     assert real("/", mountinfo=str(table / "missing")) is None
-    # (these paths do not exist here: their nearest ancestor is /, so the table is read with a stand-in)
-    table.write_text("22 1 8:1 / / rw - ext4 /dev/sda1 rw\n"
-                     f"30 22 0:27 / {tmp_path} rw - tmpfs tmpfs rw\n")
-    assert real(tmp_path / "ckpt", mountinfo=str(table)) == ("tmpfs", str(tmp_path))
     assert checkpoints.ephemeral_filesystem(("ext4", "/"), "/data") is None
 
     own = str(tmp_path / "ckpt")
@@ -208,6 +208,10 @@ def test_a_location_is_judged_by_the_filesystem_it_is_on(tmp_path: Path) -> None
     core, st = guardian(tmp_path)  # the root's location on tmpfs: the operator's choice, reported at start
     (v,) = core.watch(st, "j", own, None, [], T0 + 1, ctx(T0 + 1), filesystem=("tmpfs", str(tmp_path)))
     assert v.type == "job.checkpoint_verified" and v.payload.filesystem == f"tmpfs at {tmp_path}"  # type: ignore[union-attr]
+    corrected = "/tmp/mine"  # under /tmp: admission corrected it, the location is the root's (reported at start)
+    core, st = guardian(tmp_path, checkpoint={"path": corrected})
+    (v,) = core.watch(st, "j", own, None, [], T0 + 1, ctx(T0 + 1), filesystem=("tmpfs", str(tmp_path)))
+    assert v.type == "job.checkpoint_verified"
     core, st = guardian(tmp_path, checkpoint={"path": own})
     (ok,) = core.watch(st, "j", own, None, [], T0 + 1, ctx(T0 + 1), filesystem=("ext4", "/"))
     assert ok.type == "job.checkpoint_verified" and ok.payload.filesystem == "ext4 at /"  # type: ignore[union-attr]

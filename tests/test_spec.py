@@ -258,6 +258,8 @@ def test_a_spec_as_a_person_writes_it_round_trips_and_takes_set_paths() -> None:
     again = parse_spec(doc)
     assert (again.resources.gpu, again.sim.duration_s, again.env) == (4, 7200.0, {"MODE": "fast"})
     assert again.resources.cpu_milli == 1500 and again.sim.gpu_mem_used_mib == 10240
+    classed = parse_spec({"name": "t", "tenant": "acme", "priorityClass": "high"}).model_copy(update={"priority": 100})
+    assert "priority" not in spec_to_user(classed)  # (as admission stored it: the class's number filled in)
     for wrong, field in (("resources.gpu", "--set"), ("=4", "--set"), ("name.first=x", "name")):
         with pytest.raises(SpecError) as err:
             set_path(doc, wrong)

@@ -62,7 +62,7 @@ MILLI = 1000
 INVARIANTS = ("gpu_capacity", "quota_limit", "pending_reason", "lost_node", "preemption_request",
               "author", "gap", "head")
 ENDED = RUN_ENDED_JOB_TYPES
-RACE_WINDOW = 10_000  # events after a loss within which a placement may have been decided before it
+RACE_WINDOW = 10_000  # events: how far behind the log a placement's cause may be (and the loss before it)
 TOLD = frozenset({"job.queued", "job.unschedulable", "job.backfill_reserved", "job.rejected"})
 
 
@@ -98,7 +98,7 @@ class _Books:
     held: dict[tuple[str, int], tuple[int, ReplicaAllocation]] = field(default_factory=dict)  # (job, replica)
     lost: set[str] = field(default_factory=set)
     lost_at: dict[str, int] = field(default_factory=dict)  # node -> the sequence it was lost at
-    since_loss: dict[str, int] = field(default_factory=dict)  # event id -> seq, in RACE_WINDOW of a loss
+    recent: dict[str, int] = field(default_factory=dict)  # event id -> seq, the last RACE_WINDOW events
     gone: set[str] = field(default_factory=set)  # removed (deregistered), until it registers again
     reserved: dict[str, tuple[str, dict[str, int]]] = field(default_factory=dict)  # job -> (queue, demand)
     usage: dict[str, dict[str, int]] = field(default_factory=dict)  # queue -> resource -> amount
@@ -129,23 +129,26 @@ class Report:
                                for name in INVARIANTS}}
 
 
-def _remember_since_loss(b: _Books, seq: int, env: Envelope) -> None:
-    """Keep the ids of the events in RACE_WINDOW after a loss (none at all when no node was lost
-    lately), so a placement on a lost node can be told decided after the loss or before it."""
-    recent = max(b.lost_at.values(), default=0)
-    if recent and seq - recent <= RACE_WINDOW:
-        b.since_loss[env.event_id] = seq
-    elif b.since_loss:
-        b.since_loss.clear()
+def _remember(b: _Books, seq: int, env: Envelope) -> None:
+    """Keep the ids of the last RACE_WINDOW events with their sequences (oldest first), so the
+    cause of a placement on a lost node can be told older than the loss or not."""
+    b.recent[env.event_id] = seq
+    while b.recent:
+        oldest = next(iter(b.recent))
+        if b.recent[oldest] > seq - RACE_WINDOW:
+            break
+        del b.recent[oldest]
 
 
 def _decided_before_loss(b: _Books, seq: int, env: Envelope, node: str) -> bool:
-    """Whether this placement on a lost node was decided on an event from before the loss:
-    written within RACE_WINDOW of the loss, with a cause that is not among the events since."""
+    """Whether this placement on a lost node was decided on an event from before the loss: it
+    lands within RACE_WINDOW events of the loss, and its cause is in the log before the loss
+    (a cause older than the window is before it too: the loss is inside the window)."""
     lost = b.lost_at.get(node)
     if lost is None or seq - lost > RACE_WINDOW or env.causation_id is None:
         return False
-    return env.causation_id not in b.since_loss
+    cause = b.recent.get(env.causation_id)
+    return cause is None or cause < lost
 
 
 def _log_integrity(rep: Report, log: LogFacts, verified_to: int = 0) -> None:
@@ -207,7 +210,7 @@ class Auditor:
         st.verified_to = seq
         st.events += 1
         st.head_at = max(st.head_at, env.occurred_at.timestamp())
-        _remember_since_loss(st.books, seq, env)
+        _remember(st.books, seq, env)  # (before the event is judged: a loss is its own cause's seq)
 
         def bad(name: str, seq: int, env: Envelope, message: str, node: str | None = None) -> None:
             st.violations.append(Violation(name, seq, env.event_id, env.type, message, env.job_id, node))
@@ -230,7 +233,7 @@ class Auditor:
             b.gone.discard(p.node_id)
         elif isinstance(p, NodeLost):
             b.lost.add(p.node_id)
-            b.lost_at[p.node_id] = seq
+            b.lost_at.setdefault(p.node_id, seq)  # (the first loss: a repeat changes nothing)
         elif isinstance(p, NodeDeregistered):
             b.gone.add(p.node_id)
             b.gpus.pop(p.node_id, None)
@@ -239,7 +242,7 @@ class Auditor:
             for a in p.allocations:
                 if a.node_id in b.lost and not _decided_before_loss(b, seq, env, a.node_id):
                     bad("lost_node", seq, env, f"replica {a.replica} placed on {a.node_id}, which was lost "
-                        f"(at seq {b.lost_at.get(a.node_id, '?')}, before the event it was decided on)", a.node_id)
+                        f"at seq {b.lost_at.get(a.node_id, '?')}, before its placer decided", a.node_id)
                 if a.node_id in b.gone:
                     bad("lost_node", seq, env, f"replica {a.replica} placed on {a.node_id}, which was removed",
                         a.node_id)
@@ -386,7 +389,7 @@ class _AuditKind:
     """What the snapshot container needs: a name and a state format."""
 
     name = AUDIT
-    state_format = 1
+    state_format = 2  # 2: the books keep the last events' ids (lost_at, recent)
 
 
 async def audit_log(bus: Any, config: ClusterConfig | None = None, pending_grace_s: float = 10.0,

@@ -16,6 +16,7 @@ one once (`job.checkpoint_invalid`), and warns when the last one is older than t
 
 from __future__ import annotations
 
+import posixpath
 from dataclasses import dataclass, field
 from datetime import datetime
 
@@ -370,7 +371,8 @@ class GuardianCore(BaseCore[GuardianState]):
                     code="checkpoint_location_unwritable", message=unwritable, field="checkpoint.path")),
                     tenant=tenant, cause_id=started_id, key="end")]
             gone = ephemeral_filesystem(filesystem, location)
-            if gone is not None and spec.checkpoint is not None and spec.checkpoint.path:
+            own = spec.checkpoint.path.removeprefix("file://") if spec.checkpoint and spec.checkpoint.path else None
+            if gone is not None and own is not None and posixpath.normpath(own) == posixpath.normpath(location):
                 # the job's own path (the root is the operator's: reported when the guardian starts)
                 return [ctx.emit(JobFailed(job_id=job_id, reason=Reason(
                     code="checkpoint_location_ephemeral", message=f"checkpoint.path {gone}: nothing could be "

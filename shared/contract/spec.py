@@ -550,6 +550,8 @@ def spec_to_user(spec: JobSpec) -> dict[str, Any]:
         for key in ("memory", "gpuMemory"):
             if key in res:
                 res[key] = f"{res[key]}Mi"
+    if "priorityClass" in doc:  # admission writes the class's number into priority: a person gives one of them
+        doc.pop("priority", None)
     sim = doc.get("sim")
     if isinstance(sim, dict) and "gpuMemoryUsed" in sim:  # (a bare number would be bytes)
         sim["gpuMemoryUsed"] = f"{sim['gpuMemoryUsed']}Mi"
