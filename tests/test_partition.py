@@ -111,7 +111,14 @@ def test_the_streams_leader_cut_off_from_the_cluster_stops_nothing(tmp_path: Pat
             time.sleep(0.5)
         more = _submit(d, spec, 2)
         wait_jobs(d, ids | during | more, "succeeded", timeout_s=90)
-        audit = json.loads(cli(d, "audit", "--json", "--full", check=False).stdout)
+        deadline = time.monotonic() + 30
+        while True:  # the audit says so and exits 1 while JetStream does not answer (still settling): again
+            run = cli(d, "audit", "--json", "--full", check=False)
+            if run.stdout.strip():
+                break
+            assert "JetStream does not answer" in run.stderr and time.monotonic() < deadline, run.stderr
+            time.sleep(0.5)
+        audit = json.loads(run.stdout)
         assert audit["ok"], audit
         ended = json.loads(cli(d, "jobs", "--json", "--limit", "0").stdout)
         assert sorted(j["job_id"] for j in ended) == sorted(ids | during | more)
