@@ -71,6 +71,43 @@ async def test_archived_events_leave_the_stream_and_are_read_back_as_one_log(
     (archive.root / MANIFEST).write_text(json.dumps(doc))
 
 
+async def test_a_lagging_service_reader_holds_the_purge_and_a_tenants_reader_does_not(
+        archive: Archive, bus: Bus, nats_url: str, realm: Any) -> None:
+    """A consumer receives only what the stream still holds: a purge ahead of a service's durable
+    (behind a restart, a slow machine) would lose those events to it for good. The archive writes
+    them, keeps them in the stream until that reader has them, and purges them in a later round;
+    a tenant's own reader that never reads holds nothing."""
+    from nats.js.api import AckPolicy, ConsumerConfig
+
+    await bus.publish_batch(synthetic_log(3000))
+    await bus.js.add_consumer(STREAM, ConsumerConfig(durable_name="placer", filter_subject="fleet.>",
+                                                     ack_policy=AckPolicy.ALL))
+    await bus.js.add_consumer(STREAM, ConsumerConfig(durable_name="t0-watch", filter_subject="fleet.evt.t0.>",
+                                                     ack_policy=AckPolicy.EXPLICIT))
+    arch_bus = await Bus.connect(nats_url, name="archive", creds=realm.creds_path("svc-archive"))
+    try:
+        later = time.time() + 60
+        assert await archive_round(arch_bus, archive, retention=1.0, segment=1000, now=later) == 1000
+        assert (await bus.js.stream_info(STREAM)).state.first_seq == 1  # the placer has none of it yet
+        psub = await bus.js.pull_subscribe_bind("placer", stream=STREAM)
+        seq = 0
+        while seq < 1500:
+            got = await psub.fetch(min(500, 1500 - seq), timeout=5)
+            await got[-1].ack_sync()  # AckPolicy.ALL: everything up to it is done
+            seq = got[-1].metadata.sequence.stream
+        assert await archive_round(arch_bus, archive, retention=1.0, segment=1000, now=later) == 1000
+        info = await bus.js.stream_info(STREAM)
+        assert info.state.first_seq == 1501  # purged up to what the placer has, archived to 2000
+        assert archive.archived_to == 2000
+        seqs = [m.metadata.sequence.stream async for batch in read_stream(bus) for m in batch]
+        assert seqs == list(range(1, 3001))  # still one log
+        await bus.js.delete_consumer(STREAM, "placer")
+        assert await archive_round(arch_bus, archive, retention=1.0, segment=1000, now=later) == 1000
+        assert (await bus.js.stream_info(STREAM)).state.first_seq == 3001  # the tenant's reader held nothing
+    finally:
+        await arch_bus.close()
+
+
 async def test_only_the_archive_identity_purges_and_only_what_is_old_enough(
         archive: Archive, bus: Bus, nats_url: str, realm: Any) -> None:
     import nats

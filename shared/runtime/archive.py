@@ -10,7 +10,11 @@ and purge it, nothing else) does, every minute:
 2. write them to `<data-dir>/archive/FLEET-<first>-<last>.jsonl.gz` (one JSON line per message:
    sequence, subject, stored time, headers, data), fsync it, and add it to `manifest.json`
    (atomically) with its SHA-256 chained to the previous segment's;
-3. only then purge the stream below the segment's end (`{"seq": last + 1}`).
+3. only then purge the stream below the segment's end (`{"seq": last + 1}`), and never below the
+   first event one of the mesh's own readers (a service's durable, a ledger, a fold under way)
+   has not received yet: a consumer gets only what the stream still holds, so an event purged
+   ahead of a lagging service would be lost to it (`reader_floor`). What is held is purged by a
+   later round; tenants' own consumers never hold it.
 
 Nothing is dropped that is not archived: the server's own limits never drop events (discard
 NEW: at a cap writes are refused, loudly). A reader (`read_stream` (shared/runtime/log.py), and so every
@@ -206,6 +210,10 @@ async def archive_round(bus: Any, archive: Archive, retention: float, segment: i
     while True:
         info = await bus.js.stream_info(STREAM)
         first, last = int(info.state.first_seq), int(info.state.last_seq)
+        if archive.archived_to >= first:  # archived but kept while a reader needed it: purge what is read now
+            if not await _purge_below(bus, archive.archived_to + 1, last):
+                return done
+            continue
         start = max(archive.archived_to + 1, first)
         if start > last:
             return done
@@ -224,9 +232,71 @@ async def archive_round(bus: Any, archive: Archive, retention: float, segment: i
         if not old or (len(old) < segment and len(old) < len(msgs)):
             return done  # the next segment is not all past the retention yet
         seg = archive.write(old)
-        await bus.js.purge_stream(STREAM, seq=seg.last + 1)
         done += seg.count
+        if not await _purge_below(bus, seg.last + 1, last):
+            log.info("archive: seqs %d..%d archived (%s); kept in the stream while a reader needs them",
+                     seg.first, seg.last, seg.file)
+            return done
         log.info("archive: seqs %d..%d archived (%s) and purged from the stream", seg.first, seg.last, seg.file)
+
+
+def _tenant_scoped(filters: Sequence[str]) -> bool:
+    """A consumer whose every filter is inside one tenant's subjects (`fleet.evt.<tenant>.…`): a
+    tenant's own reader. Its pace never holds the log (a tenant that never reads must not keep
+    every tenant's history in the stream); the server makes a tenant's consumers filtered so."""
+    from gpufleet.shared.contract.events import SYS_TENANT
+
+    def one(f: str) -> bool:
+        t = f.split(".")
+        return len(t) >= 3 and t[0] == "fleet" and t[1] in ("evt", "cmd") and t[2] not in ("*", ">", SYS_TENANT)
+    return bool(filters) and all(one(f) for f in filters)
+
+
+async def reader_floor(bus: Any, last: int) -> tuple[int, str]:
+    """The first sequence some reader of the mesh still has to receive (`last + 1` when every one
+    has it all), and that reader's name. A purge below it loses nothing: a consumer receives only
+    what the stream still holds, so an event purged before a lagging service (a durable behind a
+    restart, a ledger, a fold under way) got it would be lost to it for good, which a fold's read
+    of the archive does not mend for a live consumer. Tenants' own consumers do not count."""
+    from gpufleet.shared.contract.events import STREAM
+
+    floor, who = last + 1, ""
+    offset = 0
+    while True:
+        infos = await bus.js.consumers_info(STREAM, offset=offset or None)
+        for ci in infos:
+            cfg = ci.config
+            filters = list(cfg.filter_subjects or ([cfg.filter_subject] if cfg.filter_subject else []))
+            if _tenant_scoped(filters):
+                continue
+            if not ci.num_pending and not ci.num_ack_pending:
+                continue  # it has everything the stream holds
+            if str(getattr(cfg.ack_policy, "value", cfg.ack_policy)) == "none":
+                got = int(ci.delivered.stream_seq or 0) if ci.delivered else 0
+            else:
+                got = int(ci.ack_floor.stream_seq or 0) if ci.ack_floor else 0
+            if got + 1 < floor:
+                floor, who = got + 1, ci.name
+        if len(infos) < 256:
+            return floor, who
+        offset += len(infos)
+
+
+async def _purge_below(bus: Any, seq: int, last: int) -> bool:
+    """Purge FLEET below `seq`, or below the first sequence a reader still needs when that is
+    lower. True when all of it was purged."""
+    from gpufleet.shared.contract.events import STREAM
+
+    first = int((await bus.js.stream_info(STREAM)).state.first_seq)
+    floor, who = await reader_floor(bus, last)  # right before the purge: a reader made since is seen
+    upto = min(seq, floor)
+    if upto > first:
+        await bus.js.purge_stream(STREAM, seq=upto)
+    if upto < seq:
+        log.warning("archive: %s has not received seq %d yet; the stream keeps it (archived up to %d)",
+                    who, floor, seq - 1)
+        return False
+    return True
 
 
 async def keep(bus: Any, archive: Archive, retention: float, stop: Any, every_s: float = 60.0,

@@ -32,26 +32,60 @@ async def read_stream(bus: Bus, subjects: Sequence[str] = ("fleet.>",), from_seq
         async for msgs in read_tenant_stream(bus, bus.tenant_scope, subjects, until_seq):
             yield msgs
         return
-    if stream == STREAM and from_time is None and (root := archive_dir()) is not None:
-        # what the archive process moved out of the stream is read back from the archive first
-        sinfo = await bus.js.stream_info(stream)
-        first = int(sinfo.state.first_seq)
-        if from_seq < first:
-            for archived in Archive(root).read(subjects, from_seq, min(until_seq or first - 1, first - 1)):
-                yield archived  # type: ignore[misc]  # (ArchivedMsg has the Msg attributes a reader uses)
-            if until_seq is not None and until_seq < first:
-                return
-            from_seq = first
     js = bus.js
     name = f"read-{time.time_ns()}"
+    archived_to = 0  # the stream's messages up to it were read from the archive: skipped below
+    if stream == STREAM and from_time is None and (root := archive_dir()) is not None:
+        # what the archive process moved out of the stream is read back from the archive first. The
+        # consumer is made first and the stream's extent read after it: the archive process purges
+        # nothing a reader of the mesh has not received (archive.reader_floor), so what is purged
+        # while it is being made is below the first sequence read here, and so in the archive
+        info = await js.add_consumer(stream, _read_config(name, subjects, from_seq, None))
+        done = False
+        try:
+            first = int((await js.stream_info(stream)).state.first_seq)
+            if from_seq < first:
+                for archived in Archive(root).read(subjects, from_seq, min(until_seq or first - 1, first - 1)):
+                    yield archived  # type: ignore[misc]  # (ArchivedMsg has the Msg attributes a reader uses)
+                archived_to = first - 1
+                done = until_seq is not None and until_seq < first
+        except BaseException:
+            done = True
+            raise
+        finally:
+            if done:  # (a reader that stops early, or an error: the consumer goes, it holds the purge)
+                await _delete_quietly(js, stream, name)
+        if done:
+            return
+    else:
+        info = await js.add_consumer(stream, _read_config(name, subjects, from_seq, from_time))
+    async for msgs in _drain(js, stream, name, info, until_seq):
+        if archived_to:
+            msgs = [m for m in msgs if m.metadata.sequence.stream > archived_to]
+            if not msgs:
+                continue
+        yield msgs
+
+
+def _read_config(name: str, subjects: Sequence[str], from_seq: int, from_time: datetime | None) -> ConsumerConfig:
     policy = (DeliverPolicy.BY_START_TIME if from_time is not None else
               DeliverPolicy.BY_START_SEQUENCE if from_seq > 1 else DeliverPolicy.ALL)
-    cfg = ConsumerConfig(
+    return ConsumerConfig(
         name=name, filter_subjects=list(subjects), ack_policy=AckPolicy.NONE, deliver_policy=policy,
         opt_start_seq=from_seq if from_seq > 1 and from_time is None else None, opt_start_time=from_time,
         inactive_threshold=120.0, mem_storage=True,
     )
-    info = await js.add_consumer(stream, cfg)
+
+
+async def _delete_quietly(js: Any, stream: str, name: str) -> None:
+    try:
+        await js.delete_consumer(stream, name)
+    except Exception:  # noqa: BLE001 - it expires by itself
+        pass
+
+
+async def _drain(js: Any, stream: str, name: str, info: Any, until_seq: int | None) -> AsyncIterator[list[Msg]]:
+    """Fetch the consumer `name` until it has nothing pending (or is past `until_seq`); then delete it."""
     try:
         if not info.num_pending:
             return
@@ -75,10 +109,7 @@ async def read_stream(bus: Bus, subjects: Sequence[str] = ("fleet.>",), from_seq
         finally:
             await psub.unsubscribe()
     finally:
-        try:
-            await js.delete_consumer(stream, name)
-        except Exception:  # noqa: BLE001 - it expires by itself
-            pass
+        await _delete_quietly(js, stream, name)
 
 
 def scoped(subject: str, tenant: str) -> str:
