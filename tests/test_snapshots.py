@@ -108,6 +108,23 @@ def test_a_snapshot_that_does_not_check_out_is_refused() -> None:
         decode(good, b"k" * 32, bumped, state, "created-1")
 
 
+def test_executors_of_different_nodes_neither_share_nor_read_each_others_snapshot() -> None:
+    """One executor per GPU node: each state holds only what its own nodes run. A snapshot
+    written by the executor of node A must not be where node B's looks, nor be read by it."""
+    from gpufleet.services.executor.core import ExecutorCore
+    from gpufleet.shared.node.cluster import sim_fleet
+    from gpufleet.shared.runtime.snapshots import object_name
+
+    a, b = ExecutorCore(sim_fleet(2, "a")), ExecutorCore(sim_fleet(2, "b"))
+    same = ExecutorCore(sim_fleet(2, "a"))  # a second instance of A's executor
+    assert object_name(a) != object_name(b) and object_name(a) == object_name(same)
+    assert object_name(AdmissionCore()) == "admission"  # a core of the log alone keeps its name
+    good = take(a, a.initial_state(), 10, 0, set(), "created-1").encode(b"k" * 32)
+    assert decode(good, b"k" * 32, same, same.initial_state(), "created-1").seq == 10
+    with pytest.raises(SnapshotRefused, match="state format"):
+        decode(good, b"k" * 32, b, b.initial_state(), "created-1")
+
+
 async def _runtime(nats_url: str, realm_creds: Any = None) -> ServiceRuntime[Any]:
     bus = await Bus.connect(nats_url, name="admission", creds=realm_creds)
     rt: ServiceRuntime[Any] = ServiceRuntime(AdmissionCore(), bus, fetch_timeout_s=0.05)

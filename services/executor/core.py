@@ -15,7 +15,9 @@ does the I/O). A node the log says was lost registers again once its executor is
 
 from __future__ import annotations
 
+import hashlib
 import heapq
+import json
 from dataclasses import dataclass, field
 from datetime import datetime
 
@@ -284,6 +286,11 @@ class ExecutorCore(BaseCore[ExecutorState]):
         self.nodes = nodes
         self.driver_nodes = {n for n, inv in nodes.items() if inv.driver != "sim"}
         self.sim_pools = sim_pools  # the `sim` provider of node pools: one executor per mesh should be
+        # its state holds what its own nodes run: an executor of other nodes (one per GPU node)
+        # must not start from its snapshot (shared/runtime/snapshots.py)
+        self.snapshot_identity = hashlib.sha256(json.dumps(
+            [sim_pools, sorted((n, inv.model_dump(mode="json")) for n, inv in nodes.items())],
+            sort_keys=True, default=str).encode()).hexdigest()
 
     def hosts(self, state: ExecutorState, node_id: str) -> bool:
         """Whether the node is this executor's: one of its own, or a pool node it provides."""

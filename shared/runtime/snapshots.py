@@ -47,7 +47,22 @@ def state_fingerprint(core: Any, state: Any) -> str:
     kind = type(state)
     fields = [f"{f.name}:{f.type}" for f in dataclasses.fields(kind)] if dataclasses.is_dataclass(kind) else []
     text = f"{getattr(core, 'state_format', 1)}|{kind.__module__}.{kind.__qualname__}|{','.join(fields)}"
+    if ident := snapshot_identity(core):  # (a core whose state depends on more than the log: the executor's nodes)
+        text += f"|{ident}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def snapshot_identity(core: Any) -> str:
+    """What besides the log decides a core's state (`Core.snapshot_identity`, '' for most): the
+    executor's state holds only what its own nodes run, so the executors of different nodes
+    (one per GPU node) must neither share nor read each other's snapshot."""
+    return str(getattr(core, "snapshot_identity", "") or "")
+
+
+def object_name(core: Any) -> str:
+    """The core's newest snapshot's object: its name, and its identity's digest where it has one."""
+    ident = snapshot_identity(core)
+    return f"{core.name}-{hashlib.sha256(ident.encode()).hexdigest()[:16]}" if ident else str(core.name)
 
 
 @dataclass(frozen=True)
@@ -162,7 +177,7 @@ class SnapshotStore:
 
     async def save(self, snap: Snapshot, name: str | None = None) -> None:
         obs = await self._store(create=True)
-        await obs.put(name or self.core.name, snap.encode(self.key))
+        await obs.put(name or object_name(self.core), snap.encode(self.key))
 
     async def load(self, state_template: Any, stream_created: str, name: str | None = None) -> Snapshot | None:
         """The stored snapshot (the newest, or object `name`) if it checks out; None (with the
@@ -173,7 +188,7 @@ class SnapshotStore:
             obs = await self._store(create=False)
             if obs is None:
                 return None
-            res = await obs.get(name or self.core.name)
+            res = await obs.get(name or object_name(self.core))
         except (nats.js.errors.NotFoundError, nats.js.errors.ObjectNotFoundError, nats.js.errors.BucketNotFoundError):
             return None
         except Exception as exc:  # noqa: BLE001 - a snapshot is an optimisation: fold in full
