@@ -134,9 +134,10 @@ async def job_status(bus: Bus, job_id: str) -> str | None:
 
 
 @asynccontextmanager
-async def agent_running(url: str, name: str, make: Callable[[Bus], Any]) -> AsyncIterator[Any]:
-    """A service agent (executor, telemetry) on its own connection, running until the block ends."""
-    bus = await Bus.connect(url, name=name)
+async def agent_running(url: str, name: str, make: Callable[[Bus], Any], creds: Any = None) -> AsyncIterator[Any]:
+    """A service agent (executor, telemetry) on its own connection (as `creds`, else the test's
+    admin), running until the block ends."""
+    bus = await Bus.connect(url, name=name, creds=creds)
     agent = make(bus)
     agent.runtime.fetch_timeout_s = 0.05
     await agent.start()

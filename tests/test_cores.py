@@ -501,6 +501,24 @@ def test_failure_says_why(code: int, reason: str, reason_code: str, says: str) -
     assert says in p.reason.message  # type: ignore[union-attr]
 
 
+def test_a_drain_moves_every_job_placed_on_the_node_without_spending_a_retry() -> None:
+    from gpufleet.shared.contract.events import NodeCordoned
+
+    from .builders import event
+
+    h = Harness(GuardianCore()).given(
+        submitted(make_job().gpus(1).set("maxRetries", 0), "j1"), placed("j1", ("n1", [0])), started("j1", "n1"),
+        submitted(make_job().cpu(1).gpus(0), "cpu"), placed("cpu", ("n1", [])),  # CPUs only: found by its node
+        submitted(make_job().gpus(1), "there"), placed("there", ("n2", [0])))
+    out = h.when(event(NodeCordoned(node_id="n1", reason="kernel upgrade", drain=True), actor="admin/ops"))
+    assert sorted((e.job_id, e.type) for e in out) == [("cpu", "job.resume_requested"), ("j1", "job.resume_requested")]
+    resume = next(e.payload for e in out if e.job_id == "j1")
+    # no retries left (maxRetries 0), and still resumed: a drain is nobody's failure
+    assert resume.reason.code == "node_drained" and "drained by admin/ops (kernel upgrade)" in resume.reason.message  # type: ignore[union-attr]
+    assert "retry" not in resume.reason.message and h.state.jobs["j1"].failures == 0  # type: ignore[union-attr]
+    assert h.when(event(NodeCordoned(node_id="n2", reason="no new work"))) == []  # a cordon alone moves nothing
+
+
 def test_exit_after_the_end_is_ignored() -> None:
     h = Harness(GuardianCore()).given(submitted(make_job(), "j1"), cancelled("j1"))
 

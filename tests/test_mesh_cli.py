@@ -253,8 +253,16 @@ def test_a_tenant_added_to_a_running_mesh_works_as_itself_and_only_as_itself(mes
     seen = json.loads(cli(mesh, "--creds", str(creds), "jobs", "--json").stdout)
     assert {r["tenant"] for r in seen} == {"initech"}
 
-    # adjust and run again: a copy of its own past job, changed, validated like any spec
+    # its logs, from the executor of the node it ran on (sim: lines from its events), its own only
     mine_id = lines[0]["job_id"]
+    text = cli(mesh, "--creds", str(creds), "logs", mine_id, "-f").stdout.splitlines()
+    assert "attempt 1 started on sim-" in text[0] and text[-1].endswith("exited with code 0 (completed)"), text
+    doc = json.loads(cli(mesh, "--creds", str(creds), "logs", mine_id, "--tail", "1", "--json").stdout)
+    assert doc["data"] == text[-1] + "\n" and doc["running"] is False and doc["driver"] == "sim"
+    hidden = cli(mesh, "--creds", str(creds), "logs", theirs, check=False)
+    assert hidden.returncode == 1 and "no run of replica 0 started" in hidden.stderr, hidden.stderr
+
+    # adjust and run again: a copy of its own past job, changed, validated like any spec
     copy = json.loads(cli(mesh, "--creds", str(creds), "submit", "--from", mine_id, "--set", "resources.gpu=2",
                           "--set", "sim.duration=2s", "--yes", "--json").stdout)["job_id"]
     got = json.loads(cli(mesh, "explain", copy, "--json").stdout)
@@ -268,6 +276,7 @@ def test_a_tenant_added_to_a_running_mesh_works_as_itself_and_only_as_itself(mes
     assert bad.returncode == 2 and "resources.gpu" in bad.stderr, bad.stderr
 
     wait_jobs(mesh, {theirs}, "running", timeout_s=30)
+    assert "started on sim-" in cli(mesh, "logs", theirs, "--tail", "5").stdout  # the admin reads any
     cli(mesh, "--creds", str(creds), "cancel", theirs)  # asked on initech's own subject: refused
     wrong = tmp_path / "wrong.yaml"
     wrong.write_text("name: x\ntenant: globex\nresources: {cpu: 1}\n")
@@ -315,3 +324,48 @@ def test_the_supervisor_brings_back_nats_and_postgresql_after_a_kill(mesh: Path,
         assert time.monotonic() < deadline, st
         time.sleep(0.3)
     wait_jobs(mesh, {job_id}, "succeeded", timeout_s=30)  # the read model answers again
+
+
+def test_an_operator_drains_a_node_and_returns_a_gpu(mesh: Path, tmp_path: Path) -> None:
+    """`node drain` moves what runs there, without spending a retry; `gpu return` lifts a hold;
+    each is a fact in the log by the operator; only the admin may state them."""
+    spec = tmp_path / "long.yaml"
+    spec.write_text("name: long\ntenant: acme\nresources: {gpu: 1, cpu: 1, memory: 1Gi}\nmaxRetries: 0\n"
+                    "sim: {duration: 10m}\n")
+    job = json.loads(cli(mesh, "submit", str(spec), "--json", "--yes").stdout)["job_id"]
+    wait_jobs(mesh, {job}, "running", timeout_s=30)
+
+    def runs() -> list[dict[str, Any]]:
+        doc = json.loads(cli(mesh, "explain", job, "--json").stdout)
+        return [e for e in doc["events"] if e["type"] == "job.started"]
+    node = runs()[0]["payload"]["node_id"]
+    said = json.loads(cli(mesh, "node", "drain", node, "--reason", "kernel upgrade", "--json").stdout)
+    assert said["type"] == "node.cordoned" and said["drain"] is True and said["actor"].startswith("admin/")
+    deadline = time.monotonic() + 60
+    while len(runs()) < 2:
+        assert time.monotonic() < deadline, "the drained job did not run again"
+        time.sleep(0.5)
+    again = runs()[1]["payload"]
+    assert again["attempt"] == 2 and again["node_id"] != node  # elsewhere: the node takes no new work
+    doc = json.loads(cli(mesh, "explain", job, "--json").stdout)
+    [resume] = [e for e in doc["events"] if e["type"] == "job.resume_requested"]
+    assert resume["payload"]["reason"]["code"] == "node_drained" and "kernel upgrade" in resume["payload"]["reason"]["message"]
+    wait_jobs(mesh, {job}, "running", timeout_s=30)  # maxRetries 0, and still running: a drain is no failure
+
+    # only the admin; a node and a GPU that exist
+    cli(mesh, "tenant", "add", "initech")
+    creds = tmp_path / "initech.creds"
+    cli(mesh, "tenant", "creds", "initech", "-o", str(creds))
+    refused = cli(mesh, "--creds", str(creds), "node", "cordon", node, check=False)
+    assert refused.returncode == 1 and "only the admin" in refused.stderr, refused.stderr
+    nosuch = cli(mesh, "node", "cordon", "nosuch", check=False)
+    assert nosuch.returncode == 1 and "node nosuch: no such node" in nosuch.stderr, nosuch.stderr
+    badgpu = cli(mesh, "gpu", "return", node, "99", check=False)
+    assert badgpu.returncode == 1 and f"gpu: node {node} has no GPU 99" in badgpu.stderr, badgpu.stderr
+    back = json.loads(cli(mesh, "gpu", "return", node, "0", "--reason", "reseated", "--json").stdout)
+    assert back["type"] == "node.gpu_cleared" and back["returned"] is True and back["gpu_index"] == 0
+    assert "uncordoned" in cli(mesh, "node", "uncordon", node).stdout
+    cli(mesh, "cancel", job)
+    wait_jobs(mesh, {job}, "cancelled", timeout_s=30)
+    report = json.loads(cli(mesh, "audit", "--json").stdout)
+    assert report["ok"], report

@@ -236,6 +236,19 @@ def test_a_quarantined_gpu_takes_nothing_new_and_what_ran_there_ends_cleanly() -
     assert h.state.nodes["d1"].gpus_total == 6
 
 
+def test_an_operator_returns_an_unhealthy_gpu_and_telemetrys_check_does_not() -> None:
+    from gpufleet.shared.contract.events import NodeGpuCleared, NodeGpuUnhealthy
+
+    h = Harness(PlacerCore()).given(dgx("d1"), event(NodeGpuUnhealthy(node_id="d1", gpu_index=7, reason="XID 79")))
+    assert h.state.nodes["d1"].gpus_total == 7
+    h.given(event(NodeGpuCleared(node_id="d1", gpu_index=7)))  # telemetry's occupancy check: not for unhealthy
+    assert h.state.nodes["d1"].gpus_total == 7
+    h.given(event(NodeGpuCleared(node_id="d1", gpu_index=7, reason="replaced", returned=True), actor="admin/ops"))
+    assert h.state.nodes["d1"].gpus_total == 8 and "d1" not in h.state.quarantined
+    (a,) = allocs(place(h, make_job().gpus(8), "all"))
+    assert 7 in a.gpu_indices
+
+
 def test_an_allocation_names_the_numa_node_of_its_gpus() -> None:
     h = Harness(PlacerCore()).given(dgx("d1"))
     place(h, make_job().gpus(4), "first")

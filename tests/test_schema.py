@@ -385,9 +385,10 @@ def test_asyncapi_document() -> None:
         "fleet.evt.sys.deadletter.{service}",
         "fleet.evt.sys.budget.{scope}.{budget}.{type}",
         "fleet.tel.node.{node_id}.{kind}",
+        "fleet.logs.{tenant}.{node_id}", None,  # a run's logs: request/reply, in no stream (the reply: an inbox)
     }
     for ch in doc["channels"].values():
-        assert set(re.findall(r"\{(\w+)\}", ch["address"])) == set(ch["parameters"])
+        assert set(re.findall(r"\{(\w+)\}", ch["address"] or "")) == set(ch.get("parameters", {}))
     assert "Nats-Msg-Id" in doc["info"]["description"] and "event_id" in doc["info"]["description"]
 
     # every internal reference resolves; every external one names a file that is there
@@ -400,6 +401,8 @@ def test_asyncapi_document() -> None:
     # every type is a message on exactly one channel, its payload the type's schema file
     seen: dict[str, str] = {}
     for key, ch in doc["channels"].items():
+        if key in ("logs", "logsReply"):
+            continue  # not envelopes: their own schemas (below)
         for ref in ch["messages"].values():
             msg = _resolve(doc, ref["$ref"])
             assert msg["name"] not in seen
@@ -411,11 +414,16 @@ def test_asyncapi_document() -> None:
     # commands are sent, everything else received
     for op in doc["operations"].values():
         channel = op["channel"]["$ref"].removeprefix("#/channels/")
-        assert op["action"] == ("send" if channel == "commands" else "receive")
+        assert op["action"] == ("send" if channel in ("commands", "logs") else "receive")
         assert all(m["$ref"].startswith(f"#/channels/{channel}/messages/") for m in op["messages"])
     sent = {_resolve(doc, m["$ref"])["name"] for op in doc["operations"].values() if op["action"] == "send"
             for m in op["messages"]}
-    assert sent == {"cmd.submit", "cmd.cancel", "cmd.report_load"}
+    assert sent == {"cmd.submit", "cmd.cancel", "cmd.report_load", "logs.request"}
+    # a log request is answered with a log reply, each with its schema file
+    reply = doc["operations"]["requestLogs"]["reply"]
+    assert _resolve(doc, reply["messages"][0]["$ref"])["name"] == "logs.reply"
+    for name in (schema.LOGS_REQUEST_FILE, schema.LOGS_REPLY_FILE):
+        assert json.loads((DOCS / name).read_text())["$id"] == name
 
 
 @pytest.mark.parametrize("t", TYPES)

@@ -3,8 +3,8 @@
 
 One module per command group, each registering its commands on the one app (common.py):
 mesh (up, down, status), jobs (submit, cancel, jobs, nodes, watch, explain, estimate), logtools
-(replay, sim, dashboard, audit), queues (queues, pools, bill, report-load), schema, bench,
-tenants, certs.
+(replay, sim, dashboard, audit), queues (queues, pools, bill, report-load), operator (node
+cordon|uncordon|drain, gpu return), schema, bench, tenants, certs.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import sys
 
 from gpufleet.cli.common import app
 
-GROUPS = ("mesh", "jobs", "logtools", "queues", "schema", "bench", "tenants", "certs")
+GROUPS = ("mesh", "jobs", "logtools", "queues", "operator", "schema", "bench", "tenants", "certs")
 for _group in GROUPS:  # each registers its commands on the app, in the order `--help` lists them
     importlib.import_module(f"gpufleet.cli.{_group}")
 

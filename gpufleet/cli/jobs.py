@@ -231,6 +231,66 @@ def watch(data_dir: DataDir = None, as_json: JsonOut = False,
 
 
 @app.command()
+def logs(job_id: str, data_dir: DataDir = None, as_json: JsonOut = False,
+         follow: Annotated[bool, typer.Option("--follow", "-f", help="stream on until the run ends")] = False,
+         replica: Annotated[int, typer.Option(min=0, help="which replica (0 first)")] = 0,
+         attempt: Annotated[int | None, typer.Option(min=1, help="which run (default: the latest)")] = None,
+         tail: Annotated[int | None, typer.Option(min=0, help="only the last N lines")] = None,
+         ) -> None:
+    """A run's stdout and stderr, from the executor of its node (wherever it runs); each attempt
+    is kept, so a resumed job's earlier runs stay readable (--attempt)."""
+    from gpufleet.shared.contract.errors import GpufleetError
+
+    async def pick(fleet: Any) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
+        runs = await fleet.runs_of(job_id)
+        mine = [r for r in runs if r["replica"] == replica and (attempt is None or r["attempt"] == attempt)]
+        if not mine:
+            return None
+        return max(mine, key=lambda r: (r["attempt"], r["seq"])), runs
+
+    async def go(fleet: Any) -> None:
+        chosen = await pick(fleet)
+        told = False
+        while chosen is None and follow:  # -f on a job still waiting: until its run starts
+            if not told:
+                typer.echo(f"job {job_id} has no run {'' if attempt is None else f'{attempt} '}of replica {replica} "
+                           "started yet; waiting for it (`gpufleet explain` says why it waits)", err=True)
+                told = True
+            await asyncio.sleep(1.0)
+            chosen = await pick(fleet)
+        if chosen is None:
+            runs = await fleet.runs_of(job_id)
+            have = ", ".join(f"replica {r['replica']} attempt {r['attempt']}" for r in runs) or "none"
+            raise GpufleetError(f"job {job_id}: no run of replica {replica}"
+                                + (f" attempt {attempt}" if attempt is not None else "")
+                                + f" started (runs that started: {have}; `gpufleet explain {job_id}`)")
+        run, runs = chosen
+        offset, first = 0, True
+        while True:
+            doc = await fleet.logs(job_id, run["tenant"], run["node_id"], run["replica"], run["attempt"],
+                                   offset=offset, tail=tail if first else None)
+            first = False
+            if as_json:
+                _print_json({**doc, "runs": [{k: v for k, v in r.items() if k != "seq"} for r in runs]})
+            elif doc["data"]:
+                sys.stdout.write(doc["data"])
+                sys.stdout.flush()
+            offset = doc["next"]
+            if not follow:
+                return
+            if offset < doc["size"]:
+                continue  # more than one reply's worth
+            if not doc["running"]:
+                return
+            await asyncio.sleep(0.5)
+
+    try:
+        _run(_reading(data_dir, go))
+    except KeyboardInterrupt:
+        pass
+
+
+@app.command()
 def explain(job_id: str, data_dir: DataDir = None, as_json: JsonOut = False) -> None:
     """The job's timeline: each event with its sequence, time, actor and cause."""
     doc = _run(_reading(data_dir, lambda f: f.explain(job_id)))

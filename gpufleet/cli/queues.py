@@ -198,15 +198,13 @@ def report_load(
         if t is None:
             from gpufleet.shared.contract.events import JobSubmitted
 
-            found = [e for _, e in await fleet.history(f"fleet.evt.*.job.{job_id}.submitted")
-                     if isinstance(e.payload, JobSubmitted)]
-            if not found:
+            found = await fleet.submitted(job_id)
+            if found is None or not isinstance(found.payload, JobSubmitted):
                 raise GpufleetError(f"no job {job_id}")
-            spec = found[0].payload.spec
-            if spec.autoscale is None:
+            if found.payload.spec.autoscale is None:
                 raise GpufleetError(f"job {job_id} is not an inference service (no autoscale): "
                                     "the autoscaler would ignore its load")
-            t = found[0].tenant
+            t = found.tenant
         sent: Envelope = await fleet.report_load(job_id, t, rps, p99_ms=p99_ms, window_s=window_s, actor="cli")
         return sent
 

@@ -224,6 +224,40 @@ class Fleet:
         )
         await self._send(env)
 
+    async def operator_fact(self, payload: Any, who: str | None = None) -> Envelope:
+        """State an operator fact (`node.cordoned` / `node.uncordoned`, a drain, a GPU returned to
+        service: `OPERATOR_TYPES`) as the admin, in the log with the operator's name as its actor
+        (`admin/<who>`, the local user by default). The node must have registered; a GPU must be
+        one of its own. GpufleetError otherwise, and for any identity but the admin's."""
+        import getpass
+        import re
+
+        from gpufleet.shared.contract.events import NodeRegistered
+        from gpufleet.shared.trust.authz import OPERATOR_TYPES
+
+        if not self.is_admin:
+            raise GpufleetError(f"{payload.type}: only the admin states operator facts; these credentials are "
+                                f"{'tenant ' + self.tenant + chr(39) + 's' if self.tenant else 'not the admin'}")
+        if payload.type not in OPERATOR_TYPES:
+            raise GpufleetError(f"{payload.type} is not an operator fact (one of {', '.join(sorted(OPERATOR_TYPES))})")
+        node_id = payload.node_id
+        check_token(node_id, "node")
+        regs = [e.payload for _s, e in await self.history(f"fleet.evt.{SYS_TENANT}.node.{node_id}.registered")
+                if isinstance(e.payload, NodeRegistered)]
+        if not regs:
+            raise GpufleetError(f"node {node_id}: no such node has registered (`gpufleet nodes`)")
+        gpu = getattr(payload, "gpu_index", None)
+        gpus = regs[-1].inventory.gpus
+        if gpu is not None and gpu not in {g.index for g in gpus}:
+            have = ", ".join(str(g.index) for g in gpus) or "none"
+            raise GpufleetError(f"gpu: node {node_id} has no GPU {gpu} (its GPUs: {have})")
+        name = re.sub(r"[^A-Za-z0-9_.-]", "-", who or os.environ.get("USER") or getpass.getuser() or "operator")
+        now = time.time()
+        env = Envelope(event_id=derive_id(f"op:{node_id}", f"{payload.type}:{time.time_ns()}"), type=payload.type,
+                       occurred_at=utc(now), tenant=SYS_TENANT, actor=f"{ADMIN}/{name}", payload=payload)
+        await self._send(env)
+        return env
+
     async def report_load(self, job_id: str, tenant: str, rps: float, p99_ms: float | None = None,
                           window_s: float = 10.0, actor: str = "sdk") -> Envelope:
         """Tell the autoscaler the load an inference service (its job id) is under: requests per
@@ -335,16 +369,55 @@ class Fleet:
 
         return await self.history(subjects, until_seq=until, from_time=start, seen=count)
 
+    async def submitted(self, job_id: str) -> Envelope | None:
+        """The job's `job.submitted` (its tenant, its normalised spec); None when the log has no such
+        job (of this tenant, with a tenant's credentials)."""
+        check_token(job_id, "job_id")
+        hist = await self.history(job_filter(tenant=self.tenant, job_id=job_id, type_pattern="job.submitted"))
+        return next((env for _seq, env in hist if isinstance(env.payload, JobSubmitted)), None)
+
     async def spec_of(self, job_id: str) -> dict[str, Any] | None:
         """The spec job `job_id` was submitted with, as a person writes it (`spec_to_user`):
         what `gpufleet submit --from JOB` copies. None when the log has no such job (of this
         tenant, with a tenant's credentials)."""
+        env = await self.submitted(job_id)
+        return spec_to_user(env.payload.spec) if env is not None and isinstance(env.payload, JobSubmitted) else None
+
+    async def runs_of(self, job_id: str) -> list[dict[str, Any]]:
+        """Every run of the job that started: {tenant, replica, attempt, node_id, driver, seq}, in log
+        order (what `gpufleet logs` asks the nodes for). [] when none started (or, with a
+        tenant's credentials, the job is another tenant's)."""
+        from gpufleet.shared.contract.events import JobStarted
+
         check_token(job_id, "job_id")
-        hist = await self.history(job_filter(tenant=self.tenant, job_id=job_id, type_pattern="job.submitted"))
-        for _seq, env in hist:
-            if isinstance(env.payload, JobSubmitted):
-                return spec_to_user(env.payload.spec)
-        return None
+        hist = await self.history(job_filter(tenant=self.tenant, job_id=job_id, type_pattern="job.started"))
+        return [{"tenant": e.tenant, "replica": e.payload.replica, "attempt": e.payload.attempt,
+                 "node_id": e.payload.node_id, "driver": e.payload.driver, "seq": s}
+                for s, e in hist if isinstance(e.payload, JobStarted)]
+
+    async def logs(self, job_id: str, tenant: str, node_id: str, replica: int = 0, attempt: int = 1,
+                   offset: int = 0, tail: int | None = None, limit: int | None = None,
+                   timeout_s: float = 5.0) -> dict[str, Any]:
+        """One read of a run's log from the executor of its node (services/executor/logs.py): {data,
+        offset, next, size, running, ...}. GpufleetError when no executor answers for the node or
+        it has no such log (its reason)."""
+        from gpufleet.shared.contract.events import LOGS_PREFIX
+
+        req: dict[str, Any] = {"job_id": job_id, "replica": replica, "attempt": attempt, "offset": offset}
+        if tail is not None:
+            req["tail"] = tail
+        if limit is not None:
+            req["limit"] = limit
+        try:
+            msg = await self.bus.nc.request(f"{LOGS_PREFIX}.{tenant}.{node_id}", json.dumps(req).encode(),
+                                            timeout=timeout_s)
+        except (nats.errors.NoRespondersError, nats.errors.TimeoutError, TimeoutError):
+            raise GpufleetError(f"no executor answers for node {node_id} within {timeout_s:g} s (is it up? "
+                                f"`gpufleet nodes`)") from None
+        code = (msg.headers or {}).get("Nats-Service-Error-Code")
+        if code:
+            raise GpufleetError(f"node {node_id}: {(msg.headers or {}).get('Nats-Service-Error', 'error')} ({code})")
+        return json.loads(msg.data)  # type: ignore[no-any-return]
 
     async def explain(self, job_id: str) -> Explanation | None:
         """What `gpufleet explain JOB` says: the job's events (with the client commands that name

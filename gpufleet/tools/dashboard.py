@@ -129,7 +129,7 @@ class Board:
             self.bad.setdefault(p.node_id, {}).setdefault(p.gpu_index, set()).add(p.type.split("_", 1)[1])
         elif isinstance(p, NodeGpuCleared):
             reasons = self.bad.get(p.node_id, {}).get(p.gpu_index, set())
-            reasons -= {"zombie_detected", "unclean"}
+            reasons -= set(reasons) if p.returned else {"zombie_detected", "unclean"}
         elif isinstance(p, JobPlaced):
             self._release(p.job_id)
             self.attempt[p.job_id] = p.attempt

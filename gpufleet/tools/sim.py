@@ -25,7 +25,8 @@ Scenario (YAML; examples/sim/):
       - {at: 70m, duplicate: job.placed}   # the next such event is delivered twice to everyone
       - {at: 80m, delay: {service: quota, by: 5m}}   # a slow service: it consumes nothing for 5 min,
                                                      # then catches up, in order
-      - {at: 90m, cordon: h06}             # and uncordon: h06; gpu_cleared: {node: h05, gpu: 1}
+      - {at: 90m, cordon: h06}             # and uncordon: h06; drain: h06; gpu_cleared: {node: h05, gpu: 1}
+                                           # (gpu_cleared: {..., returned: true}: an operator's return)
       - {at: 95m, cancel: small-0003}      # a user cancels a job (cancel: {job: J, tenant: T})
     load:                        # what an inference service's load balancer reports (cmd.report_load):
       - {service: chat, at: 10m, every: 1m, rps: [5, 20, 40, 40, 10, 0], p99_ms: 120}
@@ -126,7 +127,7 @@ class Chaos:
         return bool(self.duplicate or self.delay or self.restart)
 
 
-FAULT_KINDS = ("node_lost", "gpu_unhealthy", "zombie", "gpu_cleared", "cordon", "uncordon", "cancel", "restart",
+FAULT_KINDS = ("node_lost", "gpu_unhealthy", "zombie", "gpu_cleared", "cordon", "uncordon", "drain", "cancel", "restart",
                "duplicate", "delay", "load")
 
 
@@ -416,13 +417,14 @@ class Simulation:
                 node_id=f.arg["node"], gpu_index=int(f.arg["gpu"]), pid=int(f.arg.get("pid", 4242)),
                 used_mib=int(f.arg.get("used_mib", 4096))), tenant=SYS_TENANT, key=f"fault:{f.at}:{f.kind}:{f.arg}"))])
         elif f.kind == "gpu_cleared":
-            self.append([_by_owner(ctx.emit(NodeGpuCleared(node_id=f.arg["node"], gpu_index=int(f.arg["gpu"])),
+            self.append([_by_owner(ctx.emit(NodeGpuCleared(node_id=f.arg["node"], gpu_index=int(f.arg["gpu"]),
+                                                           returned=bool(f.arg.get("returned", False))),
                                   tenant=SYS_TENANT, key=f"fault:{f.at}:{f.kind}:{f.arg}"))])
-        elif f.kind in ("cordon", "uncordon"):
+        elif f.kind in ("cordon", "uncordon", "drain"):
             if f.arg not in self.sc.nodes:
                 raise ScenarioError(f"fault {f.kind}: no node {f.arg!r}")
-            payload = (NodeCordoned(node_id=str(f.arg), reason="scenario") if f.kind == "cordon"
-                       else NodeUncordoned(node_id=str(f.arg)))
+            payload = (NodeCordoned(node_id=str(f.arg), reason="scenario", drain=f.kind == "drain")
+                       if f.kind != "uncordon" else NodeUncordoned(node_id=str(f.arg)))
             self.append([_by_owner(ctx.emit(payload, tenant=SYS_TENANT, key=f"fault:{f.at}:{f.kind}:{f.arg}"))])
         elif f.kind == "cancel":
             job_id = str(f.arg["job"])
@@ -614,10 +616,12 @@ def scenario_from_log(history: list[tuple[int, Envelope]], config: ClusterConfig
                 arg["reason"] = p.reason
             elif isinstance(p, NodeGpuZombieDetected):
                 arg.update(pid=p.pid, used_mib=p.used_mib)
+            elif p.returned:
+                arg["returned"] = True
             faults.append(Fault(e.occurred_at.timestamp() - t0, kind, arg))
         elif isinstance(p, NodeCordoned | NodeUncordoned):
-            faults.append(Fault(e.occurred_at.timestamp() - t0, "cordon" if isinstance(p, NodeCordoned) else "uncordon",
-                                p.node_id))
+            kind = ("uncordon" if isinstance(p, NodeUncordoned) else "drain" if p.drain else "cordon")
+            faults.append(Fault(e.occurred_at.timestamp() - t0, kind, p.node_id))
         elif isinstance(p, CancelRequestedCmd) and not by_autoscaler(e):
             faults.append(Fault(e.occurred_at.timestamp() - t0, "cancel", {"job": p.job_id, "tenant": e.tenant}))
     for _, e in history:

@@ -42,6 +42,7 @@ from .core import (
     started_event,
 )
 from .drivers import Driver, DriverError, Workload
+from .logs import LogRequest, LogServer, LogText, sim_lines
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ class ExecutorAgent:
                  instance: str = "0", heartbeat_s: float = HEARTBEAT_S, reconcile_s: float = RECONCILE_S,
                  grace_s: float = 10.0, checkpoint_root: str | None = None, force_after_s: float = FORCE_AFTER_S,
                  clock: Callable[[], float] = time.time, batch: int = 256,
-                 runtime: ServiceRuntime[ExecutorState] | None = None) -> None:
+                 runtime: ServiceRuntime[ExecutorState] | None = None, serve_logs: bool = True) -> None:
         self.core = core
         self.bus = bus
         self.driver = driver
@@ -80,6 +81,10 @@ class ExecutorAgent:
         self._forced: set[str] = set()
         self.beating = True  # tests turn heartbeats off to play a lost node
         self.heartbeats_sent = 0
+        self.logs: LogServer | None = LogServer(
+            bus, self.runtime.actor, lambda: self.core.hosted(self.state), self._log_text,
+            lambda n: self.driver.name if self.driver is not None and n in self.core.driver_nodes else "sim",
+        ) if serve_logs else None
 
     @property
     def state(self) -> ExecutorState:
@@ -89,6 +94,12 @@ class ExecutorAgent:
         # heartbeats first: folding a long log, or a slow first reconcile, must not cost the lease
         await self.heartbeat()
         self._beat = asyncio.create_task(self._every(self.heartbeat_s, self.heartbeat))
+        if self.logs is not None:
+            try:
+                await self.logs.start()
+            except Exception as e:  # noqa: BLE001 - logs are a convenience: the node runs without them
+                log.error("the logs service did not start (%s): `gpufleet logs` cannot reach this node", e)
+                self.logs = None
         if self.owns_runtime:
             await self.runtime.start()
         if self.driver is not None:
@@ -112,8 +123,25 @@ class ExecutorAgent:
                 if t is not tasks[-1] or not self.owns_runtime:
                     t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            if self.logs is not None:
+                await self.logs.stop()
             if self.driver is not None:
                 await self.driver.close()
+
+    async def _log_text(self, node_id: str, key: str, tenant: str, req: LogRequest) -> LogText | None:
+        """A workload's log: the driver's on a driver node; on a sim node, lines from the job's events."""
+        if node_id in self.core.driver_nodes:
+            return await self.driver.log_text(key) if self.driver is not None else None
+        from gpufleet.shared.contract.events import parse_envelope
+        from gpufleet.shared.runtime.log import read_stream
+
+        events = []
+        async for batch in read_stream(self.bus, (f"fleet.evt.{tenant}.job.{req.job_id}.>",)):
+            for m in batch:
+                with contextlib.suppress(Exception):  # a bad message is dead-lettered elsewhere
+                    events.append(parse_envelope(m.data))
+        got = sim_lines(events, req.replica, req.attempt, self.clock())
+        return None if got is None else LogText(tenant, data=got[0].encode(), running=got[1])
 
     async def _every(self, period_s: float, fn: Callable[[], Any]) -> None:
         await every(self._stop, period_s, fn, self.runtime.actor)

@@ -44,6 +44,7 @@ from aiodocker.containers import DockerContainer
 from aiodocker.exceptions import DockerError
 
 from .drivers import GRACE_S, DriverError, Launch, Workload, workload_key
+from .logs import LogText, read_tenant, write_tenant
 from .process_driver import default_layout_data_dir, inside
 
 log = logging.getLogger(__name__)
@@ -281,6 +282,7 @@ class DockerDriver:
                 "image_not_allowed", f"job {launch.job_id}: image {image!r} is not allowed for tenant {launch.tenant!r}")
         config = self.config_for(launch, started_at=time.time())
         await self._ensure_image(launch.job_id, image)
+        await asyncio.to_thread(write_tenant, self.logs_dir, key, launch.tenant)  # whose log it is (`gpufleet logs`)
         if launch.checkpoint_dir:
             await asyncio.to_thread(self._prepare_checkpoint_dir, Path(launch.checkpoint_dir))
         docker = await self._client()
@@ -358,6 +360,23 @@ class DockerDriver:
             with contextlib.suppress(ValueError, IndexError):
                 out.add(int(row[col]))
         return out
+
+    async def log_text(self, key: str) -> LogText | None:
+        tenant = read_tenant(self.logs_dir, key)
+        if tenant is None:
+            return None
+        info = await self._inspect(key)
+        if info is None:  # cleaned up: the copy saved then
+            return LogText(tenant, path=self.logs_dir / f"{key}.log")
+        container = DockerContainer(await self._client(), id=info["Id"])
+        try:
+            chunks = await container.log(stdout=True, stderr=True)
+        except DockerError as e:
+            if e.status == 404:  # removed meanwhile: its copy
+                return LogText(tenant, path=self.logs_dir / f"{key}.log")
+            raise self._error("logs_failed", f"logs of container {container_name(key)}", e) from e
+        return LogText(tenant, data="".join(chunks).encode("utf-8", "replace"),
+                       running=bool((info.get("State") or {}).get("Running")))
 
     async def cleanup(self, key: str) -> None:
         task = self._stopping.pop(key, None)

@@ -16,7 +16,10 @@ how running jobs are re-adopted instead of lost or started twice.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from .logs import LogText
 
 GRACE_S = 10.0  # SIGTERM, then this long, then SIGKILL
 
@@ -122,6 +125,11 @@ class Driver(Protocol):
 
     async def cleanup(self, key: str) -> None:
         """After its exit was reported: remove the container / pid file; logs stay in the data dir."""
+        ...
+
+    async def log_text(self, key: str) -> LogText | None:
+        """The workload's log as it is now (its tenant, bytes or file, whether it still runs), also
+        after its clean-up; None when this node has no log of `key` (services/executor/logs.py)."""
         ...
 
     async def close(self) -> None:

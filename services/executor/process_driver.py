@@ -66,6 +66,7 @@ from typing import IO, Any
 from gpufleet.shared.embedded.procs import proc_stat as _stat
 
 from .drivers import GRACE_S, DriverError, Launch, Workload
+from .logs import LogText, read_tenant, write_tenant
 
 log = logging.getLogger(__name__)
 
@@ -320,6 +321,7 @@ class ProcessDriver:
             if path == ckpt and blocked == ckpt:
                 ckpt = None  # useless even as its working dir
         env = {**self.base_env, "HOME": str(work), "USER": who.name, "LOGNAME": who.name, **launch.job_env()}
+        write_tenant(self.logs, launch.key, launch.tenant)  # whose log it is, kept with it (`gpufleet logs`)
         proc = self._spawn(launch, d, env, ckpt or work)
         self._children[launch.key] = proc
         meta = {
@@ -368,6 +370,13 @@ class ProcessDriver:
                 if alive(int(entry.name)):
                     pids.add(int(entry.name))
         return pids
+
+    async def log_text(self, key: str) -> LogText | None:
+        tenant = read_tenant(self.logs, key)
+        if tenant is None:
+            return None
+        w = self._read(self.jobs / key)
+        return LogText(tenant, path=self.logs / f"{key}.log", running=w is not None and w.running)
 
     async def cleanup(self, key: str) -> None:
         d = self.jobs / key

@@ -40,6 +40,7 @@ from gpufleet.shared.contract.events import (
     JobStarted,
     JobSubmitted,
     JobSucceeded,
+    NodeCordoned,
     NodeGpuUnhealthy,
     Reason,
     resumed_attempt,
@@ -49,6 +50,9 @@ from gpufleet.shared.contract.spec import JobSpec
 from gpufleet.shared.node.checkpoints import CHECKPOINTED_TYPES, Scanned, ephemeral_filesystem
 from gpufleet.shared.runtime.loop import BaseCore, Ctx
 from gpufleet.shared.runtime.retention import EndedJobs
+
+# a resume for these spends none of the job's retries: the job did nothing wrong
+NOT_A_FAILURE = frozenset({"preempted", "node_drained"})
 
 
 @dataclass(slots=True)
@@ -65,6 +69,7 @@ class GuardianJob:
     attempt: int = 1
     failures: int = 0  # runs that failed (the retry budget)
     placed: tuple[int, frozenset[tuple[str, int]]] | None = None  # (attempt, its GPUs)
+    placed_on: frozenset[str] = frozenset()  # the nodes of that placement (a drain finds its jobs by them)
     started: tuple[int, float, str] | None = None  # (attempt, at, event id) of a watched run
     exits: dict[int, JobExited] | None = None  # replica -> its exit, this attempt
     checkpoint: tuple[str, float] | None = None  # (uri, saved at): the one to resume from
@@ -139,7 +144,8 @@ class GuardianCore(BaseCore[GuardianState]):
         "fleet.evt.*.job.*.rejected", "fleet.evt.*.job.*.preempted", "fleet.evt.*.job.*.resume_requested",
         "fleet.evt.*.job.*.checkpoint_saved", "fleet.evt.*.job.*.started", "fleet.evt.*.job.*.checkpoint_verified",
         "fleet.evt.*.job.*.checkpoint_invalid", "fleet.evt.*.job.*.checkpoint_overdue", "fleet.evt.*.job.*.placed",
-        "fleet.evt.sys.node.*.gpu_unhealthy", "fleet.evt.*.job.*.idle_detected", "fleet.evt.*.job.*.idle_ended",
+        "fleet.evt.sys.node.*.gpu_unhealthy", "fleet.evt.sys.node.*.cordoned",
+        "fleet.evt.*.job.*.idle_detected", "fleet.evt.*.job.*.idle_ended",
         "fleet.evt.*.job.*.preemption_requested",
     )
     tick_s = 1.0
@@ -160,8 +166,9 @@ class GuardianCore(BaseCore[GuardianState]):
         if job_id in state.ended:
             return state  # a late or copied fact about a job that ended changes nothing
         if isinstance(p, JobPlaced):
-            state.job(job_id).placed = (p.attempt, frozenset((a.node_id, g) for a in p.allocations
-                                                            for g in a.gpu_indices))
+            rec = state.job(job_id)
+            rec.placed = (p.attempt, frozenset((a.node_id, g) for a in p.allocations for g in a.gpu_indices))
+            rec.placed_on = frozenset(a.node_id for a in p.allocations)
         elif isinstance(p, JobSubmitted):
             rec = state.job(job_id)
             rec.replicas, rec.max_retries, rec.tenant = p.spec.replicas, p.spec.max_retries, env.tenant
@@ -232,7 +239,7 @@ class GuardianCore(BaseCore[GuardianState]):
                 state.set_idle(job_id, rec, None)  # warnings and stops were about the run before
                 rec.reclaiming = rec.preempt_pending = False
                 state.set_running(job_id, rec, False)
-                if p.reason.code != "preempted":
+                if p.reason.code not in NOT_A_FAILURE:
                     rec.failures += 1
         elif isinstance(p, JobCheckpointSaved):
             _saved(state.job(job_id), p.step, p.uri, p.saved_at.timestamp() if p.saved_at else env.occurred_at.timestamp())
@@ -240,9 +247,20 @@ class GuardianCore(BaseCore[GuardianState]):
 
     def decide(self, state: GuardianState, env: Envelope, ctx: Ctx) -> list[Envelope]:
         p = env.payload
+        if isinstance(p, NodeCordoned) and p.drain:
+            # drained (`gpufleet node drain`): every job placed there runs again elsewhere (the placer
+            # keeps the node out), from its last checkpoint; the executor stops what runs (SIGTERM,
+            # its grace: a checkpointing job saves then); no retry is spent
+            out: list[Envelope] = []
+            hit = [(job_id, r.attempt) for job_id, r in state.jobs.items() if r.placed is not None
+                   and r.placed[0] == r.attempt and p.node_id in r.placed_on]
+            for job_id, attempt in sorted(hit):
+                out += self._resume(state, job_id, "node_drained", f"node {p.node_id} drained by {env.actor} "
+                                    f"({p.reason})", None, ctx, key=f"drain:{job_id}:{attempt}")
+            return out
         if isinstance(p, NodeGpuUnhealthy):
             # the jobs running on that GPU run again elsewhere (the placer keeps the GPU out)
-            out: list[Envelope] = []
+            out = []
             hit = [(job_id, r.attempt) for job_id, r in state.jobs.items() if r.placed is not None
                    and r.placed[0] == r.attempt and (p.node_id, p.gpu_index) in r.placed[1]]
             for job_id, attempt in sorted(hit):
@@ -332,7 +350,7 @@ class GuardianCore(BaseCore[GuardianState]):
                     message=f"{what} while it was giving its quota back")), tenant=tenant, cause_id=cause_id,
                     key="end" if ex else f"end:{job_id}")]
             code, what = "preempted", f"{what} while it was giving its quota back"
-        elif failures >= budget:
+        elif failures >= budget and code not in NOT_A_FAILURE:
             return [ctx.emit(JobFailed(job_id=job_id, reason=Reason(code="retries_exhausted", message=(
                 f"{what}, and its {budget} retries are used up")), exit_code=ex.exit_code if ex else None),
                 tenant=tenant, cause_id=cause_id, key="end" if ex else f"end:{job_id}")]
@@ -341,7 +359,7 @@ class GuardianCore(BaseCore[GuardianState]):
         started = rec.started
         run_start = started[1] if started else now - (ex.runtime_s if ex else 0.0)
         since = max(ckpt[1], run_start) if ckpt else run_start  # work of this run only, not time queued
-        retry = "" if code == "preempted" else f"retry {failures + 1} of {budget}, "
+        retry = "" if code in NOT_A_FAILURE else f"retry {failures + 1} of {budget}, "
         return [ctx.emit(JobResumeRequested(
             job_id=job_id, checkpoint_uri=ckpt[0] if ckpt else None, lost_work_s=round(max(0.0, now - since), 3),
             attempt=rec.attempt + 1,

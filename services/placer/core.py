@@ -143,7 +143,8 @@ class PlacerState:
     fleet_version: int = 0  # bumped when nodes join, leave, or change health: `ever_fits` holds until then
     inventories: dict[str, NodeInventory] = field(default_factory=dict)
     # node -> GPU index -> why it takes no new work (unhealthy, zombie memory, left unclean by a
-    # job); `node.gpu_cleared` lifts zombie and unclean, never unhealthy
+    # job); `node.gpu_cleared` lifts zombie and unclean, never unhealthy, unless an operator
+    # returned the GPU (`returned`: every reason)
     quarantined: dict[str, dict[int, set[str]]] = field(default_factory=dict)
     lost: set[str] = field(default_factory=set)
     cordoned: set[str] = field(default_factory=set)
@@ -425,7 +426,8 @@ class PlacerCore(BaseCore[PlacerState]):
         if isinstance(p, NodeGpuUnhealthy | NodeGpuZombieDetected | NodeGpuCleared):
             # quarantined: the GPU leaves the placer's view (no new work; what runs there keeps
             # going) until an occupancy check clears it
-            why = "cleared" if isinstance(p, NodeGpuCleared) else p.type.removeprefix("node.")
+            why = (("returned" if p.returned else "cleared") if isinstance(p, NodeGpuCleared)
+                   else p.type.removeprefix("node."))
             self._quarantine(state, p.node_id, (p.gpu_index,), why)
             return state
         if isinstance(p, NodeDatasetsCached):
@@ -507,8 +509,8 @@ class PlacerCore(BaseCore[PlacerState]):
     def _quarantine(self, state: PlacerState, node_id: str, gpus: tuple[int, ...], why: str) -> None:
         held = state.quarantined.setdefault(node_id, {})
         for g in gpus:
-            if why == "cleared":
-                left = held.get(g, set()) - {"gpu_zombie_detected", "unclean"}
+            if why in ("cleared", "returned"):
+                left = set() if why == "returned" else held.get(g, set()) - {"gpu_zombie_detected", "unclean"}
                 if left:
                     held[g] = left
                 else:

@@ -242,7 +242,7 @@ class TelemetryCore(BaseCore[TelemetryState]):
             _hold(state, (p.node_id, p.gpu_index), "unhealthy")
         elif isinstance(p, NodeGpuCleared):
             key = (p.node_id, p.gpu_index)
-            held = state.quarantined.get(key, set()) - {"zombie", "unclean"}
+            held = set() if p.returned else state.quarantined.get(key, set()) - {"zombie", "unclean"}
             if held:
                 state.quarantined[key] = held
             else:

@@ -28,6 +28,8 @@ SCHEMA_VERSION = 1
 SYS_TENANT = "sys"
 STREAM = "FLEET"
 TELEMETRY_STREAM = "FLEET_TELEMETRY"
+# a job's logs, asked of the executor of its node (request/reply, not in any stream): fleet.logs.<tenant>.<node>
+LOGS_PREFIX = "fleet.logs"
 SUBJECT_ROOT = "fleet"
 
 
@@ -411,10 +413,13 @@ class NodeLost(_NodePayload):
 
 
 class NodeCordoned(_NodePayload):
-    """The node takes no new work."""
+    """The node takes no new work (what runs there goes on, unless `drain`)."""
 
     type: Literal["node.cordoned"] = "node.cordoned"
     reason: str
+    # drained (`gpufleet node drain`, like `kubectl drain`): each job running there is also asked
+    # to run again elsewhere, from its last checkpoint, without spending one of its retries
+    drain: bool = False
 
 
 class NodeUncordoned(_NodePayload):
@@ -447,6 +452,9 @@ class NodeGpuCleared(_NodePayload):
     type: Literal["node.gpu_cleared"] = "node.gpu_cleared"
     gpu_index: int
     reason: str = "occupancy check passed"
+    # an operator returned it to service (`gpufleet gpu return`, the actor says who): every hold
+    # is lifted, an unhealthy report's included; telemetry's check lifts only zombie and unclean
+    returned: bool = False
 
 
 class NodeGpuZombieDetected(_NodePayload):

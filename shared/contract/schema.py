@@ -51,6 +51,8 @@ DRAFT = "https://json-schema.org/draft/2020-12/schema"
 SCHEMA_FORMAT = "application/schema+json;version=draft-2020-12"
 ASYNCAPI_VERSION = "3.0.0"
 ENVELOPE_FILE = "envelope.schema.json"
+LOGS_REQUEST_FILE = "logs.request.schema.json"  # not envelopes: request/reply, in no stream (shared/contract/logs.py)
+LOGS_REPLY_FILE = "logs.reply.schema.json"
 ASYNCAPI_FILE = "asyncapi.yaml"
 README_FILE = "README.md"
 SCHEMA_SUFFIX = ".schema.json"
@@ -566,6 +568,43 @@ def _message_key(type_name: str) -> str:
     return PAYLOAD_TYPES[type_name].__name__
 
 
+def _logs_channel(channels: dict[str, Any], operations: dict[str, Any], messages: dict[str, Any],
+                  schemas: dict[str, Any]) -> None:
+    """A run's log, asked of the executor of its node: request/reply, in no stream."""
+    from gpufleet.shared.contract.events import LOGS_PREFIX
+
+    channels["logs"] = {
+        "address": f"{LOGS_PREFIX}.{{tenant}}.{{node_id}}",
+        "title": "A run's logs (request/reply)",
+        "description": ("Ask the executor of the node a run started on (`job.started`'s node_id) for its stdout and "
+                        "stderr; a tenant may ask only on its own tenant's subjects. In no stream: a NATS micro service "
+                        "(`gpufleet-logs`) answers on the request's reply subject; no answer within a few seconds means "
+                        "no executor serves that node now. Errors carry the headers `Nats-Service-Error-Code` (400, "
+                        "404, 503) and `Nats-Service-Error` (docs/clients.md, section 7)."),
+        "parameters": {"tenant": {"$ref": "#/components/parameters/tenant"},
+                       "node_id": {"$ref": "#/components/parameters/node_id"}},
+        "messages": {"LogRequest": {"$ref": "#/components/messages/LogRequest"}},
+        "servers": [{"$ref": "#/servers/nats"}],
+    }
+    channels["logsReply"] = {
+        "address": None,
+        "title": "A log reply (on the request's reply subject)",
+        "messages": {"LogReply": {"$ref": "#/components/messages/LogReply"}},
+    }
+    operations["requestLogs"] = {
+        "action": "send",
+        "channel": {"$ref": "#/channels/logs"},
+        "summary": "Read a part of a run's log (from a byte offset, or its last lines).",
+        "messages": [{"$ref": "#/channels/logs/messages/LogRequest"}],
+        "reply": {"channel": {"$ref": "#/channels/logsReply"},
+                  "messages": [{"$ref": "#/channels/logsReply/messages/LogReply"}]},
+    }
+    for key, name, file in (("LogRequest", "logs.request", LOGS_REQUEST_FILE), ("LogReply", "logs.reply", LOGS_REPLY_FILE)):
+        schemas[key] = {"schemaFormat": SCHEMA_FORMAT, "schema": {"$ref": f"./{file}"}}
+        messages[key] = {"name": name, "title": key, "contentType": "application/json",
+                         "payload": {"$ref": f"#/components/schemas/{key}"}}
+
+
 def asyncapi() -> dict[str, Any]:
     """The AsyncAPI 3.0 document: server, channels with parameters, operations, messages."""
     by_channel: dict[str, list[tuple[str, str | None]]] = {ch.key: [] for ch in CHANNELS}
@@ -641,6 +680,7 @@ def asyncapi() -> dict[str, Any]:
             "payload": {"$ref": f"#/components/schemas/{key}"},
         }
     schemas["Envelope"] = {"schemaFormat": SCHEMA_FORMAT, "schema": {"$ref": f"./{ENVELOPE_FILE}"}}
+    _logs_channel(channels, operations, messages, schemas)
 
     return {
         "asyncapi": ASYNCAPI_VERSION,
@@ -700,6 +740,8 @@ def readme() -> str:
         f"- [`{ENVELOPE_FILE}`]({ENVELOPE_FILE}): any message, the envelope with the payload union (JSON Schema 2020-12).",
         "- `<type>.schema.json`: the envelope of one message type; each file stands alone.",
         f"- [`{ASYNCAPI_FILE}`]({ASYNCAPI_FILE}): channels, operations and messages (AsyncAPI {ASYNCAPI_VERSION}).",
+        f"- [`{LOGS_REQUEST_FILE}`]({LOGS_REQUEST_FILE}), [`{LOGS_REPLY_FILE}`]({LOGS_REPLY_FILE}): a run's log, asked "
+        "of the executor of its node on `fleet.logs.<tenant>.<node_id>` (request/reply, not envelopes, in no stream).",
         "",
         MSG_ID_NOTE,
         "",
@@ -738,10 +780,19 @@ def _json(doc: dict[str, Any]) -> str:
     return json.dumps(doc, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
 
 
+def logs_schemas() -> dict[str, dict[str, Any]]:
+    """The schemas of a log request and its reply (`gpufleet logs`, docs/clients.md section 7)."""
+    from gpufleet.shared.contract.logs import LogReply, LogRequest
+
+    return {name: {"$schema": DRAFT, "$id": name, **model.model_json_schema()}
+            for name, model in ((LOGS_REQUEST_FILE, LogRequest), (LOGS_REPLY_FILE, LogReply))}
+
+
 def render() -> dict[str, str]:
     """Every file export writes: name -> text."""
     files = {schema_file(t): _json(type_schema(t)) for t in sorted(PAYLOAD_TYPES)}
     files[ENVELOPE_FILE] = _json(envelope_schema())
+    files.update({name: _json(doc) for name, doc in logs_schemas().items()})
     files[JOBSPEC_FILE] = _json(spec_schema())
     files[ASYNCAPI_FILE] = _yaml(asyncapi())
     files[README_FILE] = readme()

@@ -33,7 +33,14 @@ from pathlib import Path
 from typing import Any
 
 from gpufleet.shared.contract.config import write_private
-from gpufleet.shared.contract.events import EVENT_TYPES, STREAM, SYS_TENANT, TELEMETRY_STREAM, Envelope
+from gpufleet.shared.contract.events import (
+    EVENT_TYPES,
+    LOGS_PREFIX,
+    STREAM,
+    SYS_TENANT,
+    TELEMETRY_STREAM,
+    Envelope,
+)
 from gpufleet.shared.trust.tls import TLS_TIMEOUT_S, ServerTls, tls_block
 
 CREDS_VERSION = 1
@@ -226,9 +233,16 @@ def service_permissions(services: Sequence[str], inbox_prefix: str) -> dict[str,
     sub = [f"{inbox_prefix}.>"]
     if "telemetry" in services:
         sub.append("fleet.tel.node.*.heartbeat")  # heartbeats feed its leases
+    if "executor" in services:
+        # it serves its nodes' logs (services/executor/logs.py: a NATS micro service) and answers
+        # each request once on the asker's reply subject (allow_responses), no other inbox
+        sub += [f"{LOGS_PREFIX}.*.*", "$SRV.>"]
     # deny wins over allow in the server: the archive process's purge is not denied to it
     deny = [d for d in _ERASE if not (ARCHIVE_PROCESS in services and d == f"$JS.API.STREAM.PURGE.{STREAM}")]
-    return {"publish": {"allow": sorted(set(pub)), "deny": deny}, "subscribe": {"allow": sub}}
+    out: dict[str, Any] = {"publish": {"allow": sorted(set(pub)), "deny": deny}, "subscribe": {"allow": sub}}
+    if "executor" in services:
+        out["allow_responses"] = {"max": 1, "expires": "1m"}
+    return out
 
 
 def tenant_permissions(tenant: str, inbox_prefix: str, durables: Iterable[str] = ()) -> dict[str, Any]:
@@ -237,7 +251,7 @@ def tenant_permissions(tenant: str, inbox_prefix: str, durables: Iterable[str] =
     re-point it)."""
     own = [f"fleet.evt.{tenant}.>", f"fleet.cmd.{tenant}.>"]
     # STREAM.NAMES: clients find the stream of a subject (it lists names, nothing of the content)
-    pub = [f"fleet.cmd.{tenant}.>", "$JS.API.INFO", "$JS.API.STREAM.NAMES",
+    pub = [f"fleet.cmd.{tenant}.>", f"{LOGS_PREFIX}.{tenant}.>", "$JS.API.INFO", "$JS.API.STREAM.NAMES",
            *(f"$JS.API.CONSUMER.CREATE.{STREAM}.*.{s}" for s in own)]
     deny = [*_ERASE, *(f"$JS.API.CONSUMER.CREATE.{STREAM}.{d}.>" for d in sorted(set(durables)))]
     # allow_responses: it may answer what it was sent with a reply subject (the flow control of
