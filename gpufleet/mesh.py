@@ -72,6 +72,9 @@ class MeshOptions:
     nats_cluster: int = 1  # nats-servers: 1, or a JetStream cluster of 3 (or 5) on loopback, FLEET at R3
     instances: int = 1  # 2: each service twice (separate layout): leased ones active/passive, placers side by side
     nats_netns: bool = False  # each clustered nats-server in a network namespace of its own (partitions: netns.py)
+    # sim: the sim nodes split over this many executor processes (as GPU nodes each have their own):
+    # one lost executor is a part of the fleet going silent, not all of it
+    sim_executors: int = 1
 
 
 @dataclass
@@ -278,6 +281,9 @@ class Supervisor:
 
         for services in groups:
             name = "+".join(services)
+            if services == ("executor",) and self.opts.driver == "sim" and self.opts.sim_executors > 1:
+                self._start_sim_executors()
+                continue
             twice = self.opts.instances > 1 and len(services) == 1 and (
                 services[0] in LEASED or services[0] in ("placer", "telemetry"))
             for i in range(2 if twice else 1):
@@ -289,6 +295,22 @@ class Supervisor:
                 child = Child(name if i == 0 else f"{name}@{i}", argv, services)
                 self.children[child.name] = child
                 self.spawn(child)
+
+    def _start_sim_executors(self) -> None:
+        """The sim nodes split over `sim_executors` processes: executor i hosts its share under the
+        prefix `sim` (i = 0) or `sim<i>`, as instance i (a durable and a snapshot of its own); only
+        the first provides the autoscaler's sim pools."""
+        k, n = self.opts.sim_executors, self.opts.sim_nodes
+        for i in range(k):
+            share = n // k + (1 if i < n % k else 0)
+            argv = self.child_argv(("executor",))
+            at = argv.index("--sim-nodes")
+            argv[at + 1] = str(share)
+            if i:
+                argv += ["--node-prefix", f"sim{i}", "--instance", str(i), "--no-sim-pools"]
+            child = Child("executor" if i == 0 else f"executor@{i}", argv, ("executor",))
+            self.children[child.name] = child
+            self.spawn(child)
 
     def check_infra(self) -> None:
         """nats-server or PostgreSQL died: start it again, on the same port with the same store
@@ -370,7 +392,9 @@ class Supervisor:
             self.start_services()
             self.write_mesh("starting")
             wait_services_ready(self.nats_url, timeout_s=90, layout=self.opts.layout, data_dir=self.dir,
-                                meanwhile=self.check_children)
+                                meanwhile=self.check_children,
+                                also={f"executor-{i}" for i in range(1, self.opts.sim_executors)}
+                                if self.opts.driver == "sim" else set())
             self.write_mesh("running")
             if on_ready:
                 on_ready(self)
@@ -407,10 +431,10 @@ def durables(layout: str) -> set[str]:
 
 
 def wait_services_ready(nats_url: str, timeout_s: float, layout: str = "grouped",
-                        data_dir: Path | None = None, meanwhile: Any = None) -> None:
-    """Ready = every process's durable consumer exists (each creates it after folding).
-    `meanwhile` runs at each look (the supervisor restarts a service that died starting)."""
-    expected = durables(layout)
+                        data_dir: Path | None = None, meanwhile: Any = None, also: set[str] | None = None) -> None:
+    """Ready = every process's durable consumer exists (each creates it after folding; `also`
+    names more). `meanwhile` runs at each look (the supervisor restarts a service that died starting)."""
+    expected = durables(layout) | (also or set())
     import nats
 
     async def check() -> None:
@@ -458,6 +482,7 @@ def up_detached(opts: MeshOptions, timeout_s: float = 90.0) -> dict[str, Any]:
         "--sim-nodes", str(opts.sim_nodes), "--nats-port", str(opts.nats_port), "--pg-port", str(opts.pg_port),
         "--log-level", opts.log_level, "--layout", opts.layout, "--sim-mix", opts.sim_mix, "--driver", opts.driver,
         "--retention", opts.retention, "--nats-cluster", str(opts.nats_cluster), "--instances", str(opts.instances),
+        "--sim-executors", str(opts.sim_executors),
         *(["--nats-netns"] if opts.nats_netns else []),
         *(["--config", str(Path(opts.config).resolve())] if opts.config else []), *([] if opts.postgres else ["--no-postgres"]),
     ]
@@ -545,12 +570,13 @@ def main(argv: list[str] | None = None) -> None:
     sp.add_argument("--nats-cluster", type=int, default=1)
     sp.add_argument("--instances", type=int, default=1)
     sp.add_argument("--nats-netns", action="store_true")
+    sp.add_argument("--sim-executors", type=int, default=1)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     opts = MeshOptions(Path(args.data_dir), args.sim_nodes, args.nats_port, args.pg_port,
                        not args.no_postgres, args.log_level, args.layout,
                        Path(args.config) if args.config else None, args.sim_mix, args.driver, args.retention,
-                       args.nats_cluster, args.instances, args.nats_netns)
+                       args.nats_cluster, args.instances, args.nats_netns, args.sim_executors)
     Supervisor(opts).run()
 
 

@@ -36,4 +36,7 @@ def test_a_short_campaign_loses_nothing_and_does_nothing_twice() -> None:
     assert all(f["recovery_s"] is not None for f in doc["faults"] if f["probe"] is not None), doc["faults"]
     # the node lost past its lease was declared lost, and no other fault cost a node
     assert doc["nodes_lost"] > 0 and doc["nodes_lost_elsewhere"] == [], doc["nodes_lost_elsewhere"]
+    # the whole fleet silent at once (both node agents frozen past the lease): held, nobody lost
+    [silence] = [f for f in doc["faults"] if f["kind"] == "silence_fleet"]
+    assert "executor, executor@1" in silence["hit"] and doc["fleet_silent_holds"] >= 1, (silence, doc["fleet_silent_holds"])
     assert doc["ok"]

@@ -210,6 +210,26 @@ def test_lease_expiry_loses_the_node_and_ends_its_replicas_once() -> None:
     assert core.check_leases(st, {NODE: T0 + 5}, T0 + 45, ctx()) == []
 
 
+def test_most_of_the_fleet_silent_at_once_is_a_hold_not_a_mass_loss() -> None:
+    """Kubernetes' node lifecycle controller stops evicting when most of a zone goes dark at once:
+    a switch or NATS between the nodes and telemetry is likelier than that many failures."""
+    nodes = [f"n{i}" for i in range(6)]
+    core, st = telemetry(*(ev(NodeRegistered(node_id=n, inventory=INV), at=T0) for n in nodes))
+    heard = {n: T0 + 5 for n in nodes}
+    late = T0 + 40  # past every lease
+    assert core.silent_fleet(st, heard, late) == (6, 6)
+    assert core.silent_fleet(st, {**heard, "n0": late, "n1": late, "n2": late}, late) is None  # half: a real loss
+    lost = core.check_leases(st, {**heard, "n0": late, "n1": late, "n2": late}, late, ctx(late))
+    assert sorted(f.node_id for f in lost if f.type == "node.lost") == ["n3", "n4", "n5"]
+    assert core.silent_fleet(st, {**heard, "n0": late}, late) == (5, 6)  # 5 of 6: held
+    # a node already lost does not count: of the three left, one silent is one loss
+    st = fold(core, st, *lost)
+    assert core.silent_fleet(st, {**heard, "n0": late, "n1": late}, late) is None
+    # a small fleet (fewer than hold_min_nodes) is never held: two nodes down is two nodes down
+    small, sst = telemetry(ev(NodeRegistered(node_id="b", inventory=INV), at=T0))  # (and n0)
+    assert small.silent_fleet(sst, {}, late) is None
+
+
 def test_preemption_stops_with_the_grace_it_gives() -> None:
     from gpufleet.shared.contract.events import JobPreemptionRequested, Reason
 

@@ -13,10 +13,13 @@ that reclaim borrowed quota, cancels), faults are injected in an order drawn fro
 - `stop_executor`: the node agent frozen (SIGSTOP) for 2-6 s, then let go (SIGCONT): shorter than
   the heartbeat lease (15 s in the campaign's mesh, `GPUFLEET_NODE_LEASE_S`) less a heartbeat
   period, so no node may be declared lost for it;
-- `lose_node`: the node agent frozen for 5-10 s longer than the lease: telemetry declares its
-  nodes lost and their runs ended (`node_lost`), the guardian runs them again once the nodes
+- `lose_node`: one node agent (of two, each hosting half the sim nodes) frozen for 5-10 s longer
+  than the lease: telemetry declares its nodes lost and their runs ended (`node_lost`), the guardian runs them again once the nodes
   register again (the agent, let go, hears that it was lost); a run must not end twice, nor
   be billed twice, nor hold GPUs on a node the log says is gone;
+- `silence_fleet`: both node agents frozen 5-10 s past the lease, so the whole fleet goes silent
+  at once while telemetry is connected: no node may be declared lost (a fault between the nodes
+  and NATS is likelier than every node failing; `TelemetryCore.silent_fleet`);
 - `partition`: one NATS node that does not lead the stream cut from the other two for 3-8 s (each
   server runs in a network namespace of its own, shared/embedded/netns.py: a pair of blackhole
   routes, while the clients on the host still reach it), then healed;
@@ -48,6 +51,7 @@ but may interleave them with the jobs differently.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -63,7 +67,8 @@ from typing import Any
 
 PARTITION_KINDS = ("partition", "partition_leader", "split_brain")
 FAULT_KINDS = ("kill_service", "kill_nats", "kill_nats_leader", "kill_postgres", "stop_executor", "lose_node",
-               *PARTITION_KINDS)
+               *PARTITION_KINDS, "silence_fleet")
+SIM_EXECUTORS = 2  # the sim nodes split over two node agents: `lose_node` loses half the fleet
 NODE_LEASE_S = 15.0  # the campaign mesh's heartbeat lease (30 s by default): a lost node costs less of the run
 CONFIG = """\
 cohorts: {shared: {}}
@@ -203,6 +208,19 @@ async def inject(kind: str, d: Path, fleet: Any, rng: random.Random) -> str:
         return f"{crashed} (pid {pid}) killed, {'back' if back else 'NOT back'}; {cut}"
     elif kind == "kill_postgres":
         victim = "postgres"
+    elif kind == "silence_fleet":  # every node agent frozen past the lease: the fleet goes silent at once
+        agents = sorted(n for n in parts if n.split("@")[0] == "executor" and parts[n].get("pid"))
+        pids = [int(parts[n]["pid"]) for n in agents]
+        pause = NODE_LEASE_S + rng.uniform(5.0, 10.0)
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            await asyncio.sleep(pause)
+        finally:
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
+        return f"{', '.join(agents)} (pids {', '.join(map(str, pids))}) stopped {pause:.1f} s"
     else:  # stop_executor, lose_node
         victim = "executor"
     pid = parts.get(victim, {}).get("pid")
@@ -408,6 +426,9 @@ async def _check(d: Path, fleet: Any, jobs: set[str], ends: dict[str, tuple[str,
     out["nodes_lost_elsewhere"] = sorted(
         f"{e.node_id} at {e.occurred_at.isoformat()}" for _s, e in lost
         if not any(a <= e.occurred_at.timestamp() <= b for a, b in lost_windows or ()))[:10]
+    # the whole fleet silent at once (silence_fleet): each telemetry instance held its leases (its log says so)
+    out["fleet_silent_holds"] = sum(f.read_text(errors="replace").count("went silent at once: none is declared lost")
+                                    for f in (d / "logs").glob("telemetry*.log"))
     out["ok"] = (not out["not_ended_count"] and not out["ended_twice"] and out["audit_ok"]
                  and not out["nodes_lost_elsewhere"]
                  and out["replay_equals_read_model"] and not out["runs_charged_twice"] and not out["runs_not_charged"])
@@ -428,7 +449,8 @@ def run(seed: int, jobs: int, sim_nodes: int = 8, extra_faults: int = 3, keep: P
     (d.parent / "chaos-cluster.yaml").write_text(CONFIG)
     t0 = time.monotonic()
     _cli(d, "up", "--detach", "--nats-cluster", "3", "--layout", "separate", "--instances", "2",
-         "--sim-nodes", str(sim_nodes), "--config", str(d.parent / "chaos-cluster.yaml"),
+         "--sim-nodes", str(sim_nodes), "--sim-executors", str(SIM_EXECUTORS),
+         "--config", str(d.parent / "chaos-cluster.yaml"),
          *([] if no_netns else ["--nats-netns"]), timeout=300,
          env={**os.environ, "GPUFLEET_NODE_LEASE_S": f"{NODE_LEASE_S:g}s"})
     started_s = time.monotonic() - t0

@@ -42,6 +42,8 @@ def up(
                                                 "decide side by side (compare-and-set); one executor per node")] = 1,
     nats_netns: Annotated[bool, typer.Option("--nats-netns", help="with --nats-cluster: each nats-server in a network "
                                              "namespace of its own (root), so that bench chaos can partition them")] = False,
+    sim_executors: Annotated[int, typer.Option(help="sim: the sim nodes split over this many executor processes "
+                                                    "(as real nodes each run their own)")] = 1,
 ) -> None:
     """Start nats-server, PostgreSQL, the eight services and N simulated nodes (or this machine as a node)."""
     from gpufleet.mesh import MeshOptions, Supervisor, running_supervisor, up_detached
@@ -80,6 +82,9 @@ def up(
     if instances not in (1, 2) or (instances == 2 and layout != "separate"):
         typer.echo("error: --instances: 1, or 2 with --layout separate (each service its own processes)", err=True)
         raise typer.Exit(2)
+    if not 1 <= sim_executors <= max(1, sim_nodes) or (sim_executors > 1 and driver != "sim"):
+        typer.echo(f"error: --sim-executors: 1 to --sim-nodes ({sim_nodes}) executors, with the sim driver", err=True)
+        raise typer.Exit(2)
     if nats_cluster not in (1, 3, 5):
         typer.echo(f"error: --nats-cluster: 1, 3 or 5 servers (a quorum needs an odd number), not {nats_cluster}", err=True)
         raise typer.Exit(2)
@@ -92,7 +97,7 @@ def up(
             raise typer.Exit(2)
     opts = MeshOptions(ddir, sim_nodes, nats_port, pg_port, postgres, layout=layout, config=config, sim_mix=sim_mix,
                        driver=driver, retention=retention, nats_cluster=nats_cluster, instances=instances,
-                       nats_netns=nats_netns)
+                       nats_netns=nats_netns, sim_executors=sim_executors)
     if detach:
         doc = up_detached(opts)
         typer.echo(f"gpufleet running in {ddir}: NATS {doc['nats_url']}, PostgreSQL {doc['pg_dsn'] or '-'}, "

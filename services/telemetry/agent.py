@@ -171,6 +171,8 @@ class TelemetryAgent:
         self._blind = False  # its own connection was down: it heard no one
         self._reconnects = 0
         self.lease_checks = 0  # the checks that could decide (it heard the nodes)
+        self.holding = False  # most of the fleet is silent at once: nobody is declared lost (silent_fleet)
+        self.lease_holds = 0
         self.proc_use = ProcUse()
         self._stop = asyncio.Event()
         self._sub: Any = None
@@ -228,7 +230,9 @@ class TelemetryAgent:
         """Turn a node's silence into `node.lost`, but only a silence this telemetry could have
         heard: while its own connection is down it hears no one, and after it reconnects every
         node gets a full lease from then (a NATS outage longer than the lease is not every node
-        lost at once; issue: the distributed mode under faults)."""
+        lost at once; issue: the distributed mode under faults). And while most of the fleet is
+        silent at once though telemetry itself is connected (its nodes' executor frozen, a switch
+        between them and NATS), none is declared lost: `TelemetryCore.silent_fleet`."""
         nc = self.bus.nc
         if not nc.is_connected:
             if not self._blind:
@@ -244,6 +248,19 @@ class TelemetryAgent:
             log.warning("telemetry is back on NATS: every node gets a full lease (%.0fs) from now",
                         self.core.rules.lease_s)
             return
+        held = self.core.silent_fleet(self.state, self.last_seen, self.clock())
+        if held is not None:
+            if not self.holding:
+                log.error("ALERT %d of %d nodes went silent at once: none is declared lost (a fault between them "
+                          "and NATS is likelier than %d failures); the ones still silent once the rest are heard "
+                          "again are. Check the network, NATS and the executors (`gpufleet nodes`, `gpufleet status`)",
+                          held[0], held[1], held[0])
+            self.holding = True
+            self.lease_holds += 1
+            return
+        if self.holding:
+            log.warning("the fleet is heard again: leases are checked as usual")
+            self.holding = False
         self.lease_checks += 1
         facts = self.core.check_leases(self.state, self.last_seen, self.clock(), self.runtime.ctx())
         for f in facts:

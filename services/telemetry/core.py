@@ -48,6 +48,10 @@ LOST_EXIT = 137
 @dataclass(frozen=True)
 class Rules:
     lease_s: float = 30.0  # no heartbeat for this long: the node is lost
+    # this share of the nodes (of at least hold_min_nodes) silent at once: none is declared lost
+    # (Kubernetes' node lifecycle controller stops evicting at 55% of a zone); `silent_fleet`
+    hold_fraction: float = 0.55
+    hold_min_nodes: int = 3
     idle_pct: float = 5.0
     idle_after_s: float = 1800.0
     starved_gpu_pct: float = 40.0
@@ -284,6 +288,19 @@ class TelemetryCore(BaseCore[TelemetryState]):
         return state
 
     # ------------------------------------------------------------ leases
+
+    def silent_fleet(self, state: TelemetryState, last_seen: dict[str, float], now: float) -> tuple[int, int] | None:
+        """(silent, watched) when so much of the fleet went silent at once that a fault between the
+        nodes and NATS (a switch, a NATS outage, the executor that hosts them) is likelier than
+        that many node failures: at least `hold_fraction` of at least `hold_min_nodes` nodes not
+        yet lost. Then none is declared lost (its jobs would be re-run while they may be running
+        fine); once enough are heard again, the ones still silent are lost as usual. None otherwise."""
+        watched = [n for n in state.nodes if n not in state.lost]
+        if len(watched) < self.rules.hold_min_nodes:
+            return None
+        silent = sum(1 for n in watched
+                     if now - max(last_seen.get(n, 0.0), state.registered_at.get(n, 0.0)) >= self.rules.lease_s)
+        return (silent, len(watched)) if silent > 1 and silent >= self.rules.hold_fraction * len(watched) else None
 
     def check_leases(self, state: TelemetryState, last_seen: dict[str, float], now: float, ctx: Ctx) -> list[Envelope]:
         out: list[Envelope] = []
