@@ -21,7 +21,12 @@ run: install  ## start the embedded mesh and run a sample workload, showing live
 	$(GPUFLEET) status --data-dir $(DATA_DIR)
 	$(GPUFLEET) submit examples/batch-small.yaml --data-dir $(DATA_DIR)
 	$(GPUFLEET) submit examples/gang-2x8.yaml --data-dir $(DATA_DIR)
-	$(GPUFLEET) submit examples/train-resnet.yaml --data-dir $(DATA_DIR) --wait
+	@JOB=$$($(GPUFLEET) submit examples/train-resnet.yaml --data-dir $(DATA_DIR) --json --yes \
+	    | $(PY) -c 'import json, sys; print(json.loads(sys.stdin.readline())["job_id"])') && \
+	  echo "+ gpufleet logs $$JOB -f   # the run's output, from the executor of its node" && \
+	  $(GPUFLEET) logs $$JOB -f --data-dir $(DATA_DIR) && \
+	  echo "+ gpufleet submit --from $$JOB --set sim.duration=3s --wait   # adjust and run again" && \
+	  $(GPUFLEET) submit --from $$JOB --set sim.duration=3s --data-dir $(DATA_DIR) --yes --wait
 	$(GPUFLEET) jobs --data-dir $(DATA_DIR)
 	$(GPUFLEET) nodes --data-dir $(DATA_DIR) | head -8
 	@echo "the mesh keeps running: 'make down' (or gpufleet down --data-dir $(DATA_DIR)) stops it"

@@ -106,6 +106,7 @@ class Supervisor:
         self._nats_conf: Path | None = None
         self.infra_restarts: dict[str, int] = {}
         self.lab: Any = None  # with --nats-netns: the NetLab the clustered servers run in
+        self.node_ns: int | None = None  # ... and the namespace of the second sim node agent
 
     # -------------------------------------------------------------- mesh.json
 
@@ -120,7 +121,7 @@ class Supervisor:
             "creds_dir": str(self.realm.creds_dir) if self.realm is not None else None,
             "sim_nodes": self.opts.sim_nodes,
             "started_at": time.time(),
-            **({"netns": {"owner": self.lab.owner, "n": self.lab.n, "net": str(self.lab.net)}}
+            **({"netns": {"owner": self.lab.owner, "n": self.lab.n, "net": str(self.lab.net), "node_ns": self.node_ns}}
                if self.lab is not None else {}),
             "parts": {
                 "nats": {"pid": self.nats_proc.pid if self.nats_proc else None,
@@ -212,7 +213,11 @@ class Supervisor:
             if why is not None:
                 raise SystemExit(f"--nats-netns: {why}")
             netns.sweep()
-            self.lab = netns.NetLab(n).create()
+            # with several sim node agents, the second runs in a namespace of its own too, so that
+            # a node can be cut from NATS (bench chaos `cut_node`) while the control plane is not
+            agent_ns = self.opts.sim_executors > 1 and self.opts.driver == "sim"
+            self.lab = netns.NetLab(n + (1 if agent_ns else 0)).create()
+            self.node_ns = n + 1 if agent_ns else None
         hosts = [self.lab.addr(i + 1) if self.lab is not None else "127.0.0.1" for i in range(n)]
         ports = [(self.opts.nats_port + i if self.opts.nats_port else free_port(), free_port()) for i in range(n)]
         routes = [f"nats://{h}:{rp}" for h, (_, rp) in zip(hosts, ports, strict=True)]
@@ -308,6 +313,8 @@ class Supervisor:
             argv[at + 1] = str(share)
             if i:
                 argv += ["--node-prefix", f"sim{i}", "--instance", str(i), "--no-sim-pools"]
+            if i == 1 and self.lab is not None and self.node_ns is not None:
+                argv = self.lab.argv(self.node_ns, argv)  # a node that can be cut from NATS
             child = Child("executor" if i == 0 else f"executor@{i}", argv, ("executor",))
             self.children[child.name] = child
             self.spawn(child)

@@ -319,3 +319,24 @@ async def test_a_gang_loses_one_node_and_runs_again_whole(bus: Bus, nats_url: st
     # run 1: a lost, b's replica stopped for the resume; run 2: both complete
     assert exits == [(1, "a", "node_lost"), (1, "b", "killed"), (2, "b", "completed"), (2, "c", "completed")]
     assert len(await of_type(bus, "job.resume_requested", gang.job_id)) == 1
+
+
+async def test_the_whole_fleet_silent_at_once_is_held_and_a_straggler_gets_a_lease_after(bus: Bus, nats_url: str) -> None:
+    """Every node agent silent past the lease while telemetry is connected: nobody is lost (a
+    fault between them and NATS is likelier). When most are heard again, the one still silent
+    gets a full lease from then, and is lost only once that runs out."""
+    async with AsyncExitStack() as stack:
+        ab = await stack.enter_async_context(executor(nats_url, {"a": node("a"), "b": node("b")}, "0"))
+        c = await stack.enter_async_context(executor(nats_url, {"c": node("c")}, "1"))
+        tel = await stack.enter_async_context(telemetry(nats_url))
+        await wait_until(lambda: set(tel.state.nodes) == {"a", "b", "c"}, timeout_s=10)
+        ab.beating = c.beating = False
+        await wait_until(lambda: tel.lease_holds >= int(2 * RULES.lease_s / 0.1), timeout_s=20)  # two leases held
+        assert tel.holding and not await of_type(bus, "node.lost")
+        ab.beating = True  # a and b are heard again; c is still silent
+        await wait_until(lambda: not tel.holding, timeout_s=10)
+        ended = asyncio.get_running_loop().time()
+        lost = await wait_for_type(bus, "node.lost", timeout_s=15)
+        waited = asyncio.get_running_loop().time() - ended
+    assert [e.node_id for e in lost] == ["c"]
+    assert waited >= RULES.lease_s * 0.8, waited  # a lease from the end of the hold, not at once

@@ -17,6 +17,10 @@ that reclaim borrowed quota, cancels), faults are injected in an order drawn fro
   than the lease: telemetry declares its nodes lost and their runs ended (`node_lost`), the guardian runs them again once the nodes
   register again (the agent, let go, hears that it was lost); a run must not end twice, nor
   be billed twice, nor hold GPUs on a node the log says is gone;
+- `cut_node`: the second node agent (it runs in a network namespace of its own) cut from every
+  NATS node for 5-10 s longer than the lease, while it runs on: telemetry declares its nodes lost
+  and the jobs run again elsewhere; healed, the agent reconnects, hears of the loss and registers
+  them again, and nothing it decided meanwhile may start, end or bill a run twice;
 - `silence_fleet`: both node agents frozen 5-10 s past the lease, so the whole fleet goes silent
   at once while telemetry is connected: no node may be declared lost (a fault between the nodes
   and NATS is likelier than every node failing; `TelemetryCore.silent_fleet`);
@@ -61,14 +65,36 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-PARTITION_KINDS = ("partition", "partition_leader", "split_brain")
+PARTITION_KINDS = ("partition", "partition_leader", "split_brain", "cut_node")
 FAULT_KINDS = ("kill_service", "kill_nats", "kill_nats_leader", "kill_postgres", "stop_executor", "lose_node",
                *PARTITION_KINDS, "silence_fleet")
 SIM_EXECUTORS = 2  # the sim nodes split over two node agents: `lose_node` loses half the fleet
+# the node agents each fault kind freezes or cuts off (`executor` hosts sim-*, `executor@1` sim1-*)
+SILENCES = {"stop_executor": ("executor",), "lose_node": ("executor",), "cut_node": ("executor@1",),
+            "silence_fleet": ("executor", "executor@1")}
+RECONNECT_SLACK_S = 5.0  # an agent let go is heard again within this (its NATS connection may have moved)
+
+
+def agent_of(node_id: str) -> str:
+    """The node agent hosting a sim node: `sim-…` the first (`executor`), `sim<i>-…` `executor@<i>`."""
+    prefix = node_id.split("-", 1)[0].removeprefix("sim")
+    return f"executor@{prefix}" if prefix.isdigit() else "executor"
+
+
+def _silenced_before(node_id: str, at: float, silenced: Sequence[tuple[str, float, float]]) -> bool:
+    """Whether the node's agent was frozen or cut off for most of the lease before `at` (at least
+    the lease less the slack an agent needs to be heard again, within the lease plus that slack):
+    only then may telemetry have gone a whole lease without hearing it, and a loss is justified.
+    A frozen agent inside the lease (`stop_executor`: 2-6 s) never justifies one."""
+    agent = agent_of(node_id)
+    window = (at - NODE_LEASE_S - RECONNECT_SLACK_S, at)
+    quiet: float = sum(max(0.0, min(ended, window[1]) - max(began, window[0]))
+                for a, began, ended in silenced if a == agent)
+    return quiet >= NODE_LEASE_S - RECONNECT_SLACK_S
 NODE_LEASE_S = 15.0  # the campaign mesh's heartbeat lease (30 s by default): a lost node costs less of the run
 CONFIG = """\
 cohorts: {shared: {}}
@@ -160,7 +186,8 @@ async def _partition(d: Path, fleet: Any, rng: random.Random, victim: str, what:
 
     lab = NetLab.attach(json.loads((d / "mesh.json").read_text())["netns"])
     hold = rng.uniform(3.0, 8.0)
-    lab.isolate(_node_index(_parts(d), victim))
+    parts = _parts(d)
+    lab.isolate(_node_index(parts, victim), among=range(1, len(_nats_nodes(parts)) + 1))  # (not from the node agent)
     try:
         await asyncio.sleep(hold)
     finally:
@@ -208,6 +235,22 @@ async def inject(kind: str, d: Path, fleet: Any, rng: random.Random) -> str:
         return f"{crashed} (pid {pid}) killed, {'back' if back else 'NOT back'}; {cut}"
     elif kind == "kill_postgres":
         victim = "postgres"
+    elif kind == "cut_node":  # the second node agent's namespace cut from every NATS node, past the lease
+        doc = json.loads((d / "mesh.json").read_text()).get("netns") or {}
+        ns = doc.get("node_ns")
+        if not ns:
+            return "no node agent in a namespace of its own (nothing hit)"
+        from gpufleet.shared.embedded.netns import NetLab
+
+        lab = NetLab.attach(doc)
+        hold = NODE_LEASE_S + rng.uniform(5.0, 10.0)
+        for j in range(1, len(nodes) + 1):
+            lab.cut(int(ns), j)
+        try:
+            await asyncio.sleep(hold)
+        finally:
+            lab.heal()
+        return f"executor@1 (its namespace, {ns}) cut from every NATS node {hold:.1f} s"
     elif kind == "silence_fleet":  # every node agent frozen past the lease: the fleet goes silent at once
         agents = sorted(n for n in parts if n.split("@")[0] == "executor" and parts[n].get("pid"))
         pids = [int(parts[n]["pid"]) for n in agents]
@@ -293,7 +336,7 @@ async def campaign(d: Path, seed: int, jobs: int, extra_faults: int,
                 asyncio.create_task(later())
 
     injected: list[dict[str, Any]] = []
-    lost_windows: list[tuple[float, float]] = []
+    silenced: list[tuple[str, float, float]] = []  # (node agent, from, to): frozen or cut off
 
     async def injector() -> None:
         for at, kind in faults:
@@ -301,8 +344,8 @@ async def campaign(d: Path, seed: int, jobs: int, extra_faults: int,
             began = time.time()
             hit = await inject(kind, d, fleet, rng)
             done = time.monotonic()
-            if kind == "lose_node":  # (node.lost is allowed inside this window only)
-                lost_windows.append((began, time.time() + 2.0))
+            for agent in SILENCES.get(kind, ()):  # (a node is lost only where its agent was silenced)
+                silenced.append((agent, began, time.time()))
             probe = await submit({"name": f"probe-{len(injected)}", "tenant": "acme", "queue": "probe",
                                   "resources": {"gpu": 1}, "sim": {"duration": "1s"}})
             if probe is not None:
@@ -318,7 +361,7 @@ async def campaign(d: Path, seed: int, jobs: int, extra_faults: int,
         job = row["probe"]
         row["recovery_s"] = round(placed_at[job] - probes[job], 2) if job in placed_at else None
     await sub.unsubscribe()
-    report = await _check(d, fleet, set(accepted), ends, say, lost_windows)
+    report = await _check(d, fleet, set(accepted), ends, say, silenced)
     await fleet.close()
     counts = Counter(ends[j][0] for j in accepted if j in ends)
     report.update({
@@ -381,7 +424,7 @@ async def _audit(d: Path, within_s: float = 90.0) -> dict[str, Any]:
 
 
 async def _check(d: Path, fleet: Any, jobs: set[str], ends: dict[str, tuple[str, int]],
-                 say: Callable[[str], None], lost_windows: list[tuple[float, float]] | None = None) -> dict[str, Any]:
+                 say: Callable[[str], None], silenced: list[tuple[str, float, float]] | None = None) -> dict[str, Any]:
     from datetime import UTC, datetime
 
     from gpufleet.services.billing import report
@@ -419,13 +462,14 @@ async def _check(d: Path, fleet: Any, jobs: set[str], ends: dict[str, tuple[str,
     out["runs_started"] = len(started)
     out["runs_charged_twice"] = sorted(f"{j}/{a}/{r}" for (j, a, r), n in per_run.items() if n > 1)[:10]
     out["runs_not_charged"] = len(started - set(per_run) - {(c.job_id, c.attempt, c.replica) for c in charges})
-    # a node is declared lost only where one was (lose_node); a frozen agent inside the lease, a
-    # NATS node killed or cut, must not cost anyone's run
+    # a node is declared lost only where its agent was frozen or cut off for most of a lease
+    # (lose_node, cut_node, or faults in a row); a frozen agent inside the lease, a NATS node
+    # killed or cut, the whole fleet silent at once (the hold) must not cost anyone's run
     lost = await _retrying(lambda: fleet.history("fleet.evt.sys.node.*.lost"))
     out["nodes_lost"] = len(lost)
     out["nodes_lost_elsewhere"] = sorted(
         f"{e.node_id} at {e.occurred_at.isoformat()}" for _s, e in lost
-        if not any(a <= e.occurred_at.timestamp() <= b for a, b in lost_windows or ()))[:10]
+        if not _silenced_before(e.node_id or "", e.occurred_at.timestamp(), silenced or ()))[:10]
     # the whole fleet silent at once (silence_fleet): each telemetry instance held its leases (its log says so)
     out["fleet_silent_holds"] = sum(f.read_text(errors="replace").count("went silent at once: none is declared lost")
                                     for f in (d / "logs").glob("telemetry*.log"))

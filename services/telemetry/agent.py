@@ -259,8 +259,15 @@ class TelemetryAgent:
             self.lease_holds += 1
             return
         if self.holding:
-            log.warning("the fleet is heard again: leases are checked as usual")
+            # as after its own reconnect: every node a full lease from now, so one whose agent is
+            # still catching up (its connection moved meanwhile) is not lost the moment the rest is heard
+            now = self.clock()
+            for node_id in self.state.nodes:
+                self.last_seen[node_id] = max(self.last_seen.get(node_id, 0.0), now)
+            log.warning("the fleet is heard again: every node gets a full lease (%.0fs) from now",
+                        self.core.rules.lease_s)
             self.holding = False
+            return
         self.lease_checks += 1
         facts = self.core.check_leases(self.state, self.last_seen, self.clock(), self.runtime.ctx())
         for f in facts:

@@ -294,7 +294,8 @@ class TelemetryCore(BaseCore[TelemetryState]):
         nodes and NATS (a switch, a NATS outage, the executor that hosts them) is likelier than
         that many node failures: at least `hold_fraction` of at least `hold_min_nodes` nodes not
         yet lost. Then none is declared lost (its jobs would be re-run while they may be running
-        fine); once enough are heard again, the ones still silent are lost as usual. None otherwise."""
+        fine); once enough are heard again, the agent gives every node a full lease from then, and
+        the ones still silent after it are lost as usual. None otherwise."""
         watched = [n for n in state.nodes if n not in state.lost]
         if len(watched) < self.rules.hold_min_nodes:
             return None

@@ -127,9 +127,9 @@ class NetLab:
             _ip("-n", self.ns(src), "route", "replace", "blackhole", f"{self.addr(dst)}/32")
         self.cuts.add((min(a, b), max(a, b)))
 
-    def isolate(self, i: int) -> list[tuple[int, int]]:
-        """Cut node i from every other node; returns the cuts made."""
-        made = [(i, j) for j in range(1, self.n + 1) if j != i]
+    def isolate(self, i: int, among: range | None = None) -> list[tuple[int, int]]:
+        """Cut node i from every other node (of `among`, default all); returns the cuts made."""
+        made = [(i, j) for j in (among or range(1, self.n + 1)) if j != i]
         for a, b in made:
             self.cut(a, b)
         return made
