@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -369,3 +370,40 @@ def test_an_operator_drains_a_node_and_returns_a_gpu(mesh: Path, tmp_path: Path)
     wait_jobs(mesh, {job}, "cancelled", timeout_s=30)
     report = json.loads(cli(mesh, "audit", "--json").stdout)
     assert report["ok"], report
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed (.ci/run installs it)")
+def test_top_is_live_under_a_real_terminal_and_q_quits(mesh: Path, tmp_path: Path) -> None:
+    """`gpufleet top` in a real terminal (tmux): it shows the fleet, a job submitted after it started
+    appears without a keypress, and `q` quits with status 0 (the terminal given back)."""
+    session = f"gftop{os.getpid()}"
+    done = tmp_path / "exited"
+    cmd = (f"cd {REPO} && {sys.executable} -m gpufleet.cli top --data-dir {mesh}; echo $? > {done}; sleep 30")
+    subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "160", "-y", "50", cmd], check=True)
+
+    def screen() -> str:
+        return subprocess.run(["tmux", "capture-pane", "-p", "-t", session], capture_output=True, text=True).stdout
+
+    def wait_for(text: str, timeout_s: float = 30) -> str:
+        deadline = time.monotonic() + timeout_s
+        while text not in (shown := screen()):
+            assert time.monotonic() < deadline, f"{text!r} not on the screen:\n{shown}"
+            time.sleep(0.2)
+        return shown
+
+    try:
+        first = wait_for("gpufleet top")
+        assert "nodes 6 (6 ready" in first and "queues" in first, first
+        spec = tmp_path / "j.yaml"
+        spec.write_text("name: seen-live\ntenant: acme\nresources: {gpu: 1}\nsim: {duration: 2s}\n")
+        job = json.loads(cli(mesh, "submit", str(spec), "--json", "--yes").stdout)["job_id"]
+        wait_for(job)  # fed by the stream, no keypress
+        wait_for("succeeded")
+        subprocess.run(["tmux", "send-keys", "-t", session, "q"], check=True)
+        deadline = time.monotonic() + 10
+        while not done.exists():
+            assert time.monotonic() < deadline, screen()
+            time.sleep(0.1)
+        assert done.read_text().strip() == "0"
+    finally:
+        subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)

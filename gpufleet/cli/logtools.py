@@ -1,4 +1,4 @@
-"""The log tools: `replay` (and what-if), `sim`, `dashboard`, `audit`."""
+"""The log tools: `replay` (and what-if), `sim`, `top`, `dashboard`, `audit`."""
 
 from __future__ import annotations
 
@@ -122,6 +122,26 @@ def sim(scenario: Annotated[Path, typer.Argument(exists=True, dir_okay=False, he
                                 f"{len(doc['audit']['violations'])} violation(s): {doc['audit']['violations'][0]}"))
     if not doc["audit"]["ok"]:
         raise typer.Exit(1)
+
+
+@app.command()
+def top(data_dir: DataDir = None, as_json: JsonOut = False,
+        once: Annotated[bool, typer.Option("--once", help="print one frame and exit (also when not a terminal)")] = False,
+        ) -> None:
+    """A live full-screen view of the fleet from the stream: nodes and their GPUs, queues, the jobs
+    that moved last. `q` quits. A tenant's credentials show its own jobs only."""
+    from gpufleet.tools.top import run as run_top
+
+    if as_json:  # one frame's data
+        async def state(fleet: Any) -> Any:
+            board, _ = await fleet.board_at(ended=False)
+            return board.state(fleet.tenant)
+        _print_json(_run(_reading(data_dir, state)))
+        return
+    try:
+        _run(_with_fleet(data_dir, lambda f: run_top(f, once=once)))
+    except KeyboardInterrupt:
+        pass
 
 
 @app.command()
