@@ -169,3 +169,22 @@ def test_a_mesh_with_a_retention_archives_and_still_replays_and_audits_its_whole
         assert "archive: seqs 1.." in cli(d, "status").stdout
     finally:
         cli(d, "down", check=False)
+
+
+async def test_a_long_read_reports_how_far_it_got(bus: Bus) -> None:
+    """What the CLI's progress bar is fed: each batch's last sequence and what is still pending."""
+    from gpufleet.shared.runtime.log import READ_BATCH, read_progress
+
+    await bus.publish_batch(synthetic_log(READ_BATCH * 2 + 10))
+    seen: list[tuple[int, int]] = []
+    with read_progress(lambda seq, pending: seen.append((seq, pending))):
+        n = 0
+        async for batch in read_stream(bus):
+            n += len(batch)
+    assert n == READ_BATCH * 2 + 10 and len(seen) >= 3
+    assert [s for s, _ in seen] == sorted(s for s, _ in seen) and seen[-1] == (n, 0)
+    assert all(s + p == n for s, p in seen)  # the total is known from the first batch on
+    told = len(seen)
+    async for _ in read_stream(bus):  # outside the context: nobody told
+        pass
+    assert len(seen) == told

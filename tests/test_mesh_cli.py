@@ -363,11 +363,24 @@ def test_an_operator_drains_a_node_and_returns_a_gpu(mesh: Path, tmp_path: Path)
     assert nosuch.returncode == 1 and "node nosuch: no such node" in nosuch.stderr, nosuch.stderr
     badgpu = cli(mesh, "gpu", "return", node, "99", check=False)
     assert badgpu.returncode == 1 and f"gpu: node {node} has no GPU 99" in badgpu.stderr, badgpu.stderr
+    # requeue: stopped and placed again, no retry spent (maxRetries 0), the operator's reason in the log
+    req = json.loads(cli(mesh, "job", "requeue", job, "--reason", "rebalance", "--json").stdout)
+    assert req["attempt"] == 3 and req["reason"]["code"] == "requeued" and req["actor"].startswith("admin/")
+    deadline = time.monotonic() + 60
+    while len(runs()) < 3:
+        assert time.monotonic() < deadline, "the requeued job did not run again"
+        time.sleep(0.5)
+    assert runs()[2]["payload"]["attempt"] == 3
+    wait_jobs(mesh, {job}, "running", timeout_s=30)
+    theirs = cli(mesh, "--creds", str(creds), "job", "requeue", job, check=False)
+    assert theirs.returncode == 1 and "only the admin" in theirs.stderr, theirs.stderr
     back = json.loads(cli(mesh, "gpu", "return", node, "0", "--reason", "reseated", "--json").stdout)
     assert back["type"] == "node.gpu_cleared" and back["returned"] is True and back["gpu_index"] == 0
     assert "uncordoned" in cli(mesh, "node", "uncordon", node).stdout
     cli(mesh, "cancel", job)
     wait_jobs(mesh, {job}, "cancelled", timeout_s=30)
+    over = cli(mesh, "job", "requeue", job, check=False)
+    assert over.returncode == 1 and "has ended" in over.stderr, over.stderr
     report = json.loads(cli(mesh, "audit", "--json").stdout)
     assert report["ok"], report
 
@@ -399,6 +412,13 @@ def test_top_is_live_under_a_real_terminal_and_q_quits(mesh: Path, tmp_path: Pat
         job = json.loads(cli(mesh, "submit", str(spec), "--json", "--yes").stdout)["job_id"]
         wait_for(job)  # fed by the stream, no keypress
         wait_for("succeeded")
+        # the tables a person reads: in colour on a terminal (forced here), plain text to a pipe
+        coloured = subprocess.run([sys.executable, "-m", "gpufleet.cli", "jobs", "--data-dir", str(mesh)],
+                                  capture_output=True, text=True, timeout=60, cwd=REPO,
+                                  env={**os.environ, "GPUFLEET_COLOR": "always"}).stdout
+        assert "\x1b[" in coloured and job in coloured and "STATUS" in coloured, coloured
+        plain = cli(mesh, "jobs").stdout
+        assert "\x1b[" not in plain and plain.startswith("JOB") and job in plain, plain
         subprocess.run(["tmux", "send-keys", "-t", session, "q"], check=True)
         deadline = time.monotonic() + 10
         while not done.exists():

@@ -96,13 +96,18 @@ def _silenced_before(node_id: str, at: float, silenced: Sequence[tuple[str, floa
                 for a, began, ended in silenced if a == agent)
     return quiet >= NODE_LEASE_S - RECONNECT_SLACK_S
 NODE_LEASE_S = 15.0  # the campaign mesh's heartbeat lease (30 s by default): a lost node costs less of the run
-CONFIG = """\
-cohorts: {shared: {}}
-queues:
-  prod: {cohort: shared, nominal: {gpu: 16}, borrowingLimit: {gpu: 8}}
-  research: {cohort: shared, nominal: {gpu: 16}, borrowingLimit: {gpu: 8}}
-  probe: {nominal: {gpu: 8}}
-"""
+def campaign_config(sim_nodes: int) -> str:
+    """The campaign's queues, scaled with the fleet: `prod` and `research` share a cohort and
+    borrow from each other up to half their quota, `probe` has 8 GPUs nobody borrows, and 16
+    GPUs stay free, so that a big campaign is not held to a small fleet's pace."""
+    from gpufleet.shared.node.cluster import sim_fleet
+
+    total = sum(len(inv.gpus) for inv in sim_fleet(sim_nodes).values())
+    share = max(16, (total - 24) // 2)
+    return (f"cohorts: {{shared: {{}}}}\nqueues:\n"
+            f"  prod: {{cohort: shared, nominal: {{gpu: {share}}}, borrowingLimit: {{gpu: {share // 2}}}}}\n"
+            f"  research: {{cohort: shared, nominal: {{gpu: {share}}}, borrowingLimit: {{gpu: {share // 2}}}}}\n"
+            "  probe: {nominal: {gpu: 8}}\n")
 
 
 class ChaosFailed(RuntimeError):
@@ -490,7 +495,7 @@ def run(seed: int, jobs: int, sim_nodes: int = 8, extra_faults: int = 3, keep: P
     tmp = tempfile.TemporaryDirectory(prefix="gpufleet-chaos-") if keep is None else None
     d = keep if keep is not None else Path(tmp.name if tmp is not None else ".") / "mesh"
     d.mkdir(parents=True, exist_ok=True)
-    (d.parent / "chaos-cluster.yaml").write_text(CONFIG)
+    (d.parent / "chaos-cluster.yaml").write_text(campaign_config(sim_nodes))
     t0 = time.monotonic()
     _cli(d, "up", "--detach", "--nats-cluster", "3", "--layout", "separate", "--instances", "2",
          "--sim-nodes", str(sim_nodes), "--sim-executors", str(SIM_EXECUTORS),

@@ -289,7 +289,8 @@ def bench_chaos(
 ) -> None:
     """A seeded fault campaign on a 3-node NATS cluster with every service twice: kill -9 of
     service instances, NATS nodes (the stream's leader too) and PostgreSQL, a frozen node agent,
-    a node lost past its heartbeat lease, NATS partitions (network namespaces, root);
+    a node lost past its heartbeat lease, a node agent cut off from NATS past it, the whole fleet
+    silent at once (no node may be lost for it), NATS partitions (network namespaces, root);
     then every job ended once, the audit, replay = read model, each run billed once. Exit 1 if not.
     Progress goes to stderr, with --json too."""
     from gpufleet.bench.chaos import run as run_chaos

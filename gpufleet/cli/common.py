@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+import sys
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
@@ -56,6 +58,37 @@ def _run(coro: Coroutine[Any, Any, T]) -> T:
         raise typer.Exit(1) from None
 
 
+STATUS_STYLES = {"running": "green", "placed": "green", "succeeded": "green", "ready": "green",
+                 "failed": "red", "lost": "red", "rejected": "red", "unschedulable": "yellow",
+                 "cancelled": "dim", "preempted": "yellow", "cordoned": "yellow"}
+
+
+def _rich_out() -> bool:
+    """Tables in colour for a person (stdout a terminal, or GPUFLEET_COLOR=always); plain text to
+    a pipe or a file (GPUFLEET_COLOR=never forces it), the same columns either way; --json never."""
+    mode = os.environ.get("GPUFLEET_COLOR", "auto").lower()
+    return mode == "always" or (mode != "never" and sys.stdout.isatty())
+
+
+def _rich_table(columns: list[tuple[str, str]], rows: list[list[str]], status_col: str | None = None) -> None:
+    """`columns`: (header, justify); a cell of `status_col` coloured by its status."""
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, header_style="bold")
+    for name, justify in columns:
+        table.add_column(name, justify=justify, no_wrap=name not in ("REASON",))  # type: ignore[arg-type]
+    at = [c for c, _ in columns].index(status_col) if status_col else -1
+    for row in rows:
+        cells: list[Any] = list(row)
+        if at >= 0:
+            cells[at] = Text(row[at], style=STATUS_STYLES.get(row[at], ""))
+        table.add_row(*cells)
+    Console(force_terminal=True if os.environ.get("GPUFLEET_COLOR", "").lower() == "always" else None).print(table)
+
+
 def _print_json(obj: Any) -> None:
     typer.echo(json.dumps(obj, indent=None, default=str))
 
@@ -69,9 +102,45 @@ async def _with_fleet(data_dir: str | None, fn: Callable[[Any], Awaitable[T]]) -
         os.environ[ARCHIVE_DIR_ENV] = str(archive)  # what left the stream is read back from its archive
     fleet = await Fleet.connect(data_dir=data_dir)
     try:
-        return await fn(fleet)
+        with _read_bar():
+            return await fn(fleet)
     finally:
         await fleet.close()
+
+
+@contextlib.contextmanager
+def _read_bar(after_s: float = 2.0) -> Iterator[None]:
+    """A progress bar on stderr (a terminal only) for a read of the log that takes longer than
+    `after_s` (replay, audit, explain of a long log); gone when it is done."""
+    from gpufleet.shared.runtime.log import read_progress
+
+    if not sys.stderr.isatty():
+        yield
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    t0 = time.monotonic()
+    bar: dict[str, Any] = {}
+
+    def report(seq: int, pending: int) -> None:
+        if "p" not in bar:
+            if time.monotonic() - t0 < after_s or not pending:
+                return
+            bar["p"] = Progress(TextColumn("reading the log"), BarColumn(), MofNCompleteColumn(),
+                                TimeRemainingColumn(), console=Console(stderr=True), transient=True)
+            bar["p"].start()
+            bar["t"] = bar["p"].add_task("read", total=seq + pending)
+        bar["p"].update(bar["t"], completed=seq, total=max(seq + pending, 1))
+        if not pending:  # this read is done: the bar goes (a full-screen command may follow)
+            bar.pop("p").stop()
+
+    try:
+        with read_progress(report):
+            yield
+    finally:
+        if "p" in bar:
+            bar["p"].stop()
 
 
 async def _reading(data_dir: str | None, fn: Callable[[Any], Awaitable[T]], within_s: float = 10.0) -> T:

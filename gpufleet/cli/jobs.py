@@ -21,6 +21,8 @@ from gpufleet.cli.common import (
     _parse_time,
     _print_json,
     _reading,
+    _rich_out,
+    _rich_table,
     _run,
     _with_fleet,
     app,
@@ -172,6 +174,12 @@ def jobs(data_dir: DataDir = None, as_json: JsonOut = False,
     if as_json:
         _print_json(rows)
         return
+    if _rich_out():
+        _rich_table([("JOB", "left"), ("TENANT", "left"), ("QUEUE", "left"), ("NAME", "left"), ("GPUS", "right"),
+                     ("STATUS", "left"), ("REASON", "left")],
+                    [[r["job_id"], r["tenant"], r["queue"] or "-", r["name"], f"{r['gpus']:g}", r["status"],
+                      r["reason"] or ""] for r in rows], status_col="STATUS")
+        return
     w = max([28, *(len(r["job_id"]) + 2 for r in rows)])  # (a service's replicas: <service id>-r<n>)
     tw = max([10, *(len(r["tenant"]) + 2 for r in rows)])  # a long tenant does not run into the queue
     qw = max([10, *(len(r["queue"] or "") + 2 for r in rows)])
@@ -187,6 +195,13 @@ def nodes(data_dir: DataDir = None, as_json: JsonOut = False) -> None:
     rows = _rows("nodes", data_dir)
     if as_json:
         _print_json(rows)
+        return
+    if _rich_out():
+        _rich_table([("NODE", "left"), ("STATUS", "left"), ("MODEL", "left"), ("GPUS", "right"), ("CPU", "right"),
+                     ("MEM GiB", "right"), ("JOBS", "right")],
+                    [[r["node_id"], r["status"], r["gpu_model"] or "-", f"{r['gpus_allocated']}/{r['gpus_total']}",
+                      str(r["cpu_milli"] // 1000), str(r["memory_mib"] // 1024), str(len(r["running_jobs"]))]
+                     for r in rows], status_col="STATUS")
         return
     typer.echo(f"{'NODE':<14}{'STATUS':<9}{'MODEL':<8}{'GPUS':>10}  {'CPU':>6} {'MEM GiB':>8}  JOBS")
     for r in rows:

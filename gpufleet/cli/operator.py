@@ -1,7 +1,9 @@
-"""Operator commands (the admin only): cordon, uncordon and drain a node; return a GPU to service.
+"""Operator commands (the admin only): cordon, uncordon and drain a node; return a GPU to service;
+requeue a job.
 
 Each is a fact in the log with the operator as its actor (`admin/<user>`): `node.cordoned`
-(with `drain`), `node.uncordoned`, `node.gpu_cleared` (with `returned`); `explain` and the
+(with `drain`), `node.uncordoned`, `node.gpu_cleared` (with `returned`), `job.resume_requested`
+(reason `requeued`); `explain` and the
 dashboard show them like any other event.
 """
 
@@ -15,8 +17,10 @@ from gpufleet.cli.common import DataDir, JsonOut, _print_json, _run, _with_fleet
 
 node_app = typer.Typer(no_args_is_help=True, help="Operator: take a node out of service, or back (the admin only).")
 gpu_app = typer.Typer(no_args_is_help=True, help="Operator: a GPU back into service (the admin only).")
+job_app = typer.Typer(no_args_is_help=True, help="Operator: a job placed again (the admin only).")
 app.add_typer(node_app, name="node")
 app.add_typer(gpu_app, name="gpu")
+app.add_typer(job_app, name="job")
 
 Reason = Annotated[str, typer.Option(help="why (in the log with your name)")]
 
@@ -69,3 +73,15 @@ def gpu_return(node: str, gpu: Annotated[int, typer.Argument(min=0, help="the GP
 
     _state(NodeGpuCleared(node_id=node, gpu_index=gpu, reason=reason, returned=True), data_dir, as_json,
            f"GPU {gpu} of {node} returned to service")
+
+
+@job_app.command("requeue")
+def requeue(job: str, reason: Reason = "requeued by an operator", data_dir: DataDir = None,
+            as_json: JsonOut = False) -> None:
+    """Stop JOB (placed or running) and place it again, from its last checkpoint, spending no retry."""
+    env = _run(_with_fleet(data_dir, lambda f: f.requeue(job, reason)))
+    if as_json:
+        _print_json({"event_id": env.event_id, "type": env.type, "actor": env.actor,
+                     **env.payload.model_dump(mode="json", exclude={"type"})})
+    else:
+        typer.echo(f"job {job} requeued: attempt {env.payload.attempt} will be placed ({env.event_id}, by {env.actor})")

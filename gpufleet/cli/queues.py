@@ -15,6 +15,8 @@ from gpufleet.cli.common import (
     _mesh_config,
     _parse_time,
     _print_json,
+    _rich_out,
+    _rich_table,
     _run,
     _with_fleet,
     app,
@@ -249,15 +251,21 @@ def pools(data_dir: DataDir = None, as_json: JsonOut = False, config: ConfigOpt 
     if not rows:
         typer.echo("no node pools (nodePools in the cluster config: docs/config.md)")
         return
-    typer.echo(f"{'POOL':<14}{'SHAPE':<14}{'READY':>6}{'PROV':>6}{'DRAIN':>6}{'MIN':>5}{'MAX':>5}  LAST DECISION")
+    table: list[list[str]] = []
     for r in rows:
         shape = r["shape"] or {}
         what = f"{shape.get('gpuModel') or 'cpu'}x{shape.get('gpus', 0)}" if shape else "(not configured)"
         last = r["last_decision"]
         said = (f"{last['at'][11:19]} {last['type'].removeprefix('node.')} {last['node_id']}: {last['reason']}"
                 if last else "-")
-        draining = r["draining"] + r["removing"]
-        typer.echo(f"{r['pool']:<14}{what:<14}{r['ready']:>6}{r['provisioning']:>6}{draining:>6}"
-                   f"{r['min'] if r['min'] is not None else '-':>5}{r['max'] if r['max'] is not None else '-':>5}  {said}")
+        table.append([r["pool"], what, str(r["ready"]), str(r["provisioning"]), str(r["draining"] + r["removing"]),
+                      "-" if r["min"] is None else str(r["min"]), "-" if r["max"] is None else str(r["max"]), said])
+    if _rich_out():
+        _rich_table([("POOL", "left"), ("SHAPE", "left"), ("READY", "right"), ("PROV", "right"), ("DRAIN", "right"),
+                     ("MIN", "right"), ("MAX", "right"), ("LAST DECISION", "left")], table)
+        return
+    typer.echo(f"{'POOL':<14}{'SHAPE':<14}{'READY':>6}{'PROV':>6}{'DRAIN':>6}{'MIN':>5}{'MAX':>5}  LAST DECISION")
+    for pool, what, ready, prov, drain, lo, hi, said in table:
+        typer.echo(f"{pool:<14}{what:<14}{ready:>6}{prov:>6}{drain:>6}{lo:>5}{hi:>5}  {said}")
 
 

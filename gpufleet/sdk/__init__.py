@@ -229,9 +229,6 @@ class Fleet:
         service: `OPERATOR_TYPES`) as the admin, in the log with the operator's name as its actor
         (`admin/<who>`, the local user by default). The node must have registered; a GPU must be
         one of its own. GpufleetError otherwise, and for any identity but the admin's."""
-        import getpass
-        import re
-
         from gpufleet.shared.contract.events import NodeRegistered
         from gpufleet.shared.trust.authz import OPERATOR_TYPES
 
@@ -251,12 +248,45 @@ class Fleet:
         if gpu is not None and gpu not in {g.index for g in gpus}:
             have = ", ".join(str(g.index) for g in gpus) or "none"
             raise GpufleetError(f"gpu: node {node_id} has no GPU {gpu} (its GPUs: {have})")
-        name = re.sub(r"[^A-Za-z0-9_.-]", "-", who or os.environ.get("USER") or getpass.getuser() or "operator")
         now = time.time()
         env = Envelope(event_id=derive_id(f"op:{node_id}", f"{payload.type}:{time.time_ns()}"), type=payload.type,
-                       occurred_at=utc(now), tenant=SYS_TENANT, actor=f"{ADMIN}/{name}", payload=payload)
+                       occurred_at=utc(now), tenant=SYS_TENANT, actor=self._operator(who), payload=payload)
         await self._send(env)
         return env
+
+    async def requeue(self, job_id: str, reason: str = "requeued by an operator", who: str | None = None) -> Envelope:
+        """Stop a placed or running job and place it again (from its last checkpoint), as the
+        admin: `job.resume_requested` with reason `requeued`, the operator as its actor; it spends
+        none of the job's retries. GpufleetError for a job that is not placed or running now."""
+        from gpufleet.shared.contract.events import JobCheckpointSaved, JobPlaced, JobResumeRequested, Reason
+
+        if not self.is_admin:
+            raise GpufleetError("job.resume_requested: only the admin requeues a job")
+        check_token(job_id, "job_id")
+        hist = await self.history(job_filter(job_id=job_id))
+        if not hist:
+            raise GpufleetError(f"no job {job_id}")
+        ended = {"job.succeeded", "job.failed", "job.cancelled", "job.rejected", "job.preempted"}
+        if any(e.type in ended for _s, e in hist):
+            raise GpufleetError(f"job {job_id} has ended: nothing to requeue (`gpufleet submit --from {job_id}`)")
+        placed = [e.payload for _s, e in hist if isinstance(e.payload, JobPlaced)]
+        resumed = [e.payload.attempt or 0 for _s, e in hist if isinstance(e.payload, JobResumeRequested)]
+        attempt = max([1, *resumed])
+        if not placed or placed[-1].attempt != attempt:
+            raise GpufleetError(f"job {job_id} is not placed or running now (attempt {attempt} waits): nothing to requeue")
+        ckpt = next((e.payload.uri for _s, e in reversed(hist) if isinstance(e.payload, JobCheckpointSaved)), None)
+        payload = JobResumeRequested(job_id=job_id, checkpoint_uri=ckpt, attempt=attempt + 1, reason=Reason(
+            code="requeued", message=f"{reason}; " + (f"from checkpoint {ckpt}" if ckpt else "from the start")))
+        env = Envelope(event_id=derive_id(job_id, f"requeue:{attempt}"), type=payload.type, occurred_at=utc(time.time()),
+                       tenant=hist[0][1].tenant, actor=self._operator(who), correlation_id=job_id, payload=payload)
+        await self._send(env)
+        return env
+
+    def _operator(self, who: str | None) -> str:
+        import getpass
+        import re
+
+        return f"{ADMIN}/" + re.sub(r"[^A-Za-z0-9_.-]", "-", who or os.environ.get("USER") or getpass.getuser() or "operator")
 
     async def report_load(self, job_id: str, tenant: str, rps: float, p99_ms: float | None = None,
                           window_s: float = 10.0, actor: str = "sdk") -> Envelope:

@@ -52,7 +52,7 @@ from gpufleet.shared.runtime.loop import BaseCore, Ctx
 from gpufleet.shared.runtime.retention import EndedJobs
 
 # a resume for these spends none of the job's retries: the job did nothing wrong
-NOT_A_FAILURE = frozenset({"preempted", "node_drained"})
+NOT_A_FAILURE = frozenset({"preempted", "node_drained", "requeued"})
 
 
 @dataclass(slots=True)

@@ -6,8 +6,10 @@ unacknowledged consumer is fetched in large batches until it has nothing pending
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from contextvars import ContextVar
 from datetime import datetime
 from typing import Any
 
@@ -20,6 +22,19 @@ from gpufleet.shared.runtime.archive import Archive, archive_dir
 from gpufleet.shared.runtime.bus import Bus
 
 READ_BATCH = 2048
+# who wants to hear how far a long read got: (the last sequence read, messages still pending);
+# the CLI shows a progress bar from it on a terminal (gpufleet/cli/common.py)
+READ_PROGRESS: ContextVar[Callable[[int, int], None] | None] = ContextVar("read_progress", default=None)
+
+
+@contextlib.contextmanager
+def read_progress(report: Callable[[int, int], None]) -> Iterator[None]:
+    """Every `read_stream` in this context reports each batch it read to `report(seq, pending)`."""
+    token = READ_PROGRESS.set(report)
+    try:
+        yield
+    finally:
+        READ_PROGRESS.reset(token)
 
 
 async def read_stream(bus: Bus, subjects: Sequence[str] = ("fleet.>",), from_seq: int = 1,
@@ -96,6 +111,8 @@ async def _drain(js: Any, stream: str, name: str, info: Any, until_seq: int | No
                     msgs = await psub.fetch(READ_BATCH, timeout=2.0)
                 except (nats.errors.TimeoutError, TimeoutError):
                     return
+                if (report := READ_PROGRESS.get()) is not None and msgs:
+                    report(int(msgs[-1].metadata.sequence.stream), int(msgs[-1].metadata.num_pending or 0))
                 if until_seq is not None:
                     kept = [m for m in msgs if m.metadata.sequence.stream <= until_seq]
                     if kept:

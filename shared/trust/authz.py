@@ -105,8 +105,8 @@ OWNERS: dict[str, frozenset[str]] = {
     "budget.exceeded": frozenset({"billing"}),
     "sys.dead_letter": frozenset(SERVICES),  # each on its own subject: deadletter.<service>
 }
-# facts an operator states by command (cordon a node, return a GPU to service)
-OPERATOR_TYPES = frozenset({"node.cordoned", "node.uncordoned", "node.gpu_cleared"})
+# facts an operator states by command (cordon a node, return a GPU to service, requeue a job)
+OPERATOR_TYPES = frozenset({"node.cordoned", "node.uncordoned", "node.gpu_cleared", "job.resume_requested"})
 
 missing = set(EVENT_TYPES) ^ set(OWNERS)
 if missing:  # pragma: no cover - a new event type must name its owner here
