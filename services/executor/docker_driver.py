@@ -372,7 +372,7 @@ class DockerDriver:
         try:
             chunks = await container.log(stdout=True, stderr=True)
         except DockerError as e:
-            if e.status == 404:  # removed meanwhile: its copy
+            if e.status in (404, 409):  # removed, or being removed, meanwhile: the copy clean-up saved first
                 return LogText(tenant, path=self.logs_dir / f"{key}.log")
             raise self._error("logs_failed", f"logs of container {container_name(key)}", e) from e
         return LogText(tenant, data="".join(chunks).encode("utf-8", "replace"),
