@@ -17,6 +17,7 @@ one once (`job.checkpoint_invalid`), and warns when the last one is older than t
 from __future__ import annotations
 
 import posixpath
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 
@@ -251,23 +252,14 @@ class GuardianCore(BaseCore[GuardianState]):
             # drained (`gpufleet node drain`): every job placed there runs again elsewhere (the placer
             # keeps the node out), from its last checkpoint; the executor stops what runs (SIGTERM,
             # its grace: a checkpointing job saves then); no retry is spent
-            out: list[Envelope] = []
-            hit = [(job_id, r.attempt) for job_id, r in state.jobs.items() if r.placed is not None
-                   and r.placed[0] == r.attempt and p.node_id in r.placed_on]
-            for job_id, attempt in sorted(hit):
-                out += self._resume(state, job_id, "node_drained", f"node {p.node_id} drained by {env.actor} "
-                                    f"({p.reason})", None, ctx, key=f"drain:{job_id}:{attempt}")
-            return out
+            node = p.node_id
+            return self._resume_placed(state, lambda r: node in r.placed_on, "node_drained",
+                                       f"node {node} drained by {env.actor} ({p.reason})", ctx, "drain")
         if isinstance(p, NodeGpuUnhealthy):
             # the jobs running on that GPU run again elsewhere (the placer keeps the GPU out)
-            out = []
-            hit = [(job_id, r.attempt) for job_id, r in state.jobs.items() if r.placed is not None
-                   and r.placed[0] == r.attempt and (p.node_id, p.gpu_index) in r.placed[1]]
-            for job_id, attempt in sorted(hit):
-                out += self._resume(state, job_id, "gpu_unhealthy",
-                                    f"GPU {p.gpu_index} of {p.node_id} failed under it ({p.reason})", None, ctx,
-                                    key=f"resume:{job_id}:{attempt}")
-            return out
+            gpu = (p.node_id, p.gpu_index)
+            return self._resume_placed(state, lambda r: r.placed is not None and gpu in r.placed[1], "gpu_unhealthy",
+                                       f"GPU {p.gpu_index} of {p.node_id} failed under it ({p.reason})", ctx, "resume")
         if env.type != "job.exited" or env.job_id in state.ended:
             return []
         assert isinstance(p, JobExited)
@@ -333,6 +325,16 @@ class GuardianCore(BaseCore[GuardianState]):
             if due <= now:
                 out += self._resume(state, job_id, "crashed", f"replica {ex.replica} on {ex.node_id} exited with code "
                                     f"{ex.exit_code}", ex, ctx, key="retry", cause_id=exit_event)
+        return out
+
+    def _resume_placed(self, state: GuardianState, where: Callable[[GuardianJob], bool], code: str, what: str,
+                       ctx: Ctx, key: str) -> list[Envelope]:
+        """Every job whose current attempt is placed `where` runs again elsewhere (`_resume`)."""
+        hit = [(job_id, r.attempt) for job_id, r in state.jobs.items()
+               if r.placed is not None and r.placed[0] == r.attempt and where(r)]
+        out: list[Envelope] = []
+        for job_id, attempt in sorted(hit):
+            out += self._resume(state, job_id, code, what, None, ctx, key=f"{key}:{job_id}:{attempt}")
         return out
 
     def _resume(self, state: GuardianState, job_id: str, code: str, what: str, ex: JobExited | None, ctx: Ctx,

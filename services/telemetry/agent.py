@@ -242,11 +242,7 @@ class TelemetryAgent:
         reconnects = int(nc.stats.get("reconnects", 0))
         if self._blind or reconnects != self._reconnects:
             self._blind, self._reconnects = False, reconnects
-            now = self.clock()
-            for node_id in self.state.nodes:
-                self.last_seen[node_id] = max(self.last_seen.get(node_id, 0.0), now)
-            log.warning("telemetry is back on NATS: every node gets a full lease (%.0fs) from now",
-                        self.core.rules.lease_s)
+            self._full_leases("telemetry is back on NATS")
             return
         held = self.core.silent_fleet(self.state, self.last_seen, self.clock())
         if held is not None:
@@ -259,13 +255,9 @@ class TelemetryAgent:
             self.lease_holds += 1
             return
         if self.holding:
-            # as after its own reconnect: every node a full lease from now, so one whose agent is
-            # still catching up (its connection moved meanwhile) is not lost the moment the rest is heard
-            now = self.clock()
-            for node_id in self.state.nodes:
-                self.last_seen[node_id] = max(self.last_seen.get(node_id, 0.0), now)
-            log.warning("the fleet is heard again: every node gets a full lease (%.0fs) from now",
-                        self.core.rules.lease_s)
+            # as after its own reconnect: one whose agent is still catching up (its connection
+            # moved meanwhile) is not lost the moment the rest is heard
+            self._full_leases("the fleet is heard again")
             self.holding = False
             return
         self.lease_checks += 1
@@ -275,6 +267,13 @@ class TelemetryAgent:
                 log.warning("ALERT node.lost: %s", f.payload.model_dump(exclude={"type"}))
                 _forget_metrics(f.node_id or "")
         await self.runtime.publish_local(facts)
+
+    def _full_leases(self, why: str) -> None:
+        """Every node a full lease from now (after a time in which telemetry could not tell)."""
+        now = self.clock()
+        for node_id in self.state.nodes:
+            self.last_seen[node_id] = max(self.last_seen.get(node_id, 0.0), now)
+        log.warning("%s: every node gets a full lease (%.0fs) from now", why, self.core.rules.lease_s)
 
     def backends(self) -> dict[str, GpuBackend]:
         out: dict[str, GpuBackend] = dict(self.local)
