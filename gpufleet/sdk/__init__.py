@@ -258,7 +258,13 @@ class Fleet:
         """Stop a placed or running job and place it again (from its last checkpoint), as the
         admin: `job.resume_requested` with reason `requeued`, the operator as its actor; it spends
         none of the job's retries. GpufleetError for a job that is not placed or running now."""
-        from gpufleet.shared.contract.events import JobCheckpointSaved, JobPlaced, JobResumeRequested, Reason
+        from gpufleet.shared.contract.events import (
+            RUN_ENDED_JOB_TYPES,
+            JobCheckpointSaved,
+            JobPlaced,
+            JobResumeRequested,
+            Reason,
+        )
 
         if not self.is_admin:
             raise GpufleetError("job.resume_requested: only the admin requeues a job")
@@ -266,8 +272,7 @@ class Fleet:
         hist = await self.history(job_filter(job_id=job_id))
         if not hist:
             raise GpufleetError(f"no job {job_id}")
-        ended = {"job.succeeded", "job.failed", "job.cancelled", "job.rejected", "job.preempted"}
-        if any(e.type in ended for _s, e in hist):
+        if any(e.type in RUN_ENDED_JOB_TYPES for _s, e in hist):
             raise GpufleetError(f"job {job_id} has ended: nothing to requeue (`gpufleet submit --from {job_id}`)")
         placed = [e.payload for _s, e in hist if isinstance(e.payload, JobPlaced)]
         resumed = [e.payload.attempt or 0 for _s, e in hist if isinstance(e.payload, JobResumeRequested)]
@@ -431,7 +436,7 @@ class Fleet:
         """One read of a run's log from the executor of its node (services/executor/logs.py): {data,
         offset, next, size, running, ...}. GpufleetError when no executor answers for the node or
         it has no such log (its reason)."""
-        from gpufleet.shared.contract.events import LOGS_PREFIX
+        from gpufleet.shared.contract.logs import logs_subject
 
         req: dict[str, Any] = {"job_id": job_id, "replica": replica, "attempt": attempt, "offset": offset}
         if tail is not None:
@@ -439,8 +444,7 @@ class Fleet:
         if limit is not None:
             req["limit"] = limit
         try:
-            msg = await self.bus.nc.request(f"{LOGS_PREFIX}.{tenant}.{node_id}", json.dumps(req).encode(),
-                                            timeout=timeout_s)
+            msg = await self.bus.nc.request(logs_subject(tenant, node_id), json.dumps(req).encode(), timeout=timeout_s)
         except (nats.errors.NoRespondersError, nats.errors.TimeoutError, TimeoutError):
             raise GpufleetError(f"no executor answers for node {node_id} within {timeout_s:g} s (is it up? "
                                 f"`gpufleet nodes`)") from None

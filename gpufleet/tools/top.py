@@ -143,16 +143,12 @@ async def run(fleet: Any, once: bool = False, console: Console | None = None) ->
     if tenant is None:
         sub = await fleet.bus.js.subscribe("fleet.evt.>", ordered_consumer=True, config=ConsumerConfig(
             deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start))
-        messages = sub.messages
     else:
         sub = await tenant_subscribe(fleet.bus, f"fleet.evt.{tenant}.>", DeliverPolicy.BY_START_SEQUENCE, start)
-        messages = sub.messages
-    changed = asyncio.Event()
 
     async def follow() -> None:
-        async for msg in messages:
+        async for msg in sub.messages:
             fold_message(board, msg)
-            changed.set()
 
     task = asyncio.create_task(follow())
     state = board.state(tenant)
@@ -164,7 +160,6 @@ async def run(fleet: Any, once: bool = False, console: Console | None = None) ->
                     await asyncio.wait_for(keys.quit.wait(), 1 / FPS)
                 state = board.state(tenant)
                 live.update(frame(state, console.height, source), refresh=True)
-                changed.clear()
     finally:
         task.cancel()
         with contextlib.suppress(BaseException):

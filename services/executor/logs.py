@@ -49,10 +49,6 @@ SERVICE_NAME = "gpufleet-logs"
 TAIL_SCAN = 4 * 1024 * 1024  # `tail` looks back at most this many bytes
 
 
-def logs_subject(tenant: str, node_id: str) -> str:
-    return f"{LOGS_PREFIX}.{tenant}.{node_id}"
-
-
 @dataclass(frozen=True)
 class LogText:
     """A workload's log as one driver has it now."""
@@ -148,7 +144,6 @@ class LogServer:
         self.source = source
         self.driver_of = driver_of
         self._svc: Any = None
-        self.answered = 0
 
     async def start(self) -> None:
         from nats.micro import add_service
@@ -196,7 +191,6 @@ class LogServer:
         reply = LogReply(job_id=r.job_id, replica=r.replica, attempt=r.attempt, node_id=node, driver=self.driver_of(node),
                          data=data.decode("utf-8", "replace"), offset=start, next=start + len(data), size=size,
                          running=text.running)
-        self.answered += 1
         await req.respond(reply.model_dump_json().encode())
 
 

@@ -6,10 +6,16 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from gpufleet.shared.contract.events import LOGS_PREFIX
 from gpufleet.shared.contract.ids import TOKEN_LEN_MAX
 
 DEFAULT_LIMIT = 256 * 1024
 MAX_LIMIT = 1024 * 1024
+
+
+def logs_subject(tenant: str, node_id: str) -> str:
+    """Where a log request for a run on `node_id` goes (the executor listens on `fleet.logs.*.*`)."""
+    return f"{LOGS_PREFIX}.{tenant}.{node_id}"
 
 
 class LogRequest(BaseModel):
