@@ -82,6 +82,15 @@ def executor_as_service(url: str, realm: Any, make: Callable[[Bus], ExecutorAgen
     return agent_running(url, "executor", make, creds=realm.creds_path("svc-executor"))
 
 
+async def log_when(fleet: Fleet, job_id: str, node: str, ok: Callable[[dict[str, Any]], bool],
+                   timeout_s: float) -> dict[str, Any]:
+    """The run's log (replica 0, attempt 1, acme's) once it shows what `ok` waits for."""
+    async def read() -> dict[str, Any] | None:
+        doc = await fleet.logs(job_id, "acme", node)
+        return doc if ok(doc) else None
+    return await wait_until(read, timeout_s=timeout_s)  # type: ignore[no-any-return]
+
+
 async def follow(fleet: Fleet, job_id: str, run: dict[str, Any], timeout_s: float = 30) -> tuple[str, list[dict[str, Any]]]:
     """What `gpufleet logs -f` does: read on from `next` until the run ended and nothing is left."""
     out, docs, offset = "", [], 0
@@ -109,17 +118,12 @@ async def test_a_process_jobs_log_from_any_connection_and_only_for_its_tenant(
             await bus.publish(job)
             job_id = job.job_id or ""
 
-            async def started() -> list[dict[str, Any]]:
-                return await acme.runs_of(job_id)
-            runs = await wait_until(started, timeout_s=20)
+            runs = await wait_until(lambda: acme.runs_of(job_id), timeout_s=20)
             assert [(r["tenant"], r["node_id"], r["replica"], r["attempt"], r["driver"]) for r in runs] == \
                    [("acme", NODE, 0, 1, "process")]
             assert await beta.runs_of(job_id) == []  # another tenant does not even see that it ran
 
-            async def first_lines() -> dict[str, Any] | None:
-                doc = await acme.logs(job_id, "acme", NODE)
-                return doc if "two" in doc["data"] else None
-            doc = await wait_until(first_lines, timeout_s=10)
+            doc = await log_when(acme, job_id, NODE, lambda d: "two" in d["data"], timeout_s=10)
             assert doc["running"] and doc["driver"] == "process" and doc["data"] == "one\ntwo\n"  # stderr too
             text, docs = await follow(acme, job_id, runs[0])
             assert text == "one\ntwo\nthree\n" and docs[0]["running"] and not docs[-1]["running"]
@@ -187,14 +191,9 @@ async def test_a_docker_jobs_log_while_it_runs_and_after_its_container_is_gone(
             await bus.publish(job)
             job_id = job.job_id or ""
 
-            async def started() -> list[dict[str, Any]]:
-                return await acme.runs_of(job_id)
-            runs = await wait_until(started, timeout_s=30)
+            runs = await wait_until(lambda: acme.runs_of(job_id), timeout_s=30)
 
-            async def first_line() -> dict[str, Any] | None:
-                doc = await acme.logs(job_id, "acme", node)
-                return doc if doc["data"] else None
-            doc = await wait_until(first_line, timeout_s=20)
+            doc = await log_when(acme, job_id, node, lambda d: bool(d["data"]), timeout_s=20)
             assert doc["running"] and doc["data"] == "start\n" and doc["driver"] == "docker"  # from the engine
             text, _ = await follow(acme, job_id, runs[0])
             assert text == "start\nend\n"

@@ -212,6 +212,18 @@ async def _back(d: Path, victim: str, pid: int, within_s: float = 30.0) -> bool:
     return False
 
 
+async def _freeze(pids: Sequence[int], pause: float) -> None:
+    """SIGSTOP the processes, wait `pause`, SIGCONT them (one that died meanwhile is let be)."""
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        await asyncio.sleep(pause)
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+
+
 async def inject(kind: str, d: Path, fleet: Any, rng: random.Random) -> str:
     """Inject one fault; returns what was hit."""
     parts = _parts(d)
@@ -249,8 +261,7 @@ async def inject(kind: str, d: Path, fleet: Any, rng: random.Random) -> str:
 
         lab = NetLab.attach(doc)
         hold = NODE_LEASE_S + rng.uniform(5.0, 10.0)
-        for j in range(1, len(nodes) + 1):
-            lab.cut(int(ns), j)
+        lab.isolate(int(ns), among=range(1, len(nodes) + 1))
         try:
             await asyncio.sleep(hold)
         finally:
@@ -260,14 +271,7 @@ async def inject(kind: str, d: Path, fleet: Any, rng: random.Random) -> str:
         agents = sorted(n for n in parts if n.split("@")[0] == "executor" and parts[n].get("pid"))
         pids = [int(parts[n]["pid"]) for n in agents]
         pause = NODE_LEASE_S + rng.uniform(5.0, 10.0)
-        for pid in pids:
-            os.kill(pid, signal.SIGSTOP)
-        try:
-            await asyncio.sleep(pause)
-        finally:
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGCONT)
+        await _freeze(pids, pause)
         return f"{', '.join(agents)} (pids {', '.join(map(str, pids))}) stopped {pause:.1f} s"
     else:  # stop_executor, lose_node
         victim = "executor"
@@ -276,11 +280,7 @@ async def inject(kind: str, d: Path, fleet: Any, rng: random.Random) -> str:
         return f"{victim} (not running: nothing hit)"
     if kind in ("stop_executor", "lose_node"):
         pause = rng.uniform(2.0, 6.0) if kind == "stop_executor" else NODE_LEASE_S + rng.uniform(5.0, 10.0)
-        os.kill(int(pid), signal.SIGSTOP)
-        try:
-            await asyncio.sleep(pause)
-        finally:
-            os.kill(int(pid), signal.SIGCONT)
+        await _freeze([int(pid)], pause)
         return f"{victim} (pid {pid}) stopped {pause:.1f} s"
     try:
         os.kill(int(pid), signal.SIGKILL)

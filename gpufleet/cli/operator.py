@@ -26,7 +26,11 @@ Reason = Annotated[str, typer.Option(help="why (in the log with your name)")]
 
 
 def _state(payload: Any, data_dir: str | None, as_json: bool, said: str) -> None:
-    env = _run(_with_fleet(data_dir, lambda f: f.operator_fact(payload)))
+    _said(_run(_with_fleet(data_dir, lambda f: f.operator_fact(payload))), as_json, said)
+
+
+def _said(env: Any, as_json: bool, said: str) -> None:
+    """The fact in the log: as JSON, or a line that names it and who stated it."""
     if as_json:
         _print_json({"event_id": env.event_id, "type": env.type, "actor": env.actor,
                      **env.payload.model_dump(mode="json", exclude={"type"})})
@@ -80,8 +84,4 @@ def requeue(job: str, reason: Reason = "requeued by an operator", data_dir: Data
             as_json: JsonOut = False) -> None:
     """Stop JOB (placed or running) and place it again, from its last checkpoint, spending no retry."""
     env = _run(_with_fleet(data_dir, lambda f: f.requeue(job, reason)))
-    if as_json:
-        _print_json({"event_id": env.event_id, "type": env.type, "actor": env.actor,
-                     **env.payload.model_dump(mode="json", exclude={"type"})})
-    else:
-        typer.echo(f"job {job} requeued: attempt {env.payload.attempt} will be placed ({env.event_id}, by {env.actor})")
+    _said(env, as_json, f"job {job} requeued: attempt {env.payload.attempt} will be placed")
