@@ -20,6 +20,7 @@ def test_the_seed_fixes_the_workload_and_the_faults() -> None:
     assert {k for _, k in without} == set(FAULT_KINDS) - set(PARTITION_KINDS) and len(without) == len(FAULT_KINDS) - len(PARTITION_KINDS) + 2
 
 
+@pytest.mark.timeout(900)  # (a job that never ends is waited for 4 min: the report must still come back)
 def test_a_short_campaign_loses_nothing_and_does_nothing_twice() -> None:
     doc = run(seed=2, jobs=60, sim_nodes=6, extra_faults=0)
     partitioned = doc["partitions"].startswith("injected")

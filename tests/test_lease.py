@@ -81,3 +81,48 @@ async def test_a_lease_is_held_by_one_instance_and_only_by_its_own_service(
     finally:
         for x in (a, b, q):
             await x.close()
+
+
+async def test_a_batch_the_old_holder_took_from_the_shared_durable_is_decided_by_the_new_one(
+        bus: Bus, nats_url: str, realm: Any) -> None:
+    """The lost-submit of `bench chaos`: an instance that lost its lease (or was paused between
+    its lease check and its fetch) takes one more batch from the service's shared durable and
+    drops it unacked. The new holder must not ack past it (AckAll would acknowledge what it
+    never got): it sees the gap in the consumer's deliveries and takes them again, in order."""
+    from gpufleet.shared.runtime.loop import ServiceRuntime
+
+    new_bus = await Bus.connect(nats_url, name="admission-new", creds=realm.creds_path("svc-admission"))
+    old_bus = await Bus.connect(nats_url, name="admission-old", creds=realm.creds_path("svc-admission"))
+    try:
+        holder: ServiceRuntime[Any] = ServiceRuntime(AdmissionCore(), new_bus, instance="1", shared_durable=True,
+                                                     fetch_timeout_s=0.05, fence=lambda: True)
+        await holder.start()
+        assert holder.durable == "admission"
+        await bus.publish(submit_cmd(make_job("taken").dict(), "taken"))
+        stale = await old_bus.js.pull_subscribe_bind("admission", stream="FLEET")
+        [taken] = await stale.fetch(1, timeout=5)  # the old holder's last batch, never acked
+        assert b"taken" in taken.data
+        await bus.publish(submit_cmd(make_job("after").dict(), "after"))
+
+        running = asyncio.create_task(holder.run())
+        try:
+            await wait_until(lambda: _submitted(bus, "taken", "after"), timeout_s=20)  # (inside the 30 s ack wait)
+            assert holder.stats.refolds >= 2  # its start, and the recovery from the gap
+        finally:
+            holder.stop()
+            await running
+
+        # an instance whose lease is gone fetches nothing more, and stops
+        gone: ServiceRuntime[Any] = ServiceRuntime(AdmissionCore(), old_bus, shared_durable=True,
+                                                   fetch_timeout_s=0.05, fence=lambda: False)
+        gone._psub = stale
+        await bus.publish(submit_cmd(make_job("later").dict(), "later"))
+        assert await gone.step() == 0 and gone._stop.is_set()
+        assert (await new_bus.js.consumer_info("FLEET", "admission")).num_pending >= 1
+    finally:
+        await new_bus.close()
+        await old_bus.close()
+
+
+async def _submitted(bus: Bus, *job_ids: str) -> bool:
+    return set(job_ids) <= {e.job_id for _, e in await read_log(bus) if e.type == "job.submitted"}

@@ -258,6 +258,7 @@ class ServiceRuntime(Generic[S]):
         self._next_tick = 0.0
         self._psub: Any = None
         self.acked_seq = 0  # the newest sequence this process acknowledged on its durable
+        self._delivered = 0  # the consumer's delivery count at the last message this process got
         self._watch = ConsumerWatch(self.bus, lambda: self.durable)
         self._parsed: dict[int, Envelope] | None = None  # a group's parse cache for one batch
         self._batch_types: dict[str, int] | None = None  # the batch's decided events by type (metrics)
@@ -427,6 +428,7 @@ class ServiceRuntime(Generic[S]):
             return
         self._psub = await open_durable(self.bus, self.durable, self.filter_subject, self.ack_wait_s, self._psub,
                                         known_floor=self.acked_seq)
+        self._delivered = 0  # (a new consumer counts its deliveries from 1)
 
     async def _recover(self, reason: str) -> None:
         async with self._lock:
@@ -447,8 +449,12 @@ class ServiceRuntime(Generic[S]):
 
     async def step(self) -> int:
         """Fetch and handle one batch, then tick if due. Returns the number of messages handled."""
+        if self.fence is not None and not self.fence():
+            self.stop()  # its lease is gone: it takes nothing more from the service's shared durable
+            return 0
         msgs = await fetch_batch(self._psub, self.batch, self.fetch_timeout_s)
         if msgs:
+            self._delivered = check_deliveries(msgs, self._delivered, self.durable)
             await self.handle_batch(msgs)
         await self.tick_if_due()
         if not msgs:
@@ -721,6 +727,30 @@ async def fetch_batch(psub: Any, batch: int, timeout_s: float) -> list[Msg]:
         return []
 
 
+class DeliveryGap(RuntimeError):
+    """Another process took deliveries from this durable consumer: the step fails, and recovery
+    recreates the consumer at its ack floor, so what went elsewhere comes here again in order."""
+
+
+def check_deliveries(msgs: Sequence[Msg], delivered: int, durable: str) -> int:
+    """The consumer's delivery count after `msgs`, which must follow `delivered` without a gap.
+
+    A consumer numbers every delivery it makes (redeliveries included), so a batch that does not
+    go on from this process's last one means someone else fetched from the same durable: an
+    instance that lost its service's lease and took one more batch before it noticed, or was
+    paused between its lease check and its fetch. Acking past that gap (AckAll) would
+    acknowledge what the other took and never decided; it is never redelivered. So the batch is
+    not handled, and recovery recreates the consumer at the ack floor.
+    """
+    for msg in msgs:
+        got = int(msg.metadata.sequence.consumer)
+        if got != delivered + 1:
+            raise DeliveryGap(f"durable {durable} delivered #{got} after #{delivered} here: "
+                              f"{got - delivered - 1} deliveries went to another process")
+        delivered = got
+    return delivered
+
+
 RECOVER_MAX_S = 5.0
 CONSUMER_INFO_TIMEOUT_S = 2.0
 IDLE_PROBE_S = 2.0  # an idle consumer is asked for its info this often
@@ -850,6 +880,7 @@ class RuntimeGroup:
         self.filter_subject = consumer_filter([p for c in cores for p in c.subjects])
         self.batch, self.fetch_timeout_s, self.ack_wait_s = batch, fetch_timeout_s, ack_wait_s
         self.acked_seq = 0
+        self._delivered = 0
         self._watch = ConsumerWatch(bus, lambda: self.durable)
         self._psub: Any = None
         self._generation = 0
@@ -882,6 +913,7 @@ class RuntimeGroup:
         self._generation += 1
         self._psub = await open_durable(self.bus, self.durable, self.filter_subject, self.ack_wait_s, self._psub,
                                         known_floor=self.acked_seq)
+        self._delivered = 0
 
     def stop(self) -> None:
         self._stop.set()
@@ -897,6 +929,7 @@ class RuntimeGroup:
     async def step(self) -> int:
         msgs = await fetch_batch(self._psub, self.batch, self.fetch_timeout_s)
         if msgs:
+            self._delivered = check_deliveries(msgs, self._delivered, self.durable)
             generation = self._generation
             parsed: dict[int, Envelope] = {}
             for rt in self.runtimes:
