@@ -366,3 +366,29 @@ def test_the_placer_forgets_every_fact_of_a_job_when_it_ends() -> None:
     assert "j1" in h.state.ended and "j2" in h.state.ended and len(h.state.nodes["d1"].free_gpus) == 8
     h.given(submitted(big, "j1"), exited("j1", "d1"), quota_reserved(big, "j2"))
     assert not h.state.jobs, "a late fact about an ended job brought its record back"
+
+
+# ---------------------------------------------------------------- cancel
+
+
+def test_a_cancel_after_the_run_exited_is_the_guardians_to_end_and_a_resumed_copy_ends_here() -> None:
+    """The placer cancels a job only while its attempt was never placed. Once a run exited, it
+    holds nothing, but its end is the guardian's (a success being decided right now must not be
+    followed by a second end, seen in `bench chaos` with two placers); should the guardian run
+    it again instead (a retry), the cancel asked meanwhile ends it before it is placed again."""
+    from gpufleet.shared.contract.events import JobResumeRequested, Reason
+
+    from .builders import cancel_requested, types
+
+    h = Harness(PlacerCore()).given(dgx("d1"))
+    job = make_job().gpus(2)
+    assert types(place(h, job, "ok")) == ["job.placed"]
+    h.given(exited("ok", "d1"))
+    assert h.when(cancel_requested("ok")) == []  # the guardian says `succeeded`
+    assert types(place(h, job, "flaky")) == ["job.placed"]
+    h.given(exited("flaky", "d1", exit_code=1, reason="error"))
+    assert h.when(cancel_requested("flaky")) == []
+    out = h.when(event(JobResumeRequested(job_id="flaky", attempt=2, reason=Reason(code="crashed", message="x"))))
+    assert types(out) == ["job.cancelled"]
+    h.given(submitted(job, "waiting"))
+    assert types(h.when(cancel_requested("waiting"))) == ["job.cancelled"]  # never placed: here, at once

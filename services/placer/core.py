@@ -119,6 +119,8 @@ class PlacerJob:
     allocations: tuple[ReplicaAllocation, ...] | None = None
     alloc_attempt: int = 0
     ends_at: float = 0.0
+    placed_attempt: int = 0  # the last attempt placed: its run's end is the guardian's to say
+    cancel_asked: str | None = None  # cancelled while its run was the guardian's: never placed again
 
 
 @dataclass
@@ -179,6 +181,7 @@ class PlacerState:
              ends_at: float) -> None:
         """The job placed: `allocs` taken on their nodes."""
         rec.allocations, rec.alloc_attempt, rec.ends_at = allocs, attempt, ends_at
+        rec.placed_attempt = max(rec.placed_attempt, attempt)
         self.placed.add(job_id)
         for a in allocs:
             _take(self, a)
@@ -460,6 +463,10 @@ class PlacerCore(BaseCore[PlacerState]):
                 if rec.spec is not None:
                     # quota was taken from this GPU model: place on it, or quota and placement disagree
                     rec.spec = with_flavor(rec.spec, p.flavor)
+        elif isinstance(p, JobCancelRequested):
+            rec0 = state.jobs.get(job_id)
+            if rec0 is not None:
+                rec0.cancel_asked = p.reason
         elif isinstance(p, JobUnschedulable):
             if job_id in state.pending:
                 state.jobs[job_id].unschedulable_said = "; ".join(r.message for r in p.reasons)
@@ -532,8 +539,11 @@ class PlacerCore(BaseCore[PlacerState]):
         if isinstance(p, JobCancelRequested):
             job_id = p.job_id
             rec = state.jobs.get(job_id)
-            if rec is not None and rec.spec is not None and rec.allocations is None and job_id not in state.ended:
-                # not placed (and, placements being ours alone, it never will be): cancelled here
+            if (rec is not None and rec.spec is not None and rec.allocations is None and job_id not in state.ended
+                    and rec.placed_attempt < rec.attempt):
+                # its attempt never placed (and, placements being ours alone, it never will be):
+                # cancelled here. One that ran and exited holds nothing either, but its end is the
+                # guardian's (it may be deciding a success right now): a second end would be told.
                 return [ctx.emit(JobCancelled(job_id=job_id, reason=p.reason), key="cancelled")]
             return []  # placed: the executor stops it, the guardian ends it
         if isinstance(p, JobPreemptionRequested):
@@ -579,6 +589,9 @@ class PlacerCore(BaseCore[PlacerState]):
         if rec is None or rec.spec is None:
             return []
         spec = rec.spec
+        if rec.cancel_asked is not None and rec.allocations is None:
+            # asked to cancel while its run was ending (the guardian resumed it after): it ends here
+            return [ctx.emit(JobCancelled(job_id=job_id, reason=rec.cancel_asked), tenant=spec.tenant, key="cancelled")]
         trial = plan.fork()
         allocs = self.plan(state, spec, trial)
         res = state.reservation if self.placement.backfill else None
