@@ -43,6 +43,37 @@ def nats_url(tmp_path: Path, realm: Realm, monkeypatch: pytest.MonkeyPatch) -> I
 
 
 @pytest.fixture
+def nats_cluster_url(tmp_path: Path, realm: Realm, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """A JetStream cluster of three real nats-servers on loopback with the generated
+    authorization, as `gpufleet up --nats-cluster 3` runs it; the streams made there are R3
+    (a cluster decides some things in another order than one server: a copy of a Nats-Msg-Id is
+    answered as a duplicate before any expected-sequence header is checked)."""
+    from gpufleet.shared.trust.authz import cluster_nats_config
+
+    ports = [(free_port(), free_port()) for _ in range(3)]
+    routes = [f"nats://127.0.0.1:{rp}" for _, rp in ports]
+    procs = []
+    monkeypatch.setenv("GPUFLEET_CREDS", str(realm.creds_path(ADMIN)))
+    monkeypatch.setenv("GPUFLEET_STREAM_REPLICAS", "3")
+    try:
+        for i, (cp, rp) in enumerate(ports, 1):
+            store = tmp_path / f"nats-{i}"
+            conf = write_nats_config(tmp_path / f"nats-{i}.conf", cluster_nats_config(
+                realm, f"nats-{i}", store, cp, rp, routes, None))
+            procs.append(start_nats(store, cp, config=conf, log_file=tmp_path / f"nats-{i}.log"))
+        url = ",".join(f"nats://127.0.0.1:{cp}" for cp, _ in ports)
+        import asyncio
+
+        from gpufleet.mesh import _create_streams
+
+        asyncio.run(_create_streams(url, realm.creds_path(ADMIN)))  # (once the cluster has its leader)
+        yield url
+    finally:
+        for proc in procs:
+            stop_process(proc)
+
+
+@pytest.fixture
 async def bus(nats_url: str, request: pytest.FixtureRequest) -> AsyncIterator[Bus]:
     """A connection to the test's nats-server. After the test, `gpufleet audit`'s invariants are
     checked over the test's whole log (mark a test `no_audit` when it breaks them on purpose)."""

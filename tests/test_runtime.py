@@ -387,6 +387,43 @@ async def test_rival_placement_later_in_the_same_batch_fails_the_cas(bus: Bus, n
     assert me.rt.stats.cas_conflicts == 1
 
 
+@pytest.mark.slow  # (three nats-servers)
+async def test_a_rival_placement_under_the_same_id_but_elsewhere_is_the_one_the_placer_goes_on_from(
+        nats_cluster_url: str) -> None:
+    # Two placers decide the same reservation: same cause, same derived id. When the rival's
+    # version is in the log first, the server keeps it and answers this placer's copy as a
+    # duplicate, with the rival's sequence. Its state holds its own version (other GPUs): going
+    # on from it, the next job would go where the log says the first one runs (seen in bench
+    # chaos: GPU 0 of a node at 2000 milli-GPU), and the guard, moved to the copy's sequence,
+    # would let it through. The log's version must win.
+    from gpufleet.shared.contract.ids import derive_id
+
+    bus = await Bus.connect(nats_cluster_url, name="test")
+    await bus.ensure_streams()
+    me = await Service(nats_cluster_url, PlacerCore(), instance="me").start(run=False)
+    try:
+        job = make_job().gpus(4)
+        reservation = quota_reserved(job, "x")
+        rival = placed("x", ("n1", range(4, 8)))
+        rival = rival.model_copy(update={"event_id": derive_id(reservation.event_id, "placed:x"),
+                                         "causation_id": reservation.event_id})
+        await bus.publish_batch([node("n1"), submitted(job, "x"), reservation])
+        await bus.publish(rival)  # the rival decided first, on GPUs 4-7
+        while me.rt.applied_seq < await bus.last_seq():
+            await me.rt.step()
+        await bus.publish_batch([submitted(job, "y"), quota_reserved(job, "y")])
+        while me.rt.applied_seq < await bus.last_seq():
+            await me.rt.step()
+        log = await log_of(bus)
+    finally:
+        await me.stop()
+        await bus.close()
+    _check_no_gpu_taken_twice(log, gpus_per_node=8)
+    [x] = [e.payload for e in log if e.type == "job.placed" and e.job_id == "x"]
+    [y] = [e.payload for e in log if e.type == "job.placed" and e.job_id == "y"]
+    assert x.allocations[0].gpu_indices == (4, 5, 6, 7) and y.allocations[0].gpu_indices == (0, 1, 2, 3)
+
+
 # ================================================================ (e) publish_batch with a stale CAS
 
 

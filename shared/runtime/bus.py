@@ -317,9 +317,12 @@ class Bus:
         return int(info.state.last_seq)
 
     async def publish(self, env: Envelope, cas: Cas | None = None, headers_extra: dict[str, str] | None = None,
-                      ack_within_s: float | None = None) -> int:
+                      ack_within_s: float | None = None, dups: list[tuple[int, Envelope]] | None = None) -> int:
         """Publish one event and wait for its ack (up to `ack_within_s`, PUBLISH_TIMEOUT_S by default);
-        returns the stream sequence."""
+        returns the stream sequence. A copy the server already held (its Nats-Msg-Id within the
+        duplicate window) is not written again: its sequence comes back, and with `dups` the
+        pair (sequence, this event) is noted, since what the stream holds there may be another
+        instance's version of the same decision."""
         headers = {**(headers_extra or {}), "Nats-Msg-Id": env.event_id}
         if otel.TRACING:
             headers.update(otel.inject_headers(env))
@@ -339,9 +342,11 @@ class Bus:
             if exc.err_code == ERR_DUP_IN_PROCESS:  # a re-send overtook the first copy, still in the cluster
                 raise RetryableError(f"publish {env.type}: {exc!r}") from None
             raise
+        if ack.duplicate and dups is not None:
+            dups.append((int(ack.seq), env))
         return int(ack.seq)
 
-    async def publish_many(self, envs: Sequence[Envelope]) -> list[int]:
+    async def publish_many(self, envs: Sequence[Envelope], dups: list[tuple[int, Envelope]] | None = None) -> list[int]:
         """Publish unconditionally: ATOMIC_FROM events or more as atomic batches, fewer pipelined
         (publish_async), every ack awaited with a timeout.
 
@@ -355,7 +360,7 @@ class Bus:
         if not envs:
             return []
         if ATOMIC_FROM and len(envs) >= ATOMIC_FROM:
-            return await self.publish_batch(envs)
+            return await self.publish_batch(envs, dups=dups)
         futs = [
             await self.js.publish_async(e.subject(), e.to_json(), headers=_headers(e))
             for e in envs
@@ -366,9 +371,12 @@ class Bus:
             for f in futs:
                 f.cancel()
             raise RetryableError(f"publish of {len(envs)} events: {exc!r}") from None
+        if dups is not None:
+            dups.extend((int(a.seq), e) for a, e in zip(acks, envs, strict=True) if a.duplicate)
         return [int(a.seq) for a in acks]
 
-    async def publish_batch(self, envs: Sequence[Envelope], cas: Cas | None = None) -> list[int]:
+    async def publish_batch(self, envs: Sequence[Envelope], cas: Cas | None = None,
+                            dups: list[tuple[int, Envelope]] | None = None) -> list[int]:
         """Publish events as atomic batches of up to ATOMIC_BATCH_MAX; returns their sequences.
 
         With `cas`, the first batch is conditional on `cas.last_seq`, and each following batch on
@@ -379,7 +387,7 @@ class Bus:
         guard = cas
         for start in range(0, len(envs), ATOMIC_BATCH_MAX):
             chunk = envs[start:start + ATOMIC_BATCH_MAX]
-            chunk_seqs = await self._atomic(chunk, guard)
+            chunk_seqs = await self._atomic(chunk, guard, dups)
             seqs.extend(chunk_seqs)
             if guard is not None:
                 last = guard.last_seq
@@ -389,11 +397,12 @@ class Bus:
                 guard = Cas(guard.subject, last)
         return seqs
 
-    async def _atomic(self, envs: Sequence[Envelope], cas: Cas | None) -> list[int]:
+    async def _atomic(self, envs: Sequence[Envelope], cas: Cas | None,
+                      dups: list[tuple[int, Envelope]] | None = None) -> list[int]:
         if not envs:
             return []
         if len(envs) == 1 and cas is None:
-            return [await self.publish(envs[0])]
+            return [await self.publish(envs[0], dups=dups)]
         self._batch_counter += 1
         batch_id = f"{envs[0].event_id}-{self._batch_counter}"
         n = len(envs)
@@ -421,17 +430,19 @@ class Bus:
                 if code == ERR_BATCH_DUP_ID:
                     # Some of these were written before (a crash between publish and ack):
                     # fall back to one-by-one, where the server drops the duplicates.
-                    return await self._one_by_one(envs, cas)
+                    return await self._one_by_one(envs, cas, dups)
                 raise RetryableError(f"atomic batch rejected: {err}")
             last = int(ack["seq"])
             return list(range(last - n + 1, last + 1))
         raise AssertionError("unreachable")
 
-    async def _one_by_one(self, envs: Sequence[Envelope], cas: Cas | None) -> list[int]:
+    async def _one_by_one(self, envs: Sequence[Envelope], cas: Cas | None,
+                          dups: list[tuple[int, Envelope]] | None = None) -> list[int]:
         seqs = []
         guard = cas
         for env in envs:
-            seq = await self.publish(env, guard if guard and subject_matches(guard.subject, env.subject()) else None)
+            seq = await self.publish(env, guard if guard and subject_matches(guard.subject, env.subject()) else None,
+                                     dups=dups)
             seqs.append(seq)
             if guard is not None and subject_matches(guard.subject, env.subject()):
                 guard = Cas(guard.subject, seq)

@@ -650,7 +650,9 @@ class ServiceRuntime(Generic[S]):
             if self.core.cas_subject and self.engine.takes_capacity(outputs):
                 cas = Cas(self.core.cas_subject, self.last_cas_seq if cas_seq is None else cas_seq)
             main = [o for o in outputs if not o.subject().startswith("fleet.tel.")]
-            seqs = await (self.bus.publish_batch(main, cas=cas) if cas else self.bus.publish_many(main))
+            dups: list[tuple[int, Envelope]] = []
+            seqs = await (self.bus.publish_batch(main, cas=cas, dups=dups) if cas
+                          else self.bus.publish_many(main, dups=dups))
             self.stats.published += len(main)
             if cas is not None:
                 for o, seq in zip(main, seqs, strict=True):
@@ -662,10 +664,38 @@ class ServiceRuntime(Generic[S]):
             if spans is not None:
                 otel.release(outputs)  # (after a failed publish the same ids are bound again)
             otel.count_published(self.core.name, outputs)
+        else:
+            dups = []
         if handled and self.group is None:
             last = max(handled, key=lambda m: m.metadata.sequence.stream)
             await last.ack()
             self.acked_seq = max(self.acked_seq, int(last.metadata.sequence.stream))
+        if dups and await self._others_version(dups):
+            # the decision is in the log (the cause is decided), but in another version than the
+            # one this state evolved: the state is rebuilt from the log, the log's version wins
+            await self._refold()
+
+    async def _others_version(self, dups: list[tuple[int, Envelope]]) -> bool:
+        """Whether the stream holds, for any of these outputs the server had already, another
+        payload than this instance decided: the other instance of the service (or this one's
+        earlier try, before a failure) decided the same cause under the same derived id on a
+        state that differed (two placers: another node for the same job). Its version is what
+        happened; this state evolved its own, so it must not go on from it (it would place the
+        next job on GPUs the log says are taken, and its compare-and-set guard, moved to the
+        copy's sequence, would let it)."""
+        for seq, mine in dups:
+            try:
+                stored = await self.bus.js.get_msg(STREAM, seq)
+                theirs = parse_logged(seq, stored.data or b"")
+            except Exception as exc:  # noqa: BLE001 - unreadable: assume the worst
+                log.warning("%s: reading the copy at seq %d failed (%s): re-folding", self.actor, seq, exc)
+                return True
+            if theirs.event_id != mine.event_id or theirs.payload != mine.payload:
+                self.stats.cas_conflicts += 1
+                log.info("%s: %s at seq %d was decided first by %s, differently: re-folding", self.actor,
+                         mine.type, seq, theirs.actor)
+                return True
+        return False
 
     async def publish_local(self, outputs: list[Envelope]) -> None:
         """Publish outputs a shell decided from what it observed (a driver, NVML, heartbeats), not
