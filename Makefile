@@ -29,6 +29,7 @@ run: install  ## start the embedded mesh and run a sample workload, showing live
 	  $(GPUFLEET) submit --from $$JOB --set sim.duration=3s --data-dir $(DATA_DIR) --yes --wait
 	$(GPUFLEET) jobs --data-dir $(DATA_DIR)
 	$(GPUFLEET) nodes --data-dir $(DATA_DIR) | head -8
+	$(GPUFLEET) bill --data-dir $(DATA_DIR) --by job   # priced at public list prices unless the config lists its own
 	@echo "the mesh keeps running: 'make down' (or gpufleet down --data-dir $(DATA_DIR)) stops it"
 
 down: install

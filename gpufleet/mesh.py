@@ -56,6 +56,18 @@ openTenants: true
 """
 
 
+def open_config() -> str:
+    """The open default, with the prices it gets said out loud (it lists none, so the public list
+    prices apply: shared/contract/clusterconfig.py LIST_PRICES, docs/billing.md)."""
+    from gpufleet.shared.contract.clusterconfig import LIST_PRICES as P
+
+    gpus = ", ".join(f"{m} {v}" for m, v in P.gpu_hour.items())
+    return OPEN_CONFIG + (
+        f"# No prices: block, so public on-demand list prices apply ({P.currency}, AWS us-east-1): per GPU-hour\n"
+        f"# {gpus}; per CPU core-hour {P.cpu_core_hour}, per GiB-hour {P.memory_gib_hour}.\n"
+        "# Your own rates: a prices: block (docs/billing.md) replaces the whole table.\n")
+
+
 @dataclass
 class MeshOptions:
     data_dir: Path
@@ -163,7 +175,7 @@ class Supervisor:
         else:
             # the open default, said out loud: in the config the services run with, and at start
             self.config_path = self.dir / "cluster.yaml"
-            self.config_path.write_text(OPEN_CONFIG)
+            self.config_path.write_text(open_config())
             log.warning("open cluster: any tenant with credentials may submit, to any queue, without limits "
                         "(%s; give `gpufleet up --config` tenants and queues to close it: docs/config.md)",
                         self.config_path)

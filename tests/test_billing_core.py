@@ -484,3 +484,19 @@ def test_bench_billing_folds_the_same_log_and_the_state_does_not_grow_with_it() 
     out = subprocess.run([sys.executable, "-m", "gpufleet.cli", "bench", "billing", "--events", "500", "--repeat", "1",
                           "--json"], capture_output=True, text=True, timeout=120, check=True)
     assert json.loads(out.stdout)["events"] == 500
+
+
+def test_a_config_without_prices_gets_public_list_prices_and_a_whole_node_costs_its_instance() -> None:
+    """`make run` must not show 0.00: no `prices:` block means the documented list prices
+    (shared/contract/clusterconfig.py LIST_PRICES), and a GPU-hour is the instance's price less its
+    CPUs and memory, so that a p5.48xlarge's worth (8 H100, 192 cores, 2048 GiB) costs its 55.04.
+    A `prices:` block replaces the whole table."""
+    from gpufleet.shared.contract.clusterconfig import ClusterConfig, parse_config
+
+    p = ClusterConfig().prices
+    whole = 8 * p.gpu("H100") + 192 * p.cpu_core_hour + 2048 * p.memory_gib_hour
+    assert abs(whole - Decimal("55.04")) < Decimal("0.01") and p.currency == "USD"
+    assert all(p.gpu(m) > 0 for m in ("H100", "H200", "A100", "A10", "L4", "B200"))
+    assert parse_config({"tenants": {"acme": {}}}).prices == p  # a config about something else keeps them
+    own = parse_config({"prices": {"currency": "EUR", "gpuHour": {"H100": "3"}}}).prices
+    assert own.gpu("H100") == Decimal(3) and own.gpu("A100") == 0 and own.cpu_core_hour == 0

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +94,14 @@ def test_a_training_job_runs_end_to_end_and_replay_equals_the_read_model(mesh: P
         time.sleep(0.3)
     assert replay["seq"] > 0 and len(replay["nodes"]) == 6
     assert all(n["gpus_allocated"] == 0 for n in replay["nodes"])
+
+    # a mesh without a config prices at public list prices (it says so in its cluster.yaml): the
+    # run is billed, and an estimate says what the next one would cost, not 0.00
+    assert "list prices" in (mesh / "cluster.yaml").read_text()
+    billed = {r["key"]: r for r in json.loads(cli(mesh, "bill", "--json", "--by", "job").stdout)["rows"]}
+    assert Decimal(billed[job_id]["cost"]) > 0 and Decimal(str(billed[job_id]["gpu_hours"])) > 0, billed
+    est = json.loads(cli(mesh, "estimate", str(EXAMPLES / "train-resnet.yaml"), "--json").stdout)
+    assert Decimal(str(est["cost"])) > 0, est
 
 
 def test_a_service_killed_mid_flight_is_restarted_and_loses_nothing(mesh: Path, tmp_path: Path) -> None:

@@ -203,6 +203,26 @@ class PriceTable(BaseModel):
         return self.gpu_hour.get(model, self.gpu_hour.get("*", Decimal(0)))
 
 
+# The prices a cluster config without a `prices:` block gets, so that a mesh started without
+# one (`make run`, `gpufleet up`) shows what its jobs cost instead of 0.00. Public on-demand list
+# prices, AWS us-east-1, Linux, USD, as read on 2026-12-03; replace them with your own rates
+# (a `prices:` block replaces the whole table, docs/billing.md).
+# - CPU and memory: AWS Fargate, per vCPU-hour and per GB-hour (Linux/x86): 0.04048 and 0.004445.
+# - A GPU-hour: the instance's hourly price less its vCPUs and memory at those rates, over its
+#   GPUs, so that a whole node costs exactly its instance:
+#   H100  p5.48xlarge   8 GPUs, 192 vCPU, 2048 GiB, 55.04 /h (after AWS's June 2025 reduction) -> 4.77
+#   H200  p5en.48xlarge 8 GPUs, 192 vCPU, 2048 GiB, 63.296 /h (dstack offer, dstackai/dstack#4110, 2026-08) -> 5.80
+#   A100  p4d.24xlarge  8 GPUs,  96 vCPU, 1152 GiB, 32.7726 /h -> 2.97
+#   A10   g5.12xlarge   4 GPUs (A10G), 48 vCPU, 192 GiB, 5.672 /h -> 0.72
+#   L4    g6.12xlarge   4 GPUs,  48 vCPU, 192 GiB, 4.6016 /h -> 0.45
+#   "*"   any other model: 2.00, an assumption (not a list price): set your own
+# - A MIG instance costs its slices / 7 of its GPU (a 3g.40gb of an H100: 3/7 x 4.77).
+LIST_PRICES = PriceTable(currency="USD", gpu_hour={
+    "H100": Decimal("4.77"), "H200": Decimal("5.80"), "A100": Decimal("2.97"), "A10": Decimal("0.72"),
+    "A10G": Decimal("0.72"), "L4": Decimal("0.45"), "*": Decimal("2.00"),
+}, cpu_core_hour=Decimal("0.04048"), memory_gib_hour=Decimal("0.004445"))
+
+
 class BudgetConfig(BaseModel):
     """A budget: an amount (in the prices' currency), the percentages that warn, and what happens
     at 100 %: `warn` only, or `hold` (admission refuses new submits while it is exceeded).
@@ -319,7 +339,7 @@ class ClusterConfig(BaseModel):
     starvation_after_s: DurationS = Field(default=600.0, alias="starvationAfter")
     open_tenants: bool = Field(default=True, alias="openTenants")
     defaults: TenantPolicy = TenantPolicy()
-    prices: PriceTable = PriceTable()
+    prices: PriceTable = LIST_PRICES  # (no `prices:` block: public list prices; see LIST_PRICES)
     budgets: BudgetsConfig = BudgetsConfig()
     node_pools: dict[str, NodePoolConfig] = Field(default_factory=dict, alias="nodePools")
 

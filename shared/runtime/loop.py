@@ -260,7 +260,6 @@ class ServiceRuntime(Generic[S]):
         self.acked_seq = 0  # the newest sequence this process acknowledged on its durable
         self._delivered = 0  # the consumer's delivery count at the last message this process got
         self._watch = ConsumerWatch(self.bus, lambda: self.durable)
-        self._parsed: dict[int, Envelope] | None = None  # a group's parse cache for one batch
         self._batch_types: dict[str, int] | None = None  # the batch's decided events by type (metrics)
         # one broad server-side filter, the rest in the client (see shared/contract/subjects.py)
         self.filter_subject = consumer_filter(self.core.subjects)
@@ -544,10 +543,7 @@ class ServiceRuntime(Generic[S]):
             md = msg.metadata
             seq = md.sequence.stream
             try:
-                cached = self._parsed.get(seq) if self._parsed is not None else None
-                env = cached or parse_logged(seq, msg.data)
-                if self._parsed is not None:
-                    self._parsed[seq] = env
+                env = parse_logged(seq, msg.data)  # (once per process: a group's members share it)
             except Exception as exc:  # noqa: BLE001 - any parse failure is a bad message
                 if self._says_bad(msg.subject):
                     said = self._invalid(msg, f"invalid message: {_short(exc)}", validation_errors(exc))
@@ -961,19 +957,12 @@ class RuntimeGroup:
         if msgs:
             self._delivered = check_deliveries(msgs, self._delivered, self.durable)
             generation = self._generation
-            parsed: dict[int, Envelope] = {}
-            for rt in self.runtimes:
-                rt._parsed = parsed
-            try:
-                # Each member decides in turn (its decision runs without a pause up to its
-                # publish) and the members' publishes are in flight together: their states are
-                # apart, and a server that fsyncs each write then waits on one disk flush for all
-                # of them instead of one after the other.
-                results = await asyncio.gather(*(rt.handle_batch(msgs) for rt in self.runtimes),
-                                               return_exceptions=True)
-            finally:
-                for rt in self.runtimes:
-                    rt._parsed = None
+            # Each member decides in turn (its decision runs without a pause up to its publish)
+            # and the members' publishes are in flight together: their states are apart, and a
+            # server that fsyncs each write then waits on one disk flush for all of them instead
+            # of one after the other. Each message is parsed once for all (`parse_logged`).
+            results = await asyncio.gather(*(rt.handle_batch(msgs) for rt in self.runtimes),
+                                           return_exceptions=True)
             for result in results:
                 if isinstance(result, BaseException):
                     raise result
