@@ -116,6 +116,20 @@ def test_quota_over_a_queue_or_cohort_limit() -> None:
     assert firsts(root)["quota_limit"] == (2, "cohort c uses 5 gpu, over the 4 it holds")
 
 
+def test_a_reservation_written_after_its_job_ended_holds_nothing() -> None:
+    """Quota decided on a state from before a job's cancel and wrote its reservation after it (seen
+    in `bench chaos`: a steady 'cohort uses 186 gpu, over the 184'): the quota service drops such a
+    late fact, so the audit must not count it as held for ever, nor the job as waiting untold."""
+    from gpufleet.shared.contract.events import JobCancelled
+
+    config = parse_config({"queues": {"a": {"nominal": {"gpu": 2}}}})
+    late = audit(log(submitted("j1"), ev(JobCancelled(job_id="j1", reason="cancelled by user")),
+                     reserved("j1", gpus=2), reserved("j2", gpus=2)), config)
+    assert late.ok, late.violations
+    live = audit(log(submitted("j1"), reserved("j1", gpus=2), reserved("j2", gpus=2)), config)
+    assert firsts(live)["quota_limit"] == (3, "queue a uses 4 gpu, over the 2 it holds")
+
+
 def test_a_waiting_job_must_have_been_told_why() -> None:
     waiting = log(submitted("j"), ev(JobAdmitted(job_id="j")), ev(JobAdmitted(job_id="x"), at=T0 + 60))
     report = audit(waiting)

@@ -428,6 +428,13 @@ def test_top_is_live_under_a_real_terminal_and_q_quits(mesh: Path, tmp_path: Pat
         assert "\x1b[" in coloured and job in coloured and "STATUS" in coloured, coloured
         plain = cli(mesh, "jobs").stdout
         assert "\x1b[" not in plain and plain.startswith("JOB") and job in plain, plain
+        for command, header, cell in (("queues", "QUEUE", "PENDING"), ("bill", "GPU-HOURS", "TOTAL")):
+            table = subprocess.run([sys.executable, "-m", "gpufleet.cli", command, "--data-dir", str(mesh)],
+                                   capture_output=True, text=True, timeout=60, cwd=REPO,
+                                   env={**os.environ, "GPUFLEET_COLOR": "always"}).stdout
+            assert "\x1b[" in table and header in table and cell in table, (command, table)
+            plain = cli(mesh, command).stdout
+            assert "\x1b[" not in plain and header in plain and cell in plain, (command, plain)
         subprocess.run(["tmux", "send-keys", "-t", session, "q"], check=True)
         deadline = time.monotonic() + 10
         while not done.exists():

@@ -11,6 +11,7 @@ from gpufleet.cli.common import (
     DataDir,
     JsonOut,
     _print_json,
+    _steps_bar,
     app,
 )
 
@@ -122,11 +123,19 @@ def bench_placement(
         typer.echo(f"error: --policies: unknown {', '.join(unknown)} (one of {', '.join(profiles())})", err=True)
         raise typer.Exit(2)
     docs = []
-    for f in files:
-        doc = bench(f, nodes, names, _seeds(seeds), progress=lambda m: typer.echo(m, err=True))
-        if published is not None:
-            doc["published"] = published_results(published, doc["workload"])
-        docs.append(doc)
+    runs = len(files) * len(names) * len(_seeds(seeds))
+    done = [0]
+    with _steps_bar("placement runs") as bar:
+        def step(message: str) -> None:
+            if " seed " in message:  # one (workload, policy, seed) run finished
+                done[0] += 1
+            bar(done[0], runs, message)
+
+        for f in files:
+            doc = bench(f, nodes, names, _seeds(seeds), progress=step)
+            if published is not None:
+                doc["published"] = published_results(published, doc["workload"])
+            docs.append(doc)
     if plot is not None:
         write_plot(docs, plot)
     if as_json:

@@ -143,6 +143,43 @@ def _read_bar(after_s: float = 2.0) -> Iterator[None]:
             bar["p"].stop()
 
 
+@contextlib.contextmanager
+def _steps_bar(label: str, after_s: float = 1.0) -> Iterator[Callable[[int, int, str], None]]:
+    """A progress bar on stderr for long work (bench placement seeds, a what-if, a simulation):
+    `update(done, total, note)`. On a terminal the bar shows once the work has taken `after_s`,
+    with each note printed above it; elsewhere the notes alone go to stderr, a line each (a log
+    or CI keeps them), and the bar never draws."""
+    if not sys.stderr.isatty():
+        def plain(_done: int, _total: int, note: str = "") -> None:
+            if note:
+                typer.echo(note, err=True)
+        yield plain
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    t0 = time.monotonic()
+    bar: dict[str, Any] = {}
+    console = Console(stderr=True)
+
+    def update(done: int, total: int, note: str = "") -> None:
+        if "p" not in bar and time.monotonic() - t0 >= after_s:
+            bar["p"] = Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                                console=console, transient=True)
+            bar["p"].start()
+            bar["t"] = bar["p"].add_task(label, total=max(total, 1))
+        if note:
+            console.print(note, highlight=False)
+        if "p" in bar:
+            bar["p"].update(bar["t"], completed=done, total=max(total, 1))
+
+    try:
+        yield update
+    finally:
+        if "p" in bar:
+            bar["p"].stop()
+
+
 async def _reading(data_dir: str | None, fn: Callable[[Any], Awaitable[T]], within_s: float = 10.0) -> T:
     """`_with_fleet` for a command that only reads: again while JetStream does not answer (a
     cluster electing a leader, a server restarting), for up to `within_s`."""

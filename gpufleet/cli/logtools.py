@@ -16,6 +16,7 @@ from gpufleet.cli.common import (
     _print_json,
     _reading,
     _run,
+    _steps_bar,
     _with_fleet,
     app,
 )
@@ -70,7 +71,8 @@ def _what_if(data_dir: str | None, path: Path, as_json: bool) -> None:
         raise typer.Exit(2) from None
     hist = _run(_with_fleet(data_dir, lambda f: f.history()))
     try:
-        doc = what_if(hist, _mesh_config(data_dir), other, nodes)
+        with _steps_bar("what-if: the recorded workload, twice") as bar:
+            doc = what_if(hist, _mesh_config(data_dir), other, nodes, progress=lambda done, of: bar(done, of, ""))
     except ScenarioError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
@@ -98,7 +100,8 @@ def sim(scenario: Annotated[Path, typer.Argument(exists=True, dir_okay=False, he
     from gpufleet.tools.sim import ScenarioError, run_file
 
     try:
-        result = run_file(scenario, seed)
+        with _steps_bar("simulating: jobs submitted") as bar:
+            result = run_file(scenario, seed, progress=lambda done, of: bar(done, of, ""))
     except (ScenarioError, SpecError) as exc:
         typer.echo(f"error: {scenario}: {exc}", err=True)
         raise typer.Exit(2) from None

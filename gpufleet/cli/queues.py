@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from decimal import Decimal
 from typing import Annotated, Any
 
 import typer
@@ -87,6 +88,17 @@ def queues(data_dir: DataDir = None, as_json: JsonOut = False) -> None:
     def fmt(d: dict[str, int]) -> str:
         return " ".join(f"{r}={v}" for r, v in sorted(d.items()) if r.startswith("gpu")) or "-"
 
+    if _rich_out():
+        _rich_table([("QUEUE", "left"), ("COHORT", "left"), ("PENDING", "right"), ("JOBS", "right"),
+                     ("GPU USED / NOMINAL", "left")],
+                    [[row["queue"], row["cohort"] or "-", str(row["pending"]), str(row["reserved_jobs"]),
+                      f"{fmt(row['usage'])} / {fmt(row['nominal']) if row['limited'] else 'unlimited'}"] for row in rows])
+        if cohorts:
+            _rich_table([("COHORT", "left"), ("PARENT", "left"), ("PENDING", "right"), ("GPU USED / HELD", "left"),
+                         ("BORROWED", "left")],
+                        [[c["cohort"], c["parent"] or "-", str(c["pending"]), f"{fmt(c['usage'])} / {fmt(c['quota'])}",
+                          fmt(c["borrowed"])] for c in cohorts.values()])
+        return
     typer.echo(f"{'QUEUE':<14}{'COHORT':<10}{'PENDING':>8}{'JOBS':>6}  GPU USED / NOMINAL")
     for row in rows:
         typer.echo(f"{row['queue']:<14}{row['cohort'] or '-':<10}{row['pending']:>8}{row['reserved_jobs']:>6}  "
@@ -143,6 +155,14 @@ def bill(
         _print_json(doc)
     elif as_csv:
         typer.echo(report.bill_csv(doc), nl=False)
+    elif _rich_out():
+        total = doc["total"]
+        _rich_table([(doc["by"].upper(), "left"), ("GPU-HOURS", "right"), (f"COST {doc['currency']}", "right"),
+                     ("IDLE GPU-H", "right"), ("IDLE COST", "right"), ("INTERVALS", "right")],
+                    [[r["key"] if r is not total else "TOTAL", f"{Decimal(r['gpu_hours']):.3f}", r["cost"],
+                      f"{Decimal(r['idle_gpu_hours']):.3f}", r["idle_cost"],
+                      f"{r['intervals']}" + (f" ({r['running']} running)" if r["running"] else "")]
+                     for r in [*doc["rows"], total]])
     else:
         typer.echo(report.bill_text(doc))
 

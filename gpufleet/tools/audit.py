@@ -6,7 +6,9 @@ a service shows up here instead of being agreed with:
 - gpu_capacity: no GPU holds more than 1000 milli-GPU (whole GPUs and shares), and no allocation
   names a GPU its node does not have;
 - quota_limit: no queue goes over nominal + borrowingLimit, no cohort over its subtree quota +
-  borrowingLimit, no root over the quota it holds (the cluster config's tree);
+  borrowingLimit, no root over the quota it holds (the cluster config's tree); a reservation (or a
+  placement) written just after its job ended, decided before, holds nothing, as quota and the
+  placer drop it;
 - pending_reason: every job submitted either ended, runs (a service: serves), or waits with a reason it was told
   (`job.queued`, `job.unschedulable`, `job.rejected` ...) — checked at the head of the log;
 - lost_node: no job is placed on a node its placer knew was lost (until it registers again) or
@@ -105,6 +107,9 @@ class _Books:
     asked_to_stop: set[str] = field(default_factory=set)
     last: dict[str, tuple[int, Envelope]] = field(default_factory=dict)  # job -> its latest state event
     told_since: dict[str, bool] = field(default_factory=dict)  # job -> a reason after its latest state
+    # job -> the sequence it ended at, for the last RACE_WINDOW events: a reservation or a placement
+    # decided before the end and written after it holds nothing (quota and placer drop it too)
+    ended: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -138,6 +143,17 @@ def _remember(b: _Books, seq: int, env: Envelope) -> None:
         if b.recent[oldest] > seq - RACE_WINDOW:
             break
         del b.recent[oldest]
+
+
+def _ended(b: _Books, job: str, seq: int) -> None:
+    """Remember that `job` ended at `seq`, for RACE_WINDOW events (oldest first, then forgotten)."""
+    b.ended.pop(job, None)
+    b.ended[job] = seq
+    while b.ended:
+        oldest = next(iter(b.ended))
+        if b.ended[oldest] > seq - RACE_WINDOW:
+            break
+        del b.ended[oldest]
 
 
 def _decided_before_loss(b: _Books, seq: int, env: Envelope, node: str) -> bool:
@@ -238,6 +254,8 @@ class Auditor:
             b.gone.add(p.node_id)
             b.gpus.pop(p.node_id, None)
             b.mig.pop(p.node_id, None)
+        elif isinstance(p, JobPlaced | JobQuotaReserved) and p.job_id in b.ended:
+            pass  # decided before the job ended, written after: it holds nothing (the services drop it)
         elif isinstance(p, JobPlaced):
             for a in p.allocations:
                 if a.node_id in b.lost and not _decided_before_loss(b, seq, env, a.node_id):
@@ -294,10 +312,11 @@ class Auditor:
         if env.type == "job.preempted" and job and job not in b.asked_to_stop:
             bad("preemption_request", seq, env, "preempted without a preemption request")
         if env.type in ENDED and job:
+            _ended(b, job, seq)
             _unreserve(b, job)
             for held_job, replica in [k for k in b.held if k[0] == job]:
                 _free(b, held_job, replica)
-        if job is not None and env.type.startswith("job."):
+        if job is not None and env.type.startswith("job.") and (env.type in ENDED or job not in b.ended):
             if env.type in ENDED:  # nothing to wait for: forgotten (the books do not grow with every job run)
                 b.last.pop(job, None)
                 b.told_since.pop(job, None)
@@ -389,7 +408,7 @@ class _AuditKind:
     """What the snapshot container needs: a name and a state format."""
 
     name = AUDIT
-    state_format = 2  # 2: the books keep the last events' ids (lost_at, recent)
+    state_format = 3  # 2: the books keep the last events' ids (lost_at, recent); 3: the jobs just ended
 
 
 async def audit_log(bus: Any, config: ClusterConfig | None = None, pending_grace_s: float = 10.0,

@@ -49,6 +49,7 @@ import hashlib
 import json
 import random
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -455,12 +456,15 @@ class Simulation:
 
     # ------------------------------------------------------------ the loop
 
-    def run(self) -> None:
+    def run(self, progress: Callable[[int, int], None] | None = None) -> None:
+        """Play the scenario to its end; `progress(submitted, of)` now and then (each simulated minute)."""
         for m in self.members:
             self.append(m.core.on_start(m.state, self.ctx(m.core.name)), m)
         submits, faults = list(self.sc.submits), list(self.sc.faults)
         end = EPOCH + self.sc.until if self.sc.until is not None else None
-        for _ in range(MAX_STEPS):
+        for step in range(MAX_STEPS):
+            if progress is not None and step % 60 == 0:
+                progress(len(self.sc.submits) - len(submits), len(self.sc.submits))
             while submits and EPOCH + submits[0].at <= self.now:
                 s = submits.pop(0)
                 self.append([Envelope(event_id=derive_id(f"sim:{self.sc.seed}:{s.job_id}", "submit",
@@ -555,13 +559,14 @@ class Simulation:
         }
 
 
-def run_file(path: str | Path, seed: int | None = None) -> Simulation:
+def run_file(path: str | Path, seed: int | None = None,
+             progress: Callable[[int, int], None] | None = None) -> Simulation:
     try:
         doc = yaml.safe_load(Path(path).read_text())
     except yaml.YAMLError as exc:
         raise ScenarioError(f"{path}: not YAML ({exc})") from None
     sim = Simulation(load_scenario(doc, seed))
-    sim.run()
+    sim.run(progress)
     return sim
 
 
@@ -657,14 +662,15 @@ def scenario_from_log(history: list[tuple[int, Envelope]], config: ClusterConfig
 
 
 def what_if(history: list[tuple[int, Envelope]], base: ClusterConfig, other: ClusterConfig,
-            other_nodes: dict[str, NodeInventory] | None = None) -> dict[str, Any]:
+            other_nodes: dict[str, NodeInventory] | None = None,
+            progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
     """The recorded workload under the recorded config and under `other` (and, if given, on
-    another cluster: `other_nodes`), side by side."""
+    another cluster: `other_nodes`), side by side; `progress(done, of)` over both runs' submits."""
     runs = {}
     ends: dict[str, dict[str, tuple[str, float]]] = {}
-    for name, cfg, nodes in (("recorded", base, None), ("what_if", other, other_nodes)):
+    for i, (name, cfg, nodes) in enumerate((("recorded", base, None), ("what_if", other, other_nodes))):
         sim = Simulation(scenario_from_log(history, cfg, nodes))
-        sim.run()
+        sim.run(None if progress is None else _offset(progress, i))
         runs[name] = sim.report()
         ends[name] = {e.job_id: (e.type.removeprefix("job."), e.occurred_at.timestamp()) for e in sim.log
                       if e.job_id and e.type in RUN_ENDED_JOB_TYPES}
@@ -682,6 +688,11 @@ def what_if(history: list[tuple[int, Envelope]], base: ClusterConfig, other: Clu
             "delta": {k: delta(k) for k in ("wait_p50_s", "wait_p95_s", "gpu_allocation_pct", "preemptions")},
             "finished_earlier": len(earlier), "finished_later": len(later),
             "would_have_failed": failed, "jobs_compared": len(common)}
+
+
+def _offset(progress: Callable[[int, int], None], run: int) -> Callable[[int, int], None]:
+    """The progress of the `run`-th of two runs, as one bar over both."""
+    return lambda done, of: progress(run * of + done, 2 * of)
 
 
 def what_if_file(path: str | Path) -> tuple[ClusterConfig, dict[str, NodeInventory] | None]:
