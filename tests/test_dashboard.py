@@ -318,3 +318,47 @@ def test_command_prints_a_tenant_url_and_warns_off_loopback(tmp_path: Path) -> N
     assert warning is not None and "0.0.0.0:8080" in warning and "reachable from other machines" in warning
     assert page_url("0.0.0.0", 8080, "t") == "http://127.0.0.1:8080/?token=t"
     assert page_url("::1", 8080, "t") == "http://[::1]:8080/?token=t"
+
+
+def test_the_charts_fold_a_point_per_step_of_log_time() -> None:
+    """The page's charts (gpufleet/tools/charts.py), folded from the log by the board: GPUs
+    allocated per model, the wait from submitted to placed per queue, waiting jobs, each tenant's
+    cost at the prices, the utilisation and idle cost from the nodes' samples, preemptions and
+    failures; a tenant's page sees its own cost and queues only, and no cluster-wide counts."""
+    from decimal import Decimal
+
+    from gpufleet.shared.contract.clusterconfig import PriceTable
+    from gpufleet.shared.contract.events import JobFailed, JobPreempted
+    from gpufleet.tools.dashboard import Board
+
+    b = Board()
+    b.charts.enabled, b.charts.step_s = True, 10.0
+    b.charts.prices = PriceTable(gpu_hour={"H100": Decimal("3.60")})
+    b.fold(1, ev(NodeRegistered(node_id=NODE, inventory=INV), at=T0))  # 2 H100s
+    b.fold(2, submitted("a"))  # at T0
+    b.fold(3, ev(JobSubmitted(job_id="w", spec=submitted("w").payload.spec), at=T0 + 1))  # type: ignore[union-attr]
+    b.fold(4, placed("a", (0, 1)).model_copy(update={"occurred_at": submitted("a").occurred_at.replace(
+        second=submitted("a").occurred_at.second + 4)}))
+    assert list(b.charts.points) == []  # the first step (T0 .. T0+10) is still open
+    b.fold(5, ev(JobPreempted(job_id="x", reason=Reason(code="preempted", message="m")), at=T0 + 12))
+    [first] = b.charts.points
+    assert first["alloc"] == {"H100": 2.0} and first["total"] == {"H100": 2}
+    assert first["wait_p50"] == {"default": 4.0} and first["wait_p95"] == {"default": 4.0}
+    assert first["pending"] == {"default": 1}  # `w` waits
+    assert first["cost"] == {"acme": 0.02}  # 2 GPUs x 3.60/h x 10 s
+    assert first["util"] == {} and first["idle_cost"] == {}  # no sample: nothing said of how busy
+    b.charts.sample({"node_id": NODE, "gpus": [{"index": 0, "util_pct": 1.0}, {"index": 1, "util_pct": 99.0}]},
+                    T0 + 15)
+    b.fold(6, ev(JobFailed(job_id="y", reason=Reason(code="exit_code", message="m")), at=T0 + 25))
+    second = b.charts.points[-1]
+    assert second["preempted"] == 1 and second["failed"] == 0 and second["wait_p50"] == {}
+    assert second["util"] == {"H100": 50.0} and second["idle_cost"] == {"acme": 0.01}  # GPU 0 idle
+    assert [p["failed"] for p in b.charts.points] == [0, 0]  # (the failure is the third step's)
+    theirs = b.series("globex")
+    assert theirs[0]["cost"] == {} and theirs[0]["pending"] == {} and theirs[0]["preempted"] is None
+    assert b.series("acme")[0]["cost"] == {"acme": 0.02} and b.series("acme")[0]["pending"] == {"default": 1}
+    # a board that is not the dashboard's (a view snapshot's, a replay's) draws nothing
+    quiet = Board()
+    quiet.fold(1, ev(NodeRegistered(node_id=NODE, inventory=INV), at=T0))
+    quiet.fold(2, submitted("a").model_copy(update={"occurred_at": submitted("a").occurred_at.replace(year=2031)}))
+    assert not quiet.charts.points

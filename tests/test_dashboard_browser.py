@@ -50,7 +50,7 @@ pytestmark = pytest.mark.skipif(chromium() is None, reason="no Chromium binary (
 async def test_dashboard_in_headless_chromium(bus: Bus, nats_url: str, tmp_path: Path) -> None:
     pw = pytest.importorskip("playwright.async_api")
     port = free_port()
-    _, server, follow = await serve(bus, "127.0.0.1", port, tokens=Tokens(admin=TOKEN))
+    _, server, follow = await serve(bus, "127.0.0.1", port, tokens=Tokens(admin=TOKEN), chart_step_s=1.0)
     try:
         async with running(nats_url, default_cores(sim_nodes=2)):
             await wait_until(lambda: nodes_registered(bus, 2))
@@ -117,6 +117,17 @@ async def test_dashboard_in_headless_chromium(bus: Bus, nats_url: str, tmp_path:
                     await page.goto(f"http://127.0.0.1:{port}/#job/{job_id}")
                     await page.wait_for_function(
                         "document.querySelector('#jobtitle').dataset.status == 'succeeded'", timeout=10_000)
+
+                    # the charts, fed by the stream: a point a second here; what the jobs held and
+                    # cost is on them, with a key per series, and the map has its legend
+                    await page.wait_for_function(
+                        "+document.querySelector('#c-alloc svg')?.dataset.points >= 5", timeout=15_000)
+                    alloc = page.locator("#c-alloc polyline.series")
+                    assert await alloc.count() >= 1
+                    assert await page.locator('#c-cost polyline.series[data-series="acme"]').count() == 1
+                    assert await page.locator('#c-pending polyline.series[data-series="default"]').count() == 1
+                    assert await page.locator("#legend .gpu.unhealthy").count() == 1
+                    assert "GPUs allocated, by model" in await page.inner_text("#charts")
 
                     shot = artifact(tmp_path, "dashboard.png")
                     await page.screenshot(path=str(shot), full_page=True)

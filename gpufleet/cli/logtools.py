@@ -160,7 +160,9 @@ def dashboard(data_dir: DataDir = None,
                   "print the URL with this tenant's token (made when it has none) and exit: that page "
                   "shows only the tenant's own jobs, read-only; a running dashboard takes it at once"))] = None,
               ) -> None:
-    """A live web dashboard from the event stream: cluster map, queues, event feed, job pages.
+    """A live web dashboard from the event stream: cluster map, charts over time (allocation and
+    utilisation per GPU model, queue depth and wait, cost and idle cost per tenant, preemptions and
+    failures), queues, event feed, job pages.
 
     Every request needs a token: open the URL it prints (?token=... sets the page's cookie), or
     send `Authorization: Bearer TOKEN`."""
@@ -188,7 +190,8 @@ def dashboard(data_dir: DataDir = None,
         raise typer.Exit(2) from None
 
     async def go(fleet: Any) -> None:
-        _, server, follow = await serve(fleet.bus, host, port, tokens=Tokens.of(ddir, admin=token))
+        _, server, follow = await serve(fleet.bus, host, port, tokens=Tokens.of(ddir, admin=token),
+                                        prices=_mesh_config(data_dir).prices)  # (the charts' costs)
         bound = server.sockets[0].getsockname()[1] if server.sockets else port
         if (warning := exposure_warning(host, bound)) is not None:
             typer.echo(warning, err=True)

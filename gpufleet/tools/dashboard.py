@@ -2,11 +2,15 @@
 
 The server folds FLEET from the start (an ordered consumer) into a `Board`, and serves:
 
-    GET /              one HTML page (plain JS): cluster map, queues, live event feed, job pages
+    GET /              one HTML page (plain JS): cluster map with a legend, charts over time
+                       (gpufleet/tools/charts.py: GPU allocation and utilisation per model, queue
+                       depth and wait p50/p95 per queue, cost and idle cost per tenant,
+                       preemptions and failures), queues, live event feed, job pages
     GET /state         the board as JSON: nodes with each GPU (free, allocated to a job, unhealthy,
                        quarantined), queues, jobs by status
     GET /events        server-sent events: every new log event as it is folded, and the `state`
-                       (at most every 0.25 s), so the page updates without reload
+                       (at most every 0.25 s), so the page updates without reload; the charts'
+                       `series` on connect and again with each new point
     GET /#job/<id>     the page with that job open (its page follows the job live)
     GET /job/<id>      the job's timeline, its interruptions and why it waits (what `gpufleet explain` says)
 
@@ -30,6 +34,7 @@ import logging
 import os
 import re
 import secrets
+import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -37,6 +42,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, quote, unquote
 
+from gpufleet.shared.contract.clusterconfig import PriceTable
 from gpufleet.shared.contract.config import write_private
 from gpufleet.shared.contract.events import (
     RUN_ENDED_JOB_TYPES,
@@ -57,6 +63,7 @@ from gpufleet.shared.contract.ids import check_token
 from gpufleet.shared.read.view import TERMINAL_STATUSES, ClusterView, apply, interruptions, pending_reasons
 from gpufleet.shared.runtime.engine import refusal
 from gpufleet.shared.runtime.retention import EndedJobs
+from gpufleet.tools.charts import Charts
 
 log = logging.getLogger(__name__)
 ENDED = RUN_ENDED_JOB_TYPES
@@ -92,6 +99,7 @@ class Board:
     # jobs whose row ended (succeeded, failed, cancelled, rejected), for the retention window of log
     # time: a fact about one whose row was put away (a view snapshot's row segment) changes nothing
     ended: EndedJobs = field(default_factory=EndedJobs)
+    charts: Charts = field(default_factory=Charts)  # the page's time series (gpufleet/tools/charts.py)
 
     def fold(self, seq: int, env: Envelope) -> None:
         job_id = env.job_id
@@ -117,7 +125,8 @@ class Board:
         self.fold_extra(seq, env)
 
     def fold_extra(self, seq: int, env: Envelope) -> None:
-        """What the board keeps beyond the cluster view (GPU cells, queue usage, histories)."""
+        """What the board keeps beyond the cluster view (GPU cells, queue usage, histories, charts)."""
+        self.charts.observe(self, env)  # (first: the steps this event closes are drawn from the board before it)
         p = env.payload
         if isinstance(p, NodeRegistered):
             self.gpus[p.node_id] = [g.index for g in p.inventory.gpus if not g.mig_enabled]
@@ -231,6 +240,14 @@ class Board:
         elif not str(doc.get("type", "")).startswith("node."):
             return None  # dead letters and the like: the operator's
         return dict(self.scrub(doc, tenant))
+
+    def queues_of(self, tenant: str) -> set[str]:
+        """The queues `tenant` has jobs in (what its page shows of the queues)."""
+        return {queue for (t, queue, _status) in self.counts if t == tenant}
+
+    def series(self, tenant: str | None = None) -> list[dict[str, Any]]:
+        """The charts' points as `tenant`'s page shows them (None: the admin's)."""
+        return self.charts.series(tenant, None if tenant is None else self.queues_of(tenant))
 
     def state(self, tenant: str | None = None) -> dict[str, Any]:
         """The board as a page shows it; with `tenant`, as that tenant's page does: its own jobs only,
@@ -544,6 +561,8 @@ class Dashboard:
         self.clients: set[Client] = set()
         self._sub: Any = None
         self._dirty = asyncio.Event()
+        self.caught_up = False  # the board has folded all the stream held (live from here)
+        self._points_sent = 0
 
     async def push_state(self) -> None:
         """Send the state to every page after a change, at most every STATE_EVERY_S (made once for
@@ -552,13 +571,38 @@ class Dashboard:
             await self._dirty.wait()
             self._dirty.clear()
             states: dict[str | None, bytes] = {}
+            made = self.board.charts.made
+            new_point = made != self._points_sent
+            self._points_sent = made
             for c in list(self.clients):
                 key = c.viewer.tenant
                 if key not in states:
                     states[key] = sse("state", self.board.state(key))
+                    if new_point:  # the whole series, once per new point (not with every state)
+                        states[key] += sse("series", self.board.series(key))
                 c.state = states[key]  # replaces one not sent yet
                 c.wake.set()
             await asyncio.sleep(STATE_EVERY_S)
+
+    async def tick_charts(self) -> None:
+        """While live, close the charts' steps in which nothing was logged (a quiet cluster still
+        draws its line), and follow the nodes' GPU samples for the utilisation chart."""
+        async def on_sample(msg: Any) -> None:
+            with contextlib.suppress(ValueError, TypeError, AttributeError):
+                self.board.charts.sample(json.loads(msg.data), time.time())
+
+        sub = None
+        with contextlib.suppress(Exception):  # (an identity that may not read samples draws no utilisation)
+            sub = await self.bus.nc.subscribe("fleet.tel.node.*.gpu", cb=on_sample)
+        try:
+            while True:
+                await asyncio.sleep(min(1.0, self.board.charts.step_s / 2))
+                if self.caught_up and self.board.charts.advance(self.board, time.time()):
+                    self._dirty.set()
+        finally:
+            if sub is not None:
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
 
     def _send(self, doc: dict[str, Any]) -> None:
         data: dict[str | None, bytes | None] = {}
@@ -586,7 +630,10 @@ class Dashboard:
             return 0
         if got is None:
             return 0
+        charts = self.board.charts
         self.board, seq = got
+        self.board.charts = Charts(enabled=charts.enabled, clock=charts.clock, step_s=charts.step_s,
+                                   prices=charts.prices)  # (a snapshot keeps no charts)
         log.info("dashboard: from the view snapshot at seq %d", seq)
         return seq
 
@@ -607,6 +654,7 @@ class Dashboard:
                 continue  # what no core folds (shared/runtime/engine.py), the board does not show
             seq = msg.metadata.sequence.stream
             self.board.fold(seq, env)
+            self.caught_up = msg.metadata.num_pending == 0
             if self.clients:
                 self._send(event_doc(seq, env))
             self._dirty.set()
@@ -679,6 +727,7 @@ class Dashboard:
                      + "".join(f"{h}\r\n" for h in extra).encode() + b"Connection: keep-alive\r\n\r\n")
         tenant = viewer.tenant
         writer.write(sse("state", self.board.state(tenant)))
+        writer.write(sse("series", self.board.series(tenant)))
         shown = [d for d in (self.board.event_for(doc, tenant) for doc in self.board.feed) if d is not None]
         for doc in shown[-50:]:
             writer.write(sse("event", doc))
@@ -708,17 +757,27 @@ async def respond(writer: asyncio.StreamWriter, status: int, ctype: str, body: b
     await writer.drain()
 
 
-async def serve(bus: Any, host: str = "127.0.0.1", port: int = 8080, *,
-                tokens: Tokens) -> tuple[Dashboard, asyncio.Server, asyncio.Task[None]]:
-    """Start the dashboard; every request needs one of `tokens`."""
+async def serve(bus: Any, host: str = "127.0.0.1", port: int = 8080, *, tokens: Tokens,
+                prices: PriceTable | None = None,
+                chart_step_s: float | None = None) -> tuple[Dashboard, asyncio.Server, asyncio.Task[None]]:
+    """Start the dashboard; every request needs one of `tokens`. The charts price GPUs at
+    `prices` (the cluster config's; the list prices without any) and draw a point every
+    `chart_step_s` of log time (10 s)."""
     dash = Dashboard(bus, tokens)
+    dash.board.charts.enabled, dash.board.charts.clock = True, time.time
+    if prices is not None:
+        dash.board.charts.prices = prices
+    if chart_step_s is not None:
+        dash.board.charts.step_s = chart_step_s
 
     async def run() -> None:
         pusher = asyncio.create_task(dash.push_state())
+        ticker = asyncio.create_task(dash.tick_charts())
         try:
             await dash.follow()
         finally:
             pusher.cancel()
+            ticker.cancel()
 
     follow = asyncio.create_task(run())
     server = await asyncio.start_server(dash.handle, host, port)
@@ -734,9 +793,17 @@ body{font:13px system-ui,sans-serif;margin:12px;background:#fafafa} h2{font-size
 table{border-collapse:collapse} td,th{padding:2px 8px;border-bottom:1px solid #eee;text-align:left}
 #feed{height:300px;overflow:auto;font-family:monospace;background:#fff;border:1px solid #ddd}
 a{color:#1155cc;cursor:pointer}
+.chart{display:inline-block;margin:4px 8px 4px 0;padding:4px;background:#fff;border:1px solid #ddd;vertical-align:top}
+.ctitle{font-weight:600;margin-bottom:2px} .key{margin-right:8px;white-space:nowrap} .key i{display:inline-block;width:10px;height:10px;margin-right:3px;border-radius:2px}
+.legend .gpu{vertical-align:middle;margin-right:2px} .legend span.k{margin-right:10px}
 </style></head><body>
 <b>gpufleet</b> <span id="who"></span> <span id="seq"></span> <span id="jobs"></span>
-<h2>Cluster</h2><div id="map"></div>
+<h2>Cluster</h2><div class="legend" id="legend"><span class="k"><span class="gpu free"></span>free</span><span class="k"><span class="gpu allocated"></span>allocated</span><span class="k"><span class="gpu shared"></span>shared (a fraction held)</span><span class="k"><span class="gpu unhealthy"></span>unhealthy</span><span class="k"><span class="gpu quarantined"></span>quarantined (zombie memory, left unclean)</span></div>
+<div id="map"></div>
+<h2>Over time <small id="span"></small></h2><div id="charts">
+<div class="chart" id="c-alloc"></div><div class="chart" id="c-util"></div><div class="chart" id="c-pending"></div>
+<div class="chart" id="c-wait50"></div><div class="chart" id="c-wait95"></div><div class="chart" id="c-cost"></div>
+<div class="chart" id="c-idle"></div><div class="chart" id="c-bad"></div></div>
 <h2>Queues</h2><table id="queues"></table>
 <h2>Jobs</h2><table id="recent"></table>
 <h2>Events <input id="filter" placeholder="filter: type, job, node, tenant"></h2><div id="feed"></div>
@@ -759,6 +826,39 @@ function drawState(s){
     + `<td><a onclick="job('${esc(j.job_id)}')">${esc(j.job_id)}</a> <small>${esc(j.name)}</small></td><td>${esc(j.tenant)}</td>`
     + `<td>${esc(j.queue)}</td><td class="status">${esc(j.status)}</td><td>${j.gpus}</td><td>${esc(j.nodes.join(" "))}</td>`
     + `<td><small>${esc(j.reason)}</small></td></tr>`).join("");
+}
+const COLORS = ["#3c78d8", "#e69138", "#6aa84f", "#cc0000", "#674ea7", "#45818e", "#bf9000", "#a64d79"];
+const fmt = v => v >= 100 ? v.toFixed(0) : v >= 1 ? v.toFixed(1) : v.toPrecision(2);
+function chart(id, title, pts, pick, unit){
+  const el = $(id);
+  if (pts.some(p => pick(p) === null)) { el.hidden = true; return; }  // (not shown to this viewer)
+  el.hidden = false;
+  const names = [...new Set(pts.flatMap(p => Object.keys(pick(p) || {})))].sort();
+  const W = 330, H = 110, L = 38, B = 14;
+  let max = 0;
+  for (const p of pts) for (const n of names) max = Math.max(max, (pick(p) || {})[n] || 0);
+  max = max || 1;
+  const x = i => L + (pts.length < 2 ? 0 : i * (W - L - 4) / (pts.length - 1)), y = v => H - B - v * (H - B - 8) / max;
+  const lines = names.map((n, k) => `<polyline class="series" data-series="${esc(n)}" fill="none" stroke="${COLORS[k % COLORS.length]}" `
+    + `stroke-width="1.5" points="${pts.map((p, i) => x(i).toFixed(1) + "," + y((pick(p) || {})[n] || 0).toFixed(1)).join(" ")}"/>`).join("");
+  const t0 = pts.length ? pts[0].t.slice(11, 19) : "", t1 = pts.length ? pts[pts.length - 1].t.slice(11, 19) : "";
+  el.innerHTML = `<div class="ctitle">${esc(title)}</div><svg width="${W}" height="${H}" data-points="${pts.length}">`
+    + `<line x1="${L}" y1="${H - B}" x2="${W}" y2="${H - B}" stroke="#999"/><line x1="${L}" y1="4" x2="${L}" y2="${H - B}" stroke="#999"/>`
+    + `<text x="2" y="12" font-size="10">${fmt(max)}${esc(unit)}</text><text x="2" y="${H - B}" font-size="10">0</text>`
+    + `<text x="${L}" y="${H - 2}" font-size="10">${esc(t0)}</text><text x="${W - 44}" y="${H - 2}" font-size="10">${esc(t1)}</text>`
+    + lines + `</svg><div>` + (names.map((n, k) => `<span class="key"><i style="background:${COLORS[k % COLORS.length]}"></i>${esc(n)}</span>`).join("")
+    || "<small>nothing yet</small>") + `</div>`;
+}
+function drawSeries(pts){
+  $("span").textContent = pts.length ? `${pts.length} points, ${pts[0].t.slice(11, 19)} to ${pts[pts.length - 1].t.slice(11, 19)} (UTC)` : "";
+  chart("c-alloc", "GPUs allocated, by model", pts, p => p.alloc, "");
+  chart("c-util", "GPU utilisation of allocated GPUs, by model", pts, p => p.util, "%");
+  chart("c-pending", "jobs waiting, by queue", pts, p => p.pending, "");
+  chart("c-wait50", "queue wait p50 (submitted to placed), by queue", pts, p => p.wait_p50, "s");
+  chart("c-wait95", "queue wait p95, by queue", pts, p => p.wait_p95, "s");
+  chart("c-cost", "cost per step, by tenant", pts, p => p.cost, "$");
+  chart("c-idle", "idle cost per step (GPUs under 5% busy), by tenant", pts, p => p.idle_cost, "$");
+  chart("c-bad", "preemptions and failures per step", pts, p => p.preempted === null ? null : {preempted: p.preempted, failed: p.failed}, "");
 }
 function shown(row){ const f = $("filter").value.trim(); return !f || row.dataset.text.includes(f); }
 function addEvent(e){
@@ -790,6 +890,7 @@ if (location.hash.startsWith("#job/")) job(decodeURIComponent(location.hash.slic
 const es = new EventSource("/events");
 es.addEventListener("state", m => drawState(JSON.parse(m.data)));
 es.addEventListener("event", m => addEvent(JSON.parse(m.data)));
+es.addEventListener("series", m => drawSeries(JSON.parse(m.data)));
 es.addEventListener("error", () => { if (es.readyState === EventSource.CLOSED)
   $("seq").textContent = "disconnected: reload the page (open the URL with ?token= if it asks for a token)"; });
 </script></body></html>

@@ -55,7 +55,7 @@ class _ViewKind:
     """What the snapshot container needs of a core: its name and its state's format."""
 
     name = VIEW
-    state_format = 1
+    state_format = 2  # 2: the board has its charts (a snapshot keeps none)
 
 
 KIND = _ViewKind()
