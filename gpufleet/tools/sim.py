@@ -281,6 +281,8 @@ class Simulation:
         self.sc = scenario
         self.now = EPOCH
         self.log: list[Envelope] = []
+        self.submitted_jobs: set[str] = set()  # (from the log, as it is appended)
+        self.ended_jobs: set[str] = set()
         self.ids: set[str] = set()
         self.dead: set[str] = set()
         self.duplicate_next: set[str] = set()
@@ -316,6 +318,11 @@ class Simulation:
                 continue  # the server's duplicate window
             self.ids.add(env.event_id)
             self.log.append(env)
+            if env.job_id is not None:  # (kept as it goes: `all_ended` is asked every simulated second)
+                if env.type == "job.submitted":
+                    self.submitted_jobs.add(env.job_id)
+                elif env.type in RUN_ENDED_JOB_TYPES:
+                    self.ended_jobs.add(env.job_id)
             self.last_event_at = self.now
             taken.append(env)
         if member is not None:
@@ -487,9 +494,7 @@ class Simulation:
         raise ScenarioError(f"the simulation did not settle in {MAX_STEPS} steps")
 
     def all_ended(self) -> bool:
-        jobs = {e.job_id for e in self.log if e.type == "job.submitted"}
-        done = {e.job_id for e in self.log if e.type in RUN_ENDED_JOB_TYPES}
-        return bool(jobs) and jobs <= done
+        return bool(self.submitted_jobs) and self.submitted_jobs <= self.ended_jobs
 
     # ------------------------------------------------------------ what it did
 
