@@ -175,7 +175,7 @@ async def test_prometheus_endpoint_serves_service_counters_and_gauges(bus: Bus, 
             await wait_until(lambda: job_status(bus, cmd.correlation_id or ""), timeout_s=10)
             otel.record_gpu("node-a", 3, 87.5, 1024, 81920, 61.0, 301.5)
             otel.record_gpu("node-b", 0, None, 0, 40960)  # util unknown: no util series for it
-            otel.record_queue("team-a", pending=4, gpus_used=12)
+            otel.record_queue("team-a", pending=4, gpus_used=12, oldest_wait_s=42.5)
             otel.record_job_state("running", 3)
             otel.record_job_state("running", -1)
             body, ctype = await scrape(port)
@@ -196,6 +196,7 @@ async def test_prometheus_endpoint_serves_service_counters_and_gauges(bus: Bus, 
     assert 'gpufleet_gpu_power_watts{node="node-a",gpu="3"} 301.5' in lines
     assert 'gpufleet_queue_pending{queue="team-a"} 4' in lines
     assert 'gpufleet_queue_gpus_used{queue="team-a"} 12' in lines
+    assert 'gpufleet_queue_oldest_wait_seconds{queue="team-a"} 42.5' in lines
     assert 'gpufleet_jobs{state="running"} 2' in lines
     assert "# TYPE gpufleet_decision_batch_duration_seconds histogram" in lines
     count = next(line for line in lines if line.startswith('gpufleet_decision_batch_duration_seconds_count{service="admission"}'))

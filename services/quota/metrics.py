@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import Counter
 from typing import Any
 
@@ -16,11 +17,16 @@ log = logging.getLogger(__name__)
 EVERY_S = 5.0
 
 
-def export(state: QuotaState) -> None:
-    pending = Counter(spec.queue for _, _, spec in state.waiting())
+def export(state: QuotaState, now: float | None = None) -> None:
+    now = time.time() if now is None else now
+    waiting = state.waiting()
+    pending = Counter(spec.queue for _, _, spec in waiting)
+    oldest: dict[str, float] = {}
+    for _, rec, spec in waiting:
+        oldest[spec.queue] = max(oldest.get(spec.queue, 0.0), now - rec.since_s)
     queues = set(pending) | set(state.usage)
     for q in sorted(queues):
-        otel.record_queue(q, pending.get(q, 0), state.usage.get(q, {}).get("gpu", 0))
+        otel.record_queue(q, pending.get(q, 0), state.usage.get(q, {}).get("gpu", 0), round(oldest.get(q, 0.0), 3))
     otel.set_job_states({"pending": len(state.pending), "admitted": len(state.reserved),
                          "preempting": len(state.preempting)})
 

@@ -194,7 +194,7 @@ _refolds: dict[str, int] = {}
 # gauges: fed by other services
 _gpus: dict[tuple[str, str], tuple[float | None, float, float, float | None, float | None]] = {}
 _jobs: dict[str, int] = {}
-_queues: dict[str, tuple[int, int]] = {}
+_queues: dict[str, tuple[float, float, float]] = {}  # queue -> (pending, GPUs used, oldest wait s)
 
 
 def setup(service: str, prometheus_port: int | None = None, otlp_endpoint: str | None = None, *,
@@ -258,6 +258,8 @@ def setup(service: str, prometheus_port: int | None = None, otlp_endpoint: str |
     meter.create_observable_gauge("gpufleet.jobs", [_observe(_jobs, ("state",))], "{job}", "Jobs by state")
     meter.create_observable_gauge("gpufleet.queue.pending", [_observe_queue(0)], "{job}", "Jobs waiting in a queue")
     meter.create_observable_gauge("gpufleet.queue.gpus_used", [_observe_queue(1)], "{gpu}", "GPUs a queue holds")
+    meter.create_observable_gauge("gpufleet.queue.oldest_wait", [_observe_queue(2)], "s",
+                                  "How long the queue's longest-waiting job has waited for quota")
     state = _State(service, attrs, processors, mp, hist, prom_reader)
     if prom_reader is not None and prometheus_port:
         host = prometheus_host or os.environ.get("GPUFLEET_METRICS_HOST", "0.0.0.0")
@@ -491,9 +493,9 @@ def set_job_states(counts: Mapping[str, int]) -> None:
         _jobs.update(counts)
 
 
-def record_queue(queue: str, pending: int, gpus_used: int) -> None:
+def record_queue(queue: str, pending: int, gpus_used: int, oldest_wait_s: float = 0.0) -> None:
     if METRICS:
-        _queues[queue] = (pending, gpus_used)
+        _queues[queue] = (pending, gpus_used, oldest_wait_s)
 
 
 def _observe(counts: dict[Any, int], labels: tuple[str, ...]) -> Any:
