@@ -153,6 +153,7 @@ class Fleet:
         the same Nats-Msg-Id, so the server keeps it once however often it is sent."""
         deadline = time.monotonic() + within_s
         wait = 0.2
+        unanswered = 0
         while True:
             try:
                 await self.bus.publish(env, headers_extra=headers, ack_within_s=COMMAND_TRY_S)
@@ -160,6 +161,9 @@ class Fleet:
             except RetryableError:
                 if time.monotonic() + wait > deadline:
                     raise
+                unanswered += 1
+                if unanswered % 2 == 0:  # twice unanswered here: the next try goes through another server
+                    await self.bus.move_server(f"{env.type} unanswered {unanswered} times")
                 await asyncio.sleep(wait)
                 wait = min(wait * 2, 2.0)
 

@@ -241,6 +241,21 @@ class Bus:
             except Exception:  # noqa: BLE001 - nats-py goes on reconnecting by itself
                 log.exception("moving to another NATS server")
 
+    async def move_server(self, why: str) -> bool:
+        """Move to another server of the pool now (a client whose publishes go unanswered here,
+        while this server may still answer the watch's probe: a server cut from the quorum can
+        serve what it has locally). False when the pool has no other server."""
+        if len(self.nc.servers) < 2 or not self.nc.is_connected or self._closing:
+            return False
+        url = self.nc.connected_url.netloc if self.nc.connected_url else "?"
+        log.warning("NATS server %s: %s: moving to another server", url, why)
+        self.failovers += 1
+        try:
+            await self.nc.force_reconnect()
+        except Exception:  # noqa: BLE001 - nats-py goes on reconnecting by itself
+            log.exception("moving to another NATS server")
+        return True
+
     async def close(self) -> None:
         if self._watch is not None:
             # a flag as well as the cancel: nats-py's request can turn a cancel into its own error,
