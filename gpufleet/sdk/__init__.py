@@ -163,7 +163,7 @@ class Fleet:
                     raise
                 unanswered += 1
                 if unanswered % 2 == 0:  # twice unanswered here: the next try goes through another server
-                    await self.bus.move_server(f"{env.type} unanswered {unanswered} times")
+                    await self.bus.move_server(f"left {env.type} unanswered {unanswered} times")
                 await asyncio.sleep(wait)
                 wait = min(wait * 2, 2.0)
 

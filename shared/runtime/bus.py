@@ -231,15 +231,9 @@ class Bus:
             failing_since = failing_since or now
             if now - failing_since < JS_FAILOVER_S or len(self.nc.servers) < 2:
                 continue
-            url = self.nc.connected_url.netloc if self.nc.connected_url else "?"
-            log.warning("NATS server %s has not answered JetStream for %.1f s (cut from the cluster's quorum?): "
-                        "moving to another server", url, now - failing_since)
-            self.failovers += 1
+            why = f"has not answered JetStream for {now - failing_since:.1f} s (cut from the cluster's quorum?)"
             failing_since = None
-            try:
-                await self.nc.force_reconnect()
-            except Exception:  # noqa: BLE001 - nats-py goes on reconnecting by itself
-                log.exception("moving to another NATS server")
+            await self.move_server(why)
 
     async def move_server(self, why: str) -> bool:
         """Move to another server of the pool now (a client whose publishes go unanswered here,
@@ -248,7 +242,7 @@ class Bus:
         if len(self.nc.servers) < 2 or not self.nc.is_connected or self._closing:
             return False
         url = self.nc.connected_url.netloc if self.nc.connected_url else "?"
-        log.warning("NATS server %s: %s: moving to another server", url, why)
+        log.warning("NATS server %s %s: moving to another server", url, why)
         self.failovers += 1
         try:
             await self.nc.force_reconnect()

@@ -638,6 +638,7 @@ class ServiceRuntime(Generic[S]):
         if self.fence is not None and not self.fence():
             self.stop()
             raise LeaseLost(f"{self.actor}: its lease is not held: nothing more is committed")
+        dups: list[tuple[int, Envelope]] = []  # outputs the server held already (another's version?)
         if outputs:
             spans = otel.decisions(self.core.name)  # None unless tracing is set up
             if spans is not None:
@@ -646,7 +647,6 @@ class ServiceRuntime(Generic[S]):
             if self.core.cas_subject and self.engine.takes_capacity(outputs):
                 cas = Cas(self.core.cas_subject, self.last_cas_seq if cas_seq is None else cas_seq)
             main = [o for o in outputs if not o.subject().startswith("fleet.tel.")]
-            dups: list[tuple[int, Envelope]] = []
             seqs = await (self.bus.publish_batch(main, cas=cas, dups=dups) if cas
                           else self.bus.publish_many(main, dups=dups))
             self.stats.published += len(main)
@@ -660,8 +660,6 @@ class ServiceRuntime(Generic[S]):
             if spans is not None:
                 otel.release(outputs)  # (after a failed publish the same ids are bound again)
             otel.count_published(self.core.name, outputs)
-        else:
-            dups = []
         if handled and self.group is None:
             last = max(handled, key=lambda m: m.metadata.sequence.stream)
             await last.ack()
