@@ -138,22 +138,23 @@ def _remember(b: _Books, seq: int, env: Envelope) -> None:
     """Keep the ids of the last RACE_WINDOW events with their sequences (oldest first), so the
     cause of a placement on a lost node can be told older than the loss or not."""
     b.recent[env.event_id] = seq
-    while b.recent:
-        oldest = next(iter(b.recent))
-        if b.recent[oldest] > seq - RACE_WINDOW:
+    _trim(b.recent, seq)
+
+
+def _trim(window: dict[str, int], seq: int) -> None:
+    """Forget the entries (oldest first) from before the last RACE_WINDOW events."""
+    while window:
+        oldest = next(iter(window))
+        if window[oldest] > seq - RACE_WINDOW:
             break
-        del b.recent[oldest]
+        del window[oldest]
 
 
 def _ended(b: _Books, job: str, seq: int) -> None:
     """Remember that `job` ended at `seq`, for RACE_WINDOW events (oldest first, then forgotten)."""
     b.ended.pop(job, None)
     b.ended[job] = seq
-    while b.ended:
-        oldest = next(iter(b.ended))
-        if b.ended[oldest] > seq - RACE_WINDOW:
-            break
-        del b.ended[oldest]
+    _trim(b.ended, seq)
 
 
 def _decided_before_loss(b: _Books, seq: int, env: Envelope, node: str) -> bool:

@@ -752,7 +752,7 @@ async def fetch_batch(psub: Any, batch: int, timeout_s: float) -> list[Msg]:
 
 
 class DeliveryGap(RuntimeError):
-    """Another process took deliveries from this durable consumer: the step fails, and recovery
+    """Deliveries of this durable consumer went elsewhere: the step fails, and recovery
     recreates the consumer at its ack floor, so what went elsewhere comes here again in order."""
 
 
@@ -760,17 +760,18 @@ def check_deliveries(msgs: Sequence[Msg], delivered: int, durable: str) -> int:
     """The consumer's delivery count after `msgs`, which must follow `delivered` without a gap.
 
     A consumer numbers every delivery it makes (redeliveries included), so a batch that does not
-    go on from this process's last one means someone else fetched from the same durable: an
-    instance that lost its service's lease and took one more batch before it noticed, or was
-    paused between its lease check and its fetch. Acking past that gap (AckAll) would
-    acknowledge what the other took and never decided; it is never redelivered. So the batch is
-    not handled, and recovery recreates the consumer at the ack floor.
+    go on from this process's last one means deliveries went elsewhere: to another process on
+    the same durable (an instance that lost its service's lease and took one more batch before
+    it noticed, or was paused between its lease check and its fetch), or to a connection that
+    broke on the way (a node agent cut off: a whole batch). Acking past that gap (AckAll) would
+    acknowledge what was never decided; it is never redelivered. So the batch is not handled,
+    and recovery recreates the consumer at the ack floor.
     """
     for msg in msgs:
         got = int(msg.metadata.sequence.consumer)
         if got != delivered + 1:
             raise DeliveryGap(f"durable {durable} delivered #{got} after #{delivered} here: "
-                              f"{got - delivered - 1} deliveries went to another process")
+                              f"{got - delivered - 1} deliveries went elsewhere (another process, or a broken connection)")
         delivered = got
     return delivered
 
