@@ -402,7 +402,7 @@ class Bus:
                 last = guard.last_seq
                 for env, seq in zip(chunk, chunk_seqs, strict=True):
                     if subject_matches(guard.subject, env.subject()):
-                        last = seq
+                        last = max(last, seq)  # (a copy held from before may sit behind the guard)
                 guard = Cas(guard.subject, last)
         return seqs
 
@@ -447,14 +447,28 @@ class Bus:
 
     async def _one_by_one(self, envs: Sequence[Envelope], cas: Cas | None,
                           dups: list[tuple[int, Envelope]] | None = None) -> list[int]:
+        """The events one at a time, each under the guard: it moves to this call's own writes on
+        the guarded subject. A copy the server held already is answered with its sequence, and a
+        JetStream cluster answers a duplicate before it checks the expected sequence: a copy
+        beyond the guard is another writer's (the rival placer decided the same cause), so this
+        decision was made without what came before it on the subject, and the rest of it must not
+        go out (it would pass the guard moved to that copy: one GPU booked by two placers, seen in
+        the 10,000-job `bench chaos`). CasConflict then, as the atomic batch would have."""
         seqs = []
         guard = cas
         for env in envs:
-            seq = await self.publish(env, guard if guard and subject_matches(guard.subject, env.subject()) else None,
-                                     dups=dups)
+            held: list[tuple[int, Envelope]] = []
+            seq = await self.publish(env, guard, dups=held)
             seqs.append(seq)
-            if guard is not None and subject_matches(guard.subject, env.subject()):
+            if dups is not None:
+                dups.extend(held)
+            if guard is None or not subject_matches(guard.subject, env.subject()):
+                continue  # (the guard on another subject than the outputs': it stays as it is)
+            if not held:
                 guard = Cas(guard.subject, seq)
+            elif seq > guard.last_seq:
+                raise CasConflict(f"{env.type} {env.event_id} was written before, at seq {seq}, by another "
+                                  f"writer: past this decision's view of {guard.subject} (seq {guard.last_seq})")
         return seqs
 
     async def publish_telemetry(self, subject: str, data: bytes) -> None:
