@@ -391,6 +391,28 @@ def test_an_ended_job_leaves_only_its_id_and_its_late_copies_count_nothing() -> 
     assert "j1" not in h.state.ended and h.state.size()["ended"] == 0
 
 
+def test_a_replica_that_starts_after_its_job_ended_is_charged_for_its_run() -> None:
+    # Seen in the 10,000-job bench chaos: a gang's replica 0 was preempted and the job ended while
+    # the agent of replica 1 lagged; it started replica 1 after the end and stopped it at once.
+    # That run happened (a real driver launched it): it is charged, from its start to its exit.
+    from gpufleet.shared.contract.events import JobPreempted
+
+    h = harness().given(node("n1"), node("n2"), submitted(make_job().gpus(1).replicas(2), "g"),
+                        placed("g", ("n1", [0]), ("n2", [0])))
+    h.when(start("g", timedelta(0), replica=0, node_id="n1"))
+    h.when(exit_("g", H, replica=0, reason="preempted", node_id="n1"))
+    h.when(event(JobPreempted(job_id="g", reason=Reason(code="preempted", message="x")), at=T0 + H))
+    assert set(h.state.late) == {"g"} and not h.state.jobs
+    h.when(start("g", H + timedelta(seconds=1), replica=1, node_id="n2"))
+    h.when(start("g", H + timedelta(seconds=1), replica=1, node_id="n2"))  # a copy
+    h.when(exit_("g", H + timedelta(seconds=31), replica=1, reason="preempted", node_id="n2"))
+    assert sorted((c.key, c.ended_at - c.started_at) for c in h.state.charges) == [
+        ("g:0:1", H), ("g:1:1", timedelta(seconds=30))]
+    assert not h.state.late and not h.state.open  # nothing more of it can start: nothing kept
+    h.when(start("g", H + timedelta(seconds=40), replica=1, node_id="n2"))  # a late copy: nothing
+    assert len(h.state.charges) == 2 and not h.state.open
+
+
 def test_many_jobs_leave_nothing_once_ended_and_forgotten() -> None:
     from gpufleet.shared.contract.events import JobRejected, JobSucceeded
 

@@ -466,7 +466,9 @@ async def _check(d: Path, fleet: Any, jobs: set[str], ends: dict[str, tuple[str,
                for _s, e in await _retrying(lambda: fleet.history("fleet.evt.*.job.*.started"))}
     out["runs_started"] = len(started)
     out["runs_charged_twice"] = sorted(f"{j}/{a}/{r}" for (j, a, r), n in per_run.items() if n > 1)[:10]
-    out["runs_not_charged"] = len(started - set(per_run) - {(c.job_id, c.attempt, c.replica) for c in charges})
+    uncharged = started - set(per_run) - {(c.job_id, c.attempt, c.replica) for c in charges}
+    out["runs_not_charged"] = len(uncharged)
+    out["runs_not_charged_first"] = sorted(f"{j}/{a}/{r}" for j, a, r in uncharged)[:10]  # (job/attempt/replica)
     # a node is declared lost only where its agent was frozen or cut off for most of a lease
     # (lose_node, cut_node, or faults in a row); a frozen agent inside the lease, a NATS node
     # killed or cut, the whole fleet silent at once (the hold) must not cost anyone's run

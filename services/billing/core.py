@@ -161,6 +161,9 @@ class BillingState:
     # reports walk; opened by `_start`, closed by `_close` (every one of a job before its `end`)
     open: dict[str, OpenInterval] = field(default_factory=dict)
     ended: OrderedDict[str, datetime] = field(default_factory=OrderedDict)  # ended job -> log time of its end
+    # ended job -> its placements that had not started at the end (a gang's replica whose agent
+    # lagged): its start may still come, and that run is charged like any other; kept with the id
+    late: dict[str, BillingJob] = field(default_factory=dict)
     log_time: datetime | None = None  # the latest event time seen: the clock of the pruning
     charges: list[Charge] = field(default_factory=list)  # closed intervals, in log order (kept when asked)
     spent: dict[Scope, Decimal] = field(default_factory=dict)  # closed intervals' cost
@@ -176,8 +179,13 @@ class BillingState:
         return {"jobs": len(self.jobs), "placements": sum(p is not None for p in placed),
                 "idle_seen": sum(len(r.idle_seen or ()) for r in jobs),
                 "open": len(self.open), "closed": sum(p is None for p in placed),
-                "ended": len(self.ended), "spent": len(self.spent) + len(self.spent_month),
+                "ended": len(self.ended), "late": len(self.late), "spent": len(self.spent) + len(self.spent_month),
                 "crossed": len(self.crossed), "charges": len(self.charges)}
+
+    def record(self, job_id: str) -> BillingJob | None:
+        """The job's record: of a job not ended, or an ended one's placements that had not started."""
+        rec = self.jobs.get(job_id)
+        return rec if rec is not None else self.late.get(job_id)
 
     def job(self, job_id: str) -> BillingJob:
         rec = self.jobs.get(job_id)
@@ -186,9 +194,14 @@ class BillingState:
         return rec
 
     def end(self, job_id: str, at: datetime) -> None:
-        """The job ended (its intervals closed): all it held goes (placements that never started cost
-        nothing); only its id is kept, for ENDED_KEPT_S of log time, to ignore late copies of its events."""
-        self.jobs.pop(job_id, None)
+        """The job ended (its intervals closed): all it held goes; only its id is kept, for
+        ENDED_KEPT_S of log time, to ignore late copies of its events, with the placements that had
+        not started (a start after the end is a run that happened: its agent lagged behind the end)."""
+        rec = self.jobs.pop(job_id, None)
+        unstarted: dict[str, tuple[str, ReplicaAllocation] | None] = {
+            k: v for k, v in (rec.intervals or {}).items() if v is not None} if rec is not None else {}
+        if rec is not None and unstarted:
+            self.late[job_id] = BillingJob(queue=rec.queue, attempt=rec.attempt, intervals=unstarted)
         self.ended[job_id] = max(at, self.log_time or at)
         self.ended.move_to_end(job_id)
 
@@ -229,7 +242,13 @@ class BillingCore(BaseCore[BillingState]):
             self._prune(state)
         job_id = env.job_id
         if job_id is not None and job_id in state.ended:
-            return state  # a late copy of an ended job's event: it ended, nothing more to count
+            if job_id in state.late and isinstance(p, JobStarted):
+                self._start(state, env, p)  # a placement that had not started when the job ended
+            elif job_id in state.late and isinstance(p, JobExited):
+                ending = state.open.get(interval_key(p.job_id, p.replica, p.attempt))
+                if ending is not None:
+                    self._close(state, ending, env.occurred_at, f"exited:{p.reason}")
+            return state  # else a late copy of an ended job's event: it ended, nothing more to count
         if isinstance(p, NodeRegistered):
             state.gpu_models[p.node_id] = {g.index: g.model for g in p.inventory.gpus}
             for g in p.inventory.gpus:
@@ -301,7 +320,7 @@ class BillingCore(BaseCore[BillingState]):
 
     def _start(self, state: BillingState, env: Envelope, p: JobStarted) -> None:
         key = interval_key(p.job_id, p.replica, p.attempt)
-        rec = state.jobs.get(p.job_id)
+        rec = state.record(p.job_id)
         placed = (rec.intervals or {}).get(key) if rec is not None else None
         if key in state.open or rec is None or placed is None:
             # a duplicate, a late copy of a start whose interval is over, or no placement in the log
@@ -339,9 +358,11 @@ class BillingCore(BaseCore[BillingState]):
 
     def _close(self, state: BillingState, iv: OpenInterval, end: datetime, why: str) -> None:
         del state.open[iv.key]
-        intervals = state.jobs[iv.job_id].intervals
-        assert intervals is not None  # (it opened from one of them)
-        intervals[iv.key] = None
+        rec = state.record(iv.job_id)
+        assert rec is not None and rec.intervals is not None  # (it opened from one of them)
+        rec.intervals[iv.key] = None
+        if iv.job_id in state.late and all(v is None for v in rec.intervals.values()):
+            del state.late[iv.job_id]  # (a late run of an ended job, charged: nothing more can start)
         charge = self.charge_of(iv, end, why)
         state.intervals += 1
         for scope in (("tenant", iv.tenant), ("queue", iv.queue)):
@@ -375,6 +396,9 @@ class BillingCore(BaseCore[BillingState]):
             if at >= horizon:
                 break
             state.ended.popitem(last=False)
+            rec = state.late.get(job_id)
+            if rec is not None and not any(k in state.open for k in rec.intervals or ()):
+                del state.late[job_id]  # (one started late and still running stays until its exit)
 
     # ------------------------------------------------------------ reports
 
