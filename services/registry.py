@@ -70,17 +70,24 @@ def make_sidecar(runtime: ServiceRuntime[Any], bus: Bus) -> Any:
         from gpufleet.services.guardian.agent import sidecar as guardian_sidecar
 
         return guardian_sidecar(runtime)
-    if runtime.core.name == "billing" and os.environ.get("GPUFLEET_PG_DSN"):
+    if runtime.core.name == "billing":
         from gpufleet.services.billing.ledger import Ledger
+        from gpufleet.services.billing.metrics import sidecar as billing_metrics
+        from gpufleet.shared.runtime import otel
+        from gpufleet.shared.runtime.sidecars import Sidecars
 
         # the ledger folds the log on its own (open intervals and the stream sequence of each
-        # close); it shares only the connection
-        return Ledger(bus, os.environ["GPUFLEET_PG_DSN"], getattr(runtime.core, "config", None))
+        # close); it shares only the connection. The gauges read the core's own folded state.
+        parts: list[Any] = [Ledger(bus, os.environ["GPUFLEET_PG_DSN"], getattr(runtime.core, "config", None))
+                 ] if os.environ.get("GPUFLEET_PG_DSN") else []
+        if otel.enabled():
+            parts.append(billing_metrics(runtime))
+        return Sidecars(*parts) if len(parts) > 1 else (parts[0] if parts else None)
     if runtime.core.name == "quota":
         from gpufleet.shared.runtime import otel
 
         if otel.enabled():
-            from gpufleet.services.quota.metrics import QuotaMetrics
+            from gpufleet.services.quota.metrics import sidecar as quota_metrics
 
-            return QuotaMetrics(runtime)
+            return quota_metrics(runtime)
     return None

@@ -194,10 +194,22 @@ def test_idle_cost_counts_from_when_the_gpus_went_idle_to_when_they_were_busy_or
     h.when(event(JobIdleDetected(job_id="j1", gpu_util_pct=1.0, idle_s=3600.0), at=T0 + H + H / 2))  # said again
     h.when(event(JobIdleEnded(job_id="j1", gpu_util_pct=80.0), at=T0 + 2 * H))
     h.when(event(JobIdleDetected(job_id="j1", gpu_util_pct=2.0, idle_s=0.0), at=T0 + 3 * H))
-    h.when(exit_("j1", 4 * H))
+    from gpufleet.services.billing import metrics
+    from gpufleet.shared.runtime import otel
+
+    otel.METRICS = True  # (the gauges' store, read back below; no exporter)
+    try:
+        metrics.export(h.core, h.state, now=T0 + 3 * H + H / 2)  # while it runs: idle since 3:00
+        assert otel._tenants[("acme", "EUR")] == (float(Decimal("3.6") * Decimal("3.5")), 3.6 * 2, 1.0)
+        h.when(exit_("j1", 4 * H))
+        metrics.export(h.core, h.state, now=T0 + 5 * H)
+        assert otel._tenants[("acme", "EUR")] == (14.4, 9.0, 0.0) and not otel._allocated
+    finally:
+        otel.shutdown()
     [c] = h.state.charges
     assert c.idle_gpu_seconds == Decimal(5400 + 3600)
     assert c.idle_cost == Decimal("9.0") and c.cost == Decimal("14.4")
+    assert h.state.idle_spent[("tenant", "acme")] == h.state.idle_spent[("queue", "default")] == Decimal("9.0")
 
 
 def test_a_copy_of_an_idle_detected_after_the_idle_ended_counts_nothing() -> None:

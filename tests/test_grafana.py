@@ -33,6 +33,8 @@ def exported() -> dict[str, set[str]]:
         otel.record_gpu("n0", 0, 50.0, 1024, 81920)
         otel.record_job_state("running", 1)
         otel.record_queue("research", 2, 4, 30.0)
+        otel.set_tenant_costs({"acme": (12.5, 2.5, 4.0)}, "USD")
+        otel.set_gpu_allocations({("n0", "0"): "acme"})
         text = otel.render_prometheus(reader.get_metrics_data())
     finally:
         otel.shutdown()
@@ -66,6 +68,7 @@ def test_every_panel_queries_what_the_services_export() -> None:
             assert labels <= have | {"le"}, f"{panel['title']}: labels {labels - have} not on {names}"
     # each kind of thing the issue asks about has a panel: GPUs, queues, placements, CAS conflicts
     for wanted in ("gpufleet_gpu_utilization_percent", "gpufleet_queue_pending", "gpufleet_queue_oldest_wait_seconds",
-                   "gpufleet_events_published_total",
+                   "gpufleet_events_published_total", "gpufleet_gpu_allocated", "gpufleet_tenant_cost",
+                   "gpufleet_tenant_idle_cost", "gpufleet_tenant_gpus",
                    "gpufleet_cas_conflicts_total", "gpufleet_decision_batch_duration_seconds_bucket"):
         assert wanted in used, wanted

@@ -271,8 +271,10 @@ def test_setup_with_nothing_to_export_sets_up_nothing(no_otel: None) -> None:
 
 async def test_gpu_queue_and_job_gauges_come_from_the_services(bus: Bus, nats_url: str) -> None:
     """Telemetry's samples and quota's state reach /metrics, through the services themselves."""
+    from gpufleet.services.billing.core import BillingCore
+    from gpufleet.services.billing.metrics import sidecar as billing_metrics
     from gpufleet.services.quota.core import QuotaCore
-    from gpufleet.services.quota.metrics import QuotaMetrics
+    from gpufleet.services.quota.metrics import sidecar as quota_metrics
 
     from .test_telemetry import mesh, node
 
@@ -290,10 +292,10 @@ async def test_gpu_queue_and_job_gauges_come_from_the_services(bus: Bus, nats_ur
                 return 'gpufleet_gpu_utilization_percent{node="n0",gpu="1"} 77.0' in body
             await wait_until(gpus_busy, timeout_s=15)
             # quota's gauges, exported by its sidecar from the folded state of a quota runtime
-            async with running(nats_url, [QuotaCore()]) as rts:
-                await wait_until(lambda: len(rts[0].state.reserved) == 2, timeout_s=10)
-                side = QuotaMetrics(rts[0])
-                await side.start()
+            async with running(nats_url, [QuotaCore(), BillingCore()]) as rts:
+                await wait_until(lambda: len(rts[0].state.reserved) == 2 and rts[1].state.open, timeout_s=10)
+                for side in (quota_metrics(rts[0]), billing_metrics(rts[1])):
+                    await side.start()
                 body, _ = await scrape(port)
     finally:
         otel.shutdown()
@@ -302,3 +304,9 @@ async def test_gpu_queue_and_job_gauges_come_from_the_services(bus: Bus, nats_ur
     assert f'gpufleet_gpu_memory_used_bytes{{node="n0",gpu="0"}} {2048 * 1024 * 1024}' in lines
     assert 'gpufleet_queue_gpus_used{queue="research"} 4' in lines  # both hold quota; one waits for GPUs
     assert 'gpufleet_jobs{state="admitted"} 2' in lines
+    # billing's: the running job's two GPUs, its tenant's cost so far (list prices: not zero)
+    held = sorted(line for line in lines if line.startswith("gpufleet_gpu_allocated{"))
+    assert len(held) == 2 and all('node="n0"' in h and 'tenant="acme"' in h and h.endswith(" 1") for h in held)
+    assert 'gpufleet_tenant_gpus{tenant="acme"} 2.0' in lines
+    [cost] = [line for line in lines if line.startswith('gpufleet_tenant_cost{tenant="acme",currency="USD"}')]
+    assert float(cost.split()[-1]) > 0

@@ -101,6 +101,7 @@ class OpenInterval:
     hourly: Decimal  # what it costs per hour (budgets' running estimate)
     idle_since: datetime | None = None
     idle_s: Decimal = ZERO  # idle seconds of idle periods already ended
+    gpus: tuple[int, ...] = ()  # the GPU indices it holds on its node (the per-tenant gauges)
 
 
 @dataclass(frozen=True)
@@ -167,6 +168,7 @@ class BillingState:
     log_time: datetime | None = None  # the latest event time seen: the clock of the pruning
     charges: list[Charge] = field(default_factory=list)  # closed intervals, in log order (kept when asked)
     spent: dict[Scope, Decimal] = field(default_factory=dict)  # closed intervals' cost
+    idle_spent: dict[Scope, Decimal] = field(default_factory=dict)  # what of it the GPUs were idle
     spent_month: dict[tuple[Scope, str], Decimal] = field(default_factory=dict)  # monthly budgets: (scope, YYYY-MM)
     intervals: int = 0  # closed intervals counted
     crossed: set[tuple[str, str, str, str, int]] = field(default_factory=set)  # (scope, budget, amount, period, pct)
@@ -179,7 +181,7 @@ class BillingState:
         return {"jobs": len(self.jobs), "placements": sum(p is not None for p in placed),
                 "idle_seen": sum(len(r.idle_seen or ()) for r in jobs),
                 "open": len(self.open), "closed": sum(p is None for p in placed),
-                "ended": len(self.ended), "late": len(self.late), "spent": len(self.spent) + len(self.spent_month),
+                "ended": len(self.ended), "late": len(self.late), "spent": len(self.spent) + len(self.spent_month) + len(self.idle_spent),
                 "crossed": len(self.crossed), "charges": len(self.charges)}
 
     def record(self, job_id: str) -> BillingJob | None:
@@ -332,6 +334,7 @@ class BillingCore(BaseCore[BillingState]):
         state.open[key] = OpenInterval(
             key=key, job_id=p.job_id, tenant=tenant, queue=queue, replica=p.replica,
             attempt=p.attempt, node_id=a.node_id, started_at=env.occurred_at, usage=u, hourly=hourly(u, self.prices),
+            gpus=tuple(a.gpu_indices),
         )
         state.touched |= {("tenant", tenant), ("queue", queue)}
 
@@ -367,6 +370,8 @@ class BillingCore(BaseCore[BillingState]):
         state.intervals += 1
         for scope in (("tenant", iv.tenant), ("queue", iv.queue)):
             state.spent[scope] = state.spent.get(scope, ZERO) + charge.cost
+            if charge.idle_cost:
+                state.idle_spent[scope] = state.idle_spent.get(scope, ZERO) + charge.idle_cost
             state.touched.add(scope)
             if scope in self._monthly:
                 for month, cost in self._by_month(iv, charge):

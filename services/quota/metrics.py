@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections import Counter
 from typing import Any
 
 from gpufleet.shared.runtime import otel
-from gpufleet.shared.runtime.loop import ServiceRuntime, every
+from gpufleet.shared.runtime.loop import ServiceRuntime
+from gpufleet.shared.runtime.sidecars import EVERY_S, StateMetrics
 
 from .core import QuotaState
 
 log = logging.getLogger(__name__)
-EVERY_S = 5.0
 
 
 def export(state: QuotaState, now: float | None = None) -> None:
@@ -31,19 +30,6 @@ def export(state: QuotaState, now: float | None = None) -> None:
                          "preempting": len(state.preempting)})
 
 
-class QuotaMetrics:
-    def __init__(self, runtime: ServiceRuntime[Any], every_s: float = EVERY_S) -> None:
-        self.runtime = runtime
-        self.every_s = every_s
-        self._stop = asyncio.Event()
-
-    async def start(self) -> None:
-        export(self.runtime.state)
-
-    def stop(self) -> None:
-        self._stop.set()
-
-    async def run(self) -> None:
-        async def once() -> None:
-            export(self.runtime.state)
-        await every(self._stop, self.every_s, once, "quota metrics")  # a metrics bug never takes the group down
+def sidecar(runtime: ServiceRuntime[Any], every_s: float = EVERY_S) -> StateMetrics:
+    """The quota shell's gauges, every `every_s`."""
+    return StateMetrics(runtime, export, "quota metrics", every_s)

@@ -195,6 +195,8 @@ _refolds: dict[str, int] = {}
 _gpus: dict[tuple[str, str], tuple[float | None, float, float, float | None, float | None]] = {}
 _jobs: dict[str, int] = {}
 _queues: dict[str, tuple[float, float, float]] = {}  # queue -> (pending, GPUs used, oldest wait s)
+_tenants: dict[tuple[str, str], tuple[float, float, float]] = {}  # (tenant, currency) -> (cost, idle cost, GPUs)
+_allocated: dict[tuple[str, str], str] = {}  # (node, GPU index) -> tenant
 
 
 def setup(service: str, prometheus_port: int | None = None, otlp_endpoint: str | None = None, *,
@@ -260,6 +262,14 @@ def setup(service: str, prometheus_port: int | None = None, otlp_endpoint: str |
     meter.create_observable_gauge("gpufleet.queue.gpus_used", [_observe_queue(1)], "{gpu}", "GPUs a queue holds")
     meter.create_observable_gauge("gpufleet.queue.oldest_wait", [_observe_queue(2)], "s",
                                   "How long the queue's longest-waiting job has waited for quota")
+    for i, (name, desc) in enumerate((
+        ("gpufleet.tenant.cost", "What the tenant's runs cost so far (closed and running), in the price currency"),
+        ("gpufleet.tenant.idle_cost", "What of it went to GPUs the tenant held idle"),
+        ("gpufleet.tenant.gpus", "GPUs the tenant's running replicas hold (a share: its fraction)"),
+    )):
+        meter.create_observable_gauge(name, [_observe_tenant(i)], "{gpu}" if i == 2 else "{currency}", desc)
+    meter.create_observable_gauge("gpufleet.gpu.allocated", [_observe_allocated], "{gpu}",
+                                  "1 for each GPU a running replica holds, with its tenant (join on node, gpu)")
     state = _State(service, attrs, processors, mp, hist, prom_reader)
     if prom_reader is not None and prometheus_port:
         host = prometheus_host or os.environ.get("GPUFLEET_METRICS_HOST", "0.0.0.0")
@@ -275,7 +285,8 @@ def shutdown() -> None:
     with _lock:
         state, _state = _state, None
         TRACING = METRICS = False
-        for d in (_consumed, _published, _dead_letters, _cas_conflicts, _refolds, _gpus, _jobs, _queues, _bound):
+        for d in (_consumed, _published, _dead_letters, _cas_conflicts, _refolds, _gpus, _jobs, _queues, _tenants,
+                  _allocated, _bound):
             d.clear()
     if state is None:
         return
@@ -496,6 +507,32 @@ def set_job_states(counts: Mapping[str, int]) -> None:
 def record_queue(queue: str, pending: int, gpus_used: int, oldest_wait_s: float = 0.0) -> None:
     if METRICS:
         _queues[queue] = (pending, gpus_used, oldest_wait_s)
+
+
+def set_tenant_costs(by_tenant: Mapping[str, tuple[float, float, float]], currency: str) -> None:
+    """Per tenant (cost, idle cost, GPUs held), as a whole (billing's folded state)."""
+    if METRICS:
+        _tenants.clear()
+        _tenants.update({(t, currency): v for t, v in by_tenant.items()})
+
+
+def set_gpu_allocations(held: Mapping[tuple[str, str], str]) -> None:
+    """(node, GPU index) -> the tenant whose running replica holds it, as a whole."""
+    if METRICS:
+        _allocated.clear()
+        _allocated.update(held)
+
+
+def _observe_tenant(i: int) -> Any:
+    def callback(options: CallbackOptions) -> Iterable[Observation]:
+        for (tenant, currency), values in _tenants.copy().items():
+            yield Observation(values[i], {"tenant": tenant} if i == 2 else {"tenant": tenant, "currency": currency})
+    return callback
+
+
+def _observe_allocated(options: CallbackOptions) -> Iterable[Observation]:
+    for (node, gpu), tenant in _allocated.copy().items():
+        yield Observation(1, {"node": node, "gpu": gpu, "tenant": tenant})
 
 
 def _observe(counts: dict[Any, int], labels: tuple[str, ...]) -> Any:
