@@ -151,7 +151,11 @@ class EmbeddedPostgres:
     """
 
     def __init__(self, data_dir: Path, port: int, *, fsync: bool = True, user: str = DEFAULT_USER,
-                 database: str = DEFAULT_DATABASE, run_as: str | None = None) -> None:
+                 database: str = DEFAULT_DATABASE, run_as: str | None = None, also_listen: str | None = None,
+                 allow: str | None = None) -> None:
+        """`also_listen`: one more address to listen on besides 127.0.0.1 (a bridge's, for clients in
+        network namespaces), and `allow` the network (CIDR) whose clients it trusts there."""
+        self.also_listen, self.allow = also_listen, allow
         self.data_dir = Path(data_dir).absolute()
         self.port = port
         self.fsync = fsync
@@ -256,6 +260,9 @@ class EmbeddedPostgres:
             args.append("--no-sync")
         t0 = time.perf_counter()
         self._run("initdb", args, timeout_s=120.0)
+        if self.allow:
+            with (self.data_dir / "pg_hba.conf").open("a") as hba:
+                hba.write(f"host all all {self.allow} trust\n")
         log.info("initdb %s in %.2fs", self.data_dir, time.perf_counter() - t0)
 
     def running_pid(self) -> int | None:
@@ -268,7 +275,8 @@ class EmbeddedPostgres:
         return self.running_pid() is not None
 
     def _server_options(self) -> str:
-        opts = ["-c", "listen_addresses=127.0.0.1", "-c", f"port={self.port}"]
+        listen = "127.0.0.1" + (f",{self.also_listen}" if self.also_listen else "")
+        opts = ["-c", f"listen_addresses={listen}", "-c", f"port={self.port}"]
         sock = self.socket_dir
         opts += ["-c", f"unix_socket_directories={sock if sock is not None else ''}"]
         if not self.fsync:
