@@ -73,7 +73,7 @@ def test_the_compose_file_runs_a_job_end_to_end(compose: object, tmp_path: Path)
         time.sleep(1.0)  # (polling the read model for the positive signal above)
     else:
         raise AssertionError(f"{job_id} never succeeded in the read model: {deadline_out}")
-    # the cluster is the one the file describes: three servers, FLEET at R3, two placers deciding
+    # the log it left is sound (no GPU given twice by the two placers, nothing pending unexplained)
     audit = cli(compose, "audit", "--json")
     assert audit.returncode == 0 and json.loads(audit.stdout)["ok"], audit.stdout[-1500:] + audit.stderr[-800:]
 
@@ -100,3 +100,25 @@ def test_a_service_identity_cannot_act_for_another(compose: object) -> None:
     proc = subprocess.run(compose.client_argv([sys.executable, "-c", code]), capture_output=True, text=True,
                           env=env, timeout=60)
     assert "REFUSED" in proc.stdout, proc.stdout + proc.stderr[-800:]
+
+
+def test_the_log_is_replicated_on_the_three_servers(compose: object) -> None:
+    from gpufleet.tools.compose import ComposeProcesses
+
+    assert isinstance(compose, ComposeProcesses)
+    gen = compose.generated
+    code = ("import asyncio, json\n"
+            "async def main():\n"
+            "    from gpufleet.shared.runtime.bus import Bus\n"
+            "    bus = await Bus.connect('tls://nats:4222', name='t')\n"
+            "    info = await bus.js.stream_info('FLEET')\n"
+            "    print(json.dumps([info.config.num_replicas, info.cluster.leader,\n"
+            "                      [r.name for r in info.cluster.replicas or []]]))\n"
+            "    await bus.close()\n"
+            "asyncio.run(main())\n")
+    env = {**os.environ, "GPUFLEET_CREDS": str(gen / "creds" / "admin.creds"), "SSL_CERT_FILE": str(gen / "certs" / "ca.pem")}
+    proc = subprocess.run(compose.client_argv([sys.executable, "-c", code]), capture_output=True, text=True,
+                          env=env, timeout=60)
+    replicas, leader, followers = json.loads(proc.stdout)
+    assert replicas == 3, proc.stdout + proc.stderr[-800:]
+    assert sorted([leader, *followers]) == ["nats-1", "nats-2", "nats-3"], proc.stdout
