@@ -92,6 +92,9 @@ def _read_config(name: str, subjects: Sequence[str], from_seq: int, from_time: d
     )
 
 
+EMPTY_FETCHES = 5  # fetches of 2 s in a row that deliver nothing while messages are pending
+
+
 async def _delete_quietly(js: Any, stream: str, name: str) -> None:
     try:
         await js.delete_consumer(stream, name)
@@ -100,19 +103,33 @@ async def _delete_quietly(js: Any, stream: str, name: str) -> None:
 
 
 async def _drain(js: Any, stream: str, name: str, info: Any, until_seq: int | None) -> AsyncIterator[list[Msg]]:
-    """Fetch the consumer `name` until it has nothing pending (or is past `until_seq`); then delete it."""
+    """Fetch the consumer `name` until it has nothing pending (or is past `until_seq`); then delete it.
+    A server that delivers nothing while messages are pending (a leader election, a slow
+    server: a fetch that times out or comes back empty) is asked again; after EMPTY_FETCHES in a
+    row it is an error (TimeoutError), never the end of the log: a reader must not take a part of
+    the history for all of it."""
     try:
-        if not info.num_pending:
+        pending = int(info.num_pending or 0)
+        if not pending:
             return
         psub = await js.pull_subscribe_bind(name, stream=stream)
         try:
+            empty = 0
             while True:
                 try:
                     msgs = await psub.fetch(READ_BATCH, timeout=2.0)
                 except (nats.errors.TimeoutError, TimeoutError):
-                    return
-                if (report := READ_PROGRESS.get()) is not None and msgs:
-                    report(int(msgs[-1].metadata.sequence.stream), int(msgs[-1].metadata.num_pending or 0))
+                    msgs = []
+                if not msgs:
+                    empty += 1
+                    if empty >= EMPTY_FETCHES:
+                        raise TimeoutError(f"reading {stream}: {pending} message(s) pending, none delivered "
+                                           f"in {EMPTY_FETCHES} fetches")
+                    continue
+                empty = 0
+                pending = int(msgs[-1].metadata.num_pending or 0)
+                if (report := READ_PROGRESS.get()) is not None:
+                    report(int(msgs[-1].metadata.sequence.stream), pending)
                 if until_seq is not None:
                     kept = [m for m in msgs if m.metadata.sequence.stream <= until_seq]
                     if kept:
@@ -121,7 +138,7 @@ async def _drain(js: Any, stream: str, name: str, info: Any, until_seq: int | No
                         return
                 else:
                     yield msgs
-                if msgs[-1].metadata.num_pending == 0:
+                if pending == 0:
                     return
         finally:
             await psub.unsubscribe()
