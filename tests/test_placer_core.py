@@ -86,6 +86,100 @@ def test_a_gang_of_many_small_replicas_packs_onto_few_nodes() -> None:
     assert len({a.node_id for a in got}) == 1  # 4 x 2 GPUs on one node, over NVLink
 
 
+def spine_dgx(node_id: str, rack: str, spine: str) -> Any:
+    env = dgx(node_id, rack=rack)
+    inv = env.payload.inventory
+    return event(NodeRegistered(node_id=node_id, inventory=inv.model_copy(
+        update={"labels": {**inv.labels, "spine": spine}})))
+
+
+def test_a_required_leaf_takes_the_leaf_that_fits_tightest_not_the_first() -> None:
+    # leaf-a has 3 free nodes, leaf-b exactly 2: a 2 x 8 gang required within one leaf goes to b,
+    # which keeps a's 3 whole nodes for a bigger gang (the first leaf found would be a)
+    h = Harness(PlacerCore()).given(dgx("a1", rack="a"), dgx("a2", rack="a"), dgx("a3", rack="a"),
+                                    dgx("b1", rack="b"), dgx("b2", rack="b"))
+    gang = make_job().gpus(8).replicas(2).set("topology", {"required": "leaf"})
+
+    got = allocs(place(h, gang, "g2"))
+    assert sorted(a.node_id for a in got) == ["b1", "b2"]
+    # then a 3 x 8 gang still has a leaf of its own
+    assert sorted(a.node_id for a in allocs(place(h, gang.replicas(3), "g3"))) == ["a1", "a2", "a3"]
+
+
+def test_a_required_rack_places_nothing_across_racks_and_says_which_rack_came_closest() -> None:
+    h = Harness(PlacerCore()).given(dgx("a1", rack="a"), dgx("a2", rack="a"), dgx("b1", rack="b"),
+                                    dgx("b2", rack="b"), dgx("b3", rack="b"))
+    place(h, make_job().gpus(8).set("nodeSelector", {"rack": "b"}), "busy")  # b: 2 nodes left
+    place(h, make_job().gpus(4).set("nodeSelector", {"rack": "a"}), "half")  # a: 1 whole node, 1 half
+    bound = make_job().gpus(8).replicas(3).set("topology", {"required": "rack"})
+
+    out = place(h, bound, "g")
+
+    assert not [e for e in out if isinstance(e.payload, JobPlaced)]  # 3 whole nodes free in all, not in one rack
+    [u] = [e.payload for e in out if isinstance(e.payload, JobUnschedulable)]
+    [reason] = u.reasons
+    assert reason.code == "topology", reason
+    assert "no rack of 2 holds them all now; the closest, b (3 nodes), has room for 2" in reason.message
+    assert "within one rack (topology.required)" in reason.message
+    # unbound, the same gang fits across the racks
+    assert len(allocs(place(h, make_job().gpus(8).replicas(3), "free"))) == 3
+
+
+def test_a_gang_that_no_domain_could_ever_hold_fails_and_says_so() -> None:
+    from gpufleet.shared.contract.events import JobFailed
+
+    h = Harness(PlacerCore()).given(dgx("a1", rack="a"), dgx("a2", rack="a"), dgx("b1", rack="b"))
+    out = place(h, make_job().gpus(8).replicas(3).set("topology", {"required": "leaf"}), "g")
+    [f] = [e.payload for e in out if isinstance(e.payload, JobFailed)]
+    assert f.reason.code == "never_fits" and "within one leaf (topology.required)" in f.reason.message
+
+
+def test_required_spine_and_preferred_rack() -> None:
+    # spine s1: 3 nodes (racks r1, r2, r1), s2: 4 nodes: a gang of 2 within one spine goes to the
+    # tighter s1, and within it to one rack (preferred), not across r1 and r2
+    nodes = [spine_dgx("y1", "r2", "s1"), spine_dgx("x1", "r1", "s1"), spine_dgx("x2", "r1", "s1"),
+             *(spine_dgx(f"z{i}", "r3", "s2") for i in range(4))]
+    h = Harness(PlacerCore()).given(*nodes)
+    gang = make_job().gpus(8).replicas(2).set("topology", {"required": "spine", "preferred": "rack"})
+    got = allocs(place(h, gang, "g"))
+    assert {a.node_id for a in got} == {"x1", "x2"}
+
+
+def test_required_leaf_on_the_sim_mix_keeps_every_gang_under_one_leaf() -> None:
+    # the sim fleet of 64 nodes: 4 racks (leaf switches) of 16 in the default shape mix. Gangs
+    # bound to a leaf fill it, every replica under one leaf; unbound gangs of the same size at
+    # the same load may spread.
+    from gpufleet.shared.node.cluster import sim_fleet
+
+    fleet = sim_fleet(64)
+    leaf_of = {n: inv.labels["leaf"] for n, inv in fleet.items()}
+
+    def leaves(topology: dict[str, str] | None) -> list[set[str]]:
+        h = Harness(PlacerCore()).given(*(event(NodeRegistered(node_id=n, inventory=inv)) for n, inv in fleet.items()))
+        job = make_job().gpus(2).replicas(6)
+        out = []
+        for i in range(14):
+            got = allocs(place(h, job.set("topology", topology) if topology else job, f"g{i}"))
+            assert len(got) == 6
+            out.append({leaf_of[a.node_id] for a in got})
+        return out
+
+    assert all(len(x) == 1 for x in leaves({"required": "leaf"}))
+    assert any(len(x) > 1 for x in leaves(None))  # (greedy locality alone spreads some of them)
+
+
+def test_preferred_wider_than_required_is_refused_naming_the_field() -> None:
+    import pytest
+    from pydantic import ValidationError
+
+    from gpufleet.shared.contract.spec import JobSpec
+
+    with pytest.raises(ValidationError, match="preferred: spine is wider than required: leaf"):
+        JobSpec.model_validate({"name": "a", "tenant": "t", "topology": {"required": "leaf", "preferred": "spine"}})
+    with pytest.raises(ValidationError, match="topology.required"):
+        JobSpec.model_validate({"name": "a", "tenant": "t", "topology": {"required": "pod"}})
+
+
 # ---------------------------------------------------------------- shares, taints, labels, locality
 
 

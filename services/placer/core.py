@@ -52,7 +52,7 @@ from gpufleet.shared.contract.events import (
     resumed_attempt,
     utc,
 )
-from gpufleet.shared.contract.spec import JobSpec
+from gpufleet.shared.contract.spec import TOPOLOGY_LEVELS, JobSpec
 from gpufleet.shared.node.checkpoints import CHECKPOINTED_TYPES
 from gpufleet.shared.node.cluster import pool_shapes
 from gpufleet.shared.runtime.loop import BaseCore, Ctx
@@ -66,6 +66,7 @@ SCAN_NODES_MAX = 2048  # per replica: bound the work of one decision
 RETRY_PENDING_MAX = 64  # pending jobs retried when capacity frees
 SHAPES_KEPT = 4096  # recent job shapes: the workload the fragmentation-aware profiles aim at
 TYPICAL_EVERY = 256  # recompute the typical shapes every this many new jobs
+PREFERRED_TRIES = 4  # domains of a gang's preferred topology level tried whole before it spreads
 RESERVATION_SLACK_S = 60.0  # a new estimate within this of the last is not said again
 RESERVATION_REFRESH_S = 30.0  # the head's estimate is recomputed at most this often (it plans on every node)
 
@@ -614,7 +615,8 @@ class PlacerCore(BaseCore[PlacerState]):
             # keep its quota (and block others) while it waits; it fails, and says why.
             return [ctx.emit(JobFailed(job_id=job_id, reason=Reason(code="never_fits", message=(
                 f"{spec.replicas} x {_ask(spec)} ({', '.join(spec.resources.gpu_models) or 'any model'}) cannot "
-                f"fit even on the empty cluster of {len(state.nodes) - len(state.cordoned)} nodes not cordoned"
+                f"fit{_within(spec)} even on the empty cluster of {len(state.nodes) - len(state.cordoned)} nodes "
+                "not cordoned"
                 + (f" nor on nodes its pools may add ({', '.join(f'{n} up to {m}' for n, m, _ in self.pools)})"
                    if self.pools else "")))),
                 tenant=spec.tenant, key=f"never:{job_id}")]
@@ -701,16 +703,80 @@ class PlacerCore(BaseCore[PlacerState]):
 
     def plan(self, state: PlacerState, spec: JobSpec, plan: Plan, avoid: frozenset[str] = frozenset(),
              full_scan: bool = False) -> tuple[ReplicaAllocation, ...] | None:
-        """All replicas or nothing, on `plan` (copies of the nodes it touches); None if they do not fit."""
+        """All replicas or nothing, on `plan` (copies of the nodes it touches); None if they do not fit.
+        With a required topology level, all within one domain of it: the domains that could hold
+        the gang now are tried tightest first (the least room left over), and the first that
+        takes it wins (Kueue's required topology picks the same way; not the first domain found)."""
+        topo = spec.topology
+        required = topo.required if topo is not None else None
+        preferred = topo.preferred if topo is not None and spec.replicas > 1 and topo.preferred != required else None
+        if required is None and preferred is None:
+            return self._plan(state, spec, plan, avoid, full_scan)
+        outer: list[frozenset[str] | None] = [None] if required is None else [
+            m for _, _, m in self.domains(state, spec, required, plan, avoid)]
+        for members in outer:
+            tries: list[frozenset[str] | None] = []
+            if preferred is not None:  # the whole gang within one domain of the preferred level, if one holds it
+                tries += [m for _, _, m in self.domains(state, spec, preferred, plan, avoid, members)[:PREFERRED_TRIES]]
+            tries.append(members)  # else anywhere in the required domain (None: anywhere), close where it can
+            for within in tries:
+                trial = plan.fork()
+                got = self._plan(state, spec, trial, avoid, full_scan or within is not None, within)
+                if got is not None:
+                    plan.nodes, plan.mig_taken = trial.nodes, trial.mig_taken
+                    return got
+        return None
+
+    def domains(self, state: PlacerState, spec: JobSpec, level: str, plan: Plan | None = None,
+                avoid: frozenset[str] = frozenset(), within: frozenset[str] | None = None,
+                ) -> list[tuple[int, str, frozenset[str]]]:
+        """The domains of `level` (among the nodes `within`) with room for every replica now, by
+        replica slots counted node by node (GPUs, cores, memory, MIG instances): (slots left over,
+        domain, its nodes), the tightest first. One pass over the nodes: a topology-bound gang only."""
+        slots, members = self._room(state, spec, level, plan or Plan(), avoid, within)
+        return sorted((n - spec.replicas, d, frozenset(members[d])) for d, n in slots.items() if n >= spec.replicas)
+
+    def _room(self, state: PlacerState, spec: JobSpec, level: str, plan: Plan, avoid: frozenset[str] = frozenset(),
+              within: frozenset[str] | None = None) -> tuple[dict[str, int], dict[str, list[str]]]:
+        """Replica slots free now per domain of `level`, and each domain's nodes."""
+        a = ask_of(spec)
+        slots: dict[str, int] = {}
+        members: dict[str, list[str]] = {}
+        for node_id in state.nodes if within is None else sorted(within):
+            node = plan.node(state, node_id)
+            d = node.domain(level)
+            if not d or node_id in avoid:
+                continue
+            members.setdefault(d, []).append(node_id)
+            slots[d] = slots.get(d, 0) + (self._slots(state, node, a, spec, plan) if feasible(node, a) else 0)
+        return slots, members
+
+    @staticmethod
+    def _slots(state: PlacerState, node: Node, a: Ask, spec: JobSpec, plan: Plan) -> int:
+        r = spec.resources
+        per = [node.cpu_left // a.cpu if a.cpu else spec.replicas, node.mem_left // a.mem if a.mem else spec.replicas]
+        if a.gpus:
+            units = sum(x // a.milli for x in node.left) if a.milli < MILLI else node.free_whole
+            per.append(units // a.gpus)
+        if r.mig:
+            slot = state.mig.get(node.node_id)
+            taken = plan.mig_taken.get(node.node_id, set())
+            per += [len([u for u in (slot.free.get(p, ()) if slot else ()) if u not in taken]) // n
+                    for p, n in r.mig.items()]
+        return max(0, min(per))
+
+    def _plan(self, state: PlacerState, spec: JobSpec, plan: Plan, avoid: frozenset[str] = frozenset(),
+              full_scan: bool = False, within: frozenset[str] | None = None) -> tuple[ReplicaAllocation, ...] | None:
         a = ask_of(spec)
         r = spec.resources
         allocs: list[ReplicaAllocation] = []
         ctx = state.scratch.ctx
         ctx.gang = {}
+        ctx.prefer = spec.topology.preferred if spec.topology is not None and spec.topology.preferred else "leaf"
         ctx.rng.seed(state.shapes_seen)  # ties drawn from the state alone: any replica, any restart
         for replica in range(spec.replicas):
             if r.mig:
-                got = self._pick_mig(state, a, r.mig, plan, avoid)
+                got = self._pick_mig(state, a, r.mig, plan, avoid, within)
                 if got is None:
                     return None
                 node_id, uuids = got
@@ -721,7 +787,7 @@ class PlacerCore(BaseCore[PlacerState]):
                 allocs.append(ReplicaAllocation(replica=replica, node_id=node_id, cpu_milli=a.cpu,
                                                 memory_mib=a.mem, mig_devices=tuple(uuids)))
                 continue
-            cands = self.candidates(state, a, plan, avoid, full_scan)
+            cands = self.candidates(state, a, plan, avoid, full_scan, within)
             pick = schedule(cands, a, self.profile, ctx, filtered=True)  # (candidates() filtered them)
             if pick is None:
                 return None
@@ -729,7 +795,8 @@ class PlacerCore(BaseCore[PlacerState]):
                 plan.nodes[pick.node.node_id] = pick.node.copy()
             node = plan.nodes[pick.node.node_id]
             node.take(pick.positions, a.milli if a.gpus else 0, a.cpu, a.mem)
-            for key in (node.node_id, node.leaf, node.rack):
+            for level in TOPOLOGY_LEVELS:
+                key = (level, node.domain(level))
                 ctx.gang[key] = ctx.gang.get(key, 0) + 1
             numas = [node.numa[i] for i in pick.positions if i < len(node.numa)]
             allocs.append(ReplicaAllocation(
@@ -741,9 +808,15 @@ class PlacerCore(BaseCore[PlacerState]):
         return tuple(allocs)
 
     def candidates(self, state: PlacerState, a: Ask, plan: Plan, avoid: frozenset[str] = frozenset(),
-                   full_scan: bool = False) -> list[Node]:
-        """Up to `placement.candidates` feasible nodes, tightest first (nodes this decision touched first)."""
+                   full_scan: bool = False, within: frozenset[str] | None = None) -> list[Node]:
+        """Up to `placement.candidates` feasible nodes, tightest first (nodes this decision touched
+        first); only those of `within` when given (a required topology's domain)."""
         limit = len(state.nodes) if full_scan else self.placement.candidates
+        if within is not None:  # (a topology domain: its own nodes, touched first, then the fewest GPUs free)
+            nodes = [plan.node(state, n) for n in sorted(within) if n not in avoid]
+            nodes = [n for n in nodes if feasible(n, a)]
+            nodes.sort(key=lambda n: (n.node_id not in plan.nodes, n.free_whole))
+            return nodes[:limit]
         out: list[Node] = []
         seen: set[str] = set()
         for node in plan.nodes.values():  # packs, keeps a gang together
@@ -778,13 +851,13 @@ class PlacerCore(BaseCore[PlacerState]):
         return out
 
     def _pick_mig(self, state: PlacerState, a: Ask, mig: dict[str, int], plan: Plan,
-                  avoid: frozenset[str]) -> tuple[str, list[str]] | None:
+                  avoid: frozenset[str], within: frozenset[str] | None = None) -> tuple[str, list[str]] | None:
         """A node with the MIG instances one replica asks for: best fit (the fewest free instances
         of those profiles left over), nodes this decision touched first."""
         best: tuple[tuple[int, int], str, list[str]] | None = None
         for node_id, slot in state.mig.items():
             node = plan.node(state, node_id)
-            if (node_id in avoid or not node.healthy or (a.models and node.model not in a.models)
+            if (node_id in avoid or (within is not None and node_id not in within) or not node.healthy or (a.models and node.model not in a.models)
                     or node.cpu_left < a.cpu or node.mem_left < a.mem):
                 continue
             taken = plan.mig_taken.get(node_id, set())
@@ -820,6 +893,8 @@ class PlacerCore(BaseCore[PlacerState]):
         a = ask_of(spec)
         r = spec.resources
         room = 0
+        level = spec.topology.required if spec.topology is not None else None
+        by_domain: dict[str, int] = {}  # (a required topology: the room of each domain, which must hold all)
         in_pool: dict[str, int] = {}
         for node in state.nodes.values():
             if node.node_id in state.cordoned:
@@ -840,12 +915,24 @@ class PlacerCore(BaseCore[PlacerState]):
                    node.mem_total // a.mem if a.mem else spec.replicas]
             slot = state.mig.get(node.node_id)
             per += [(slot.total.get(profile, 0) if slot else 0) // n for profile, n in r.mig.items()]
+            if level is not None:
+                d = node.domain(level)
+                by_domain[d] = by_domain.get(d, 0) + max(0, min(per))
+                if d and by_domain[d] >= spec.replicas:
+                    return True
+                continue
             room += max(0, min(per))
             if room >= spec.replicas:
                 return True
         for name, most, shape in self.pools:
             more = most - in_pool.get(name, 0)  # its registered nodes were counted above
             if more > 0:
+                if level is not None:  # (a pool's nodes share their shape's labels: one domain)
+                    d = shape.domain(level)
+                    by_domain[d] = by_domain.get(d, 0) + more * _replicas_on(shape, a, spec)
+                    if d and by_domain[d] >= spec.replicas:
+                        return True
+                    continue
                 room += more * _replicas_on(shape, a, spec)
                 if room >= spec.replicas:
                     return True
@@ -877,6 +964,14 @@ class PlacerCore(BaseCore[PlacerState]):
         held = ""
         if res is not None and res.job_id in state.pending and res.job_id != job_id:
             held = f"; job {res.job_id} holds {len(res.nodes)} node(s) from {utc(res.start_s).isoformat()}"
+        level = spec.topology.required if spec.topology is not None else None
+        if level is not None:  # which domain came closest, and how close
+            slots, members = self._room(state, spec, level, Plan())
+            if slots:
+                best = max(slots, key=lambda d: (slots[d], d))
+                return [Reason(code="topology", message=(
+                    f"{spec.replicas} x {_ask(spec)}{_within(spec)}: no {level} of {len(slots)} holds them all "
+                    f"now; the closest, {best} ({len(members[best])} nodes), has room for {slots[best]}{held}"))]
         return [Reason(
             code="no_fit",
             message=f"{spec.replicas} x {_ask(spec)}: no fit on {len(state.nodes)} nodes ({parts}){held}",
@@ -896,6 +991,11 @@ def _replicas_on(shape: Node, a: Ask, spec: JobSpec) -> int:
     return max(0, min(shape.gpus_total * per_gpu // a.gpus if a.gpus else spec.replicas,
                       shape.cpu_total // a.cpu if a.cpu else spec.replicas,
                       shape.mem_total // a.mem if a.mem else spec.replicas))
+
+
+def _within(spec: JobSpec) -> str:
+    level = spec.topology.required if spec.topology is not None else None
+    return f" within one {level} (topology.required)" if level else ""
 
 
 def _ask(spec: JobSpec) -> str:

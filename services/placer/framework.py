@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from itertools import combinations
 from typing import Any
 
+from gpufleet.shared.contract.spec import TOPOLOGY_LEVELS
+
 from .frag import MILLI, FragKey, TaskShape, Typical, fits_gpus, memo_frag
 
 # ---------------------------------------------------------------- the model
@@ -71,6 +73,14 @@ class Node:
     @property
     def leaf(self) -> str:
         return self.labels.get("leaf", self.labels.get("rack", ""))
+
+    def domain(self, level: str) -> str:
+        """Its domain at a topology level (`node`, `leaf`, `rack`, `spine`); '' when unlabelled."""
+        if level == "node":
+            return self.node_id
+        if level == "leaf":
+            return self.leaf
+        return self.labels.get(level, "")
 
     def take(self, positions: Sequence[int], milli: int, cpu: int, mem: int) -> None:
         for p in positions:
@@ -200,7 +210,9 @@ class Context:
     ties and random choices, and caches that key on node versions."""
 
     typical: tuple[Typical, ...] = ()
-    gang: dict[str, int] = field(default_factory=dict)  # where a gang's placed replicas are: node, leaf, rack -> count
+    # where a gang's placed replicas are: (level, domain) -> count, for every topology level
+    gang: dict[tuple[str, str], int] = field(default_factory=dict)
+    prefer: str = "leaf"  # the gang's preferred topology level (its spec's `topology.preferred`)
     shapes: tuple[TaskShape, ...] = ()  # the workload's job shapes, one per job (policies derive their own typical set)
     rng: random.Random = field(default_factory=lambda: random.Random(0))
     frag_cache: dict[FragKey, float] = field(default_factory=dict)
@@ -473,17 +485,21 @@ class DataLocality(Plugin):
 
 
 class GangLocality(Plugin):
-    """The replicas of a gang close together: the same node or leaf switch as replicas already
-    placed (100), the same rack (50), elsewhere (0). No effect on a single replica."""
+    """The replicas of a gang close together: within the domain of its preferred topology level
+    (`topology.preferred`, default the leaf switch) of a replica already placed (100), within the
+    next level up (50), elsewhere (0). No effect on a single replica."""
 
     name = "gang"
 
     def evaluate(self, n: Node, a: Ask, ctx: Context) -> tuple[float, Positions | None]:
         if not ctx.gang:
             return 0.0, None
-        if n.leaf in ctx.gang or n.node_id in ctx.gang:
-            return 100.0, None
-        return (50.0 if n.rack in ctx.gang else 0.0), None
+        at = TOPOLOGY_LEVELS.index(ctx.prefer)
+        for level in TOPOLOGY_LEVELS[:at + 1]:  # (the same node is within every wider domain too)
+            if (level, n.domain(level)) in ctx.gang:
+                return 100.0, None
+        up = TOPOLOGY_LEVELS[min(at + 1, len(TOPOLOGY_LEVELS) - 1)]
+        return (50.0 if (up, n.domain(up)) in ctx.gang else 0.0), None
 
 
 @dataclass

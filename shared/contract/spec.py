@@ -244,6 +244,28 @@ class CheckpointSpec(_Spec):
     keep: int = Field(default=3, ge=1, le=1000)
 
 
+TopologyLevel = Literal["node", "leaf", "rack", "spine"]
+TOPOLOGY_LEVELS: tuple[str, ...] = ("node", "leaf", "rack", "spine")  # finest first (node labels `leaf`, `rack`, `spine`)
+
+
+class TopologySpec(_Spec):
+    """Where a gang's replicas go, by the nodes' network labels (`leaf`, `rack`, `spine`; `node`:
+    one machine). `required`: all replicas within one domain of that level or none placed (Kueue's
+    required topology, Slurm's `--switches`); the placer picks the domain that fits tightest.
+    `preferred`: as close as that level where it can (a score); finer than or equal to `required`."""
+
+    required: TopologyLevel | None = None
+    preferred: TopologyLevel | None = None
+
+    @model_validator(mode="after")
+    def _nested(self) -> TopologySpec:
+        if (self.required and self.preferred
+                and TOPOLOGY_LEVELS.index(self.preferred) > TOPOLOGY_LEVELS.index(self.required)):
+            raise ValueError(f"preferred: {self.preferred} is wider than required: {self.required} "
+                             f"(every replica is within one {self.required} already)")
+        return self
+
+
 class SimRun(_Spec):
     """One run of a job on the sim driver (a what-if replays each run as it went)."""
 
@@ -345,6 +367,7 @@ class JobSpec(_Spec):
     node_selector: dict[str, str] = Field(default_factory=dict, alias="nodeSelector")  # node labels required
     tolerations: tuple[str, ...] = ()  # node taints tolerated
     dataset: str | None = Field(default=None, max_length=256)  # prefers nodes with it in their local cache
+    topology: TopologySpec | None = None  # a gang's replicas within one leaf / rack / spine (required, preferred)
     sim: SimSpec = SimSpec()
     # type: inference only: the job is a service whose replicas the autoscaler runs as jobs of their own
     autoscale: AutoscaleSpec | None = None
