@@ -267,6 +267,29 @@ def test_the_head_job_gets_a_reservation_and_small_jobs_only_use_the_holes() -> 
     assert {a.node_id for a in allocs(out)} == {"n1", "n3"}
 
 
+def test_a_reservation_holds_the_gpus_the_head_needs_not_the_whole_node() -> None:
+    # n1 has 16 GPUs: "a" holds 8 for 1 h, "b" 4 for 5 h; the head needs 10, so it waits for "a"
+    # (reserved: n1 from 1 h). A 4-hour job on 2 of the 4 free GPUs leaves the head its 10 at 1 h:
+    # it runs now. One on all 4 would not: it waits. The head starts at 1 h as estimated.
+    h = Harness(PlacerCore()).given(node("n1", gpus=16))
+    for job_id, gpus, hours in (("a", 8, 1), ("b", 4, 5)):
+        job = make_job().gpus(gpus).max_runtime(f"{hours}h")
+        h.given(submitted(job, job_id), quota_reserved(job, job_id),
+                placed(job_id, ("n1", range(8) if job_id == "a" else range(8, 12)), at=T0))
+    head = make_job().gpus(10).max_runtime("10h")
+    (res,) = [e.payload for e in place(h, head, "head") if isinstance(e.payload, JobBackfillReserved)]
+    assert res.nodes == ("n1",)
+
+    (small,) = allocs(place(h, make_job().gpus(2).max_runtime("4h"), "small"))
+    assert small.node_id == "n1"
+    out = place(h, make_job().gpus(2).max_runtime("4h"), "too-much")  # 12 - 4 = 8 < 10 at 1 h
+    assert not any(isinstance(e.payload, JobPlaced) for e in out)
+    assert [r.code for e in out if isinstance(e.payload, JobUnschedulable) for r in e.payload.reasons] == [
+        "backfill_reservation"]
+    out = h.when(exited("a", "n1"), T0 + timedelta(hours=1))
+    assert [e.job_id for e in out if isinstance(e.payload, JobPlaced)] == ["head"]
+
+
 def test_without_backfill_protection_a_small_job_delays_the_big_one() -> None:
     # the same story with backfill off: the 2-hour job takes n3 and the head's start slips
     h = _busy_cluster(backfill=False)

@@ -597,8 +597,10 @@ class PlacerCore(BaseCore[PlacerState]):
         allocs = self.plan(state, spec, trial)
         res = state.reservation if self.placement.backfill else None
         if (allocs is not None and res is not None and res.job_id != job_id and res.job_id in state.pending
-                and any(a.node_id in res.nodes for a in allocs) and now + spec.max_runtime_s > res.start_s):
-            # backfill: keep off the head job's nodes, unless this job ends before the head starts
+                and any(a.node_id in res.nodes for a in allocs) and now + spec.max_runtime_s > res.start_s
+                and not self._head_fits_beside(state, res, trial)):
+            # backfill: it takes what the head job needs at its start (and runs past it): keep off
+            # the head's nodes (a job on GPUs of those nodes the head does not need passes above)
             trial = plan.fork()
             allocs = self.plan(state, spec, trial, avoid=frozenset(res.nodes))
             if allocs is None:  # it would delay the reserved job: it waits, and says so (once per reservation)
@@ -634,6 +636,21 @@ class PlacerCore(BaseCore[PlacerState]):
         ), tenant=spec.tenant, key=f"unsched:{job_id}:{len(state.nodes)}:{message}")]
 
     # ------------------------------------------------------------ backfill
+
+    def _head_fits_beside(self, state: PlacerState, res: Reservation, trial: Plan) -> bool:
+        """Whether the reserved job still fits at its estimated start with `trial` holding what it
+        holds (the job being tried runs past that start): the jobs that end by then give their
+        GPUs back, as the estimate counted them. A reservation so holds the GPUs, cores and memory
+        the head needs, not whole nodes: a backfill job on the rest of a reserved node delays nothing."""
+        head = state.jobs.get(res.job_id)
+        if head is None or head.spec is None:
+            return False
+        at_start = trial.fork()
+        for end_s, job_id in state.ending():
+            if end_s > res.start_s:
+                break
+            at_start.give_back(state, state.jobs[job_id].allocations or ())
+        return self.plan(state, head.spec, at_start, full_scan=True) is not None
 
     def _backfill_wait(self, state: PlacerState, job_id: str, spec: JobSpec, res: Reservation,
                        ctx: Ctx) -> list[Envelope]:
