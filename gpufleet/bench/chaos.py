@@ -449,8 +449,9 @@ async def _check(d: Path, fleet: Any, jobs: set[str], ends: dict[str, tuple[str,
         out["audit_error"] = audit["error"]
     deadline = time.monotonic() + 60
     while True:  # the read model catches up asynchronously (PostgreSQL was killed during the run)
-        replay = json.loads(_cli(d, "replay", "--json", "--all").stdout)
-        live = json.loads(_cli(d, "jobs", "--json", "--limit", "0").stdout)
+        # (a replay folds the whole log: 125 s for the 10,000-job campaign on 2 idle cores)
+        replay = json.loads(_cli(d, "replay", "--json", "--all", timeout=900).stdout)
+        live = json.loads(_cli(d, "jobs", "--json", "--limit", "0", timeout=300).stdout)
         if replay["jobs"] == live or time.monotonic() > deadline:
             break
         await asyncio.sleep(1.0)
