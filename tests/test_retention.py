@@ -4,8 +4,10 @@ ago are forgotten by every core, so what a core holds does not grow with the job
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import pickle
+import sys
 from collections import Counter, deque
 from datetime import timedelta
 from typing import Any
@@ -173,6 +175,13 @@ def test_compact_specs_share_equal_parts_and_serialise_as_before(monkeypatch: py
         assert s.model_dump_json(by_alias=True) == p.model_dump_json(by_alias=True)
     changed = specs[0].model_copy(update={"priority": 5})
     assert "priority" in changed.model_fields_set and "priority" not in specs[1].model_fields_set
+    # repeated plain values and mappings are one copy, and a shared mapping refuses to change
+    assert specs[0].tenant is specs[3].tenant and specs[0].env is specs[3].env
+    with pytest.raises(TypeError, match="read-only"):
+        specs[0].env["X"] = "1"  # type: ignore[index]
+    assert specs[1].env == {} and copy.deepcopy(specs[0]) == specs[0] == pickle.loads(pickle.dumps(specs[0]))
+    if spec_module._SPLIT_DICTS:  # the fields' dict shares its keys with every other spec's
+        assert sys.getsizeof(specs[0].__dict__) < sys.getsizeof(dict(plain[0].__dict__)) / 2
 
 
 def test_the_guardian_forgets_every_fact_of_a_job_when_it_ends() -> None:
@@ -200,7 +209,7 @@ def test_the_guardian_forgets_every_fact_of_a_job_when_it_ends() -> None:
             event(JobCheckpointInvalid(job_id="j1", uri="file:///c/j1/step-2", step=2, reason="partial")),
             event(JobCheckpointOverdue(job_id="j1", age_s=9.0, limit_s=1.0)))
     rec = h.state.jobs["j1"]
-    assert rec.verified == {1} and rec.invalid_said == {2} and rec.step == 1 and h.state.watched() == ["j1"]
+    assert rec.said.verified == {1} and rec.said.invalid_said == {2} and rec.said.step == 1 and h.state.watched() == ["j1"]
     h.given(event(JobSucceeded(job_id="j1")))
     assert "j1" not in h.state.jobs and "j1" in h.state.ended
     assert not (h.state.running or h.state.idle or h.state.retrying) and h.state.watched() == []

@@ -73,7 +73,7 @@ class GuardianAgent:
                 log.warning("%s: %s", job_id, exc)
                 continue
             unwritable, fs = None, None
-            if attempt not in (rec.verified or ()):
+            if attempt not in (rec.said.verified or ()):
                 unwritable = await asyncio.to_thread(store.check_writable, where)
                 of = getattr(store, "filesystem", None)  # (an object store is on none)
                 fs = await asyncio.to_thread(of, where) if of is not None else None

@@ -57,6 +57,22 @@ NOT_A_FAILURE = frozenset({"preempted", "node_drained", "requeued"})
 
 
 @dataclass(slots=True)
+class Checkpoints:
+    """What was said of one job's checkpoints: kept apart so that the jobs that never checkpoint
+    (most of a backlog) cost none of it."""
+
+    resume: tuple[str, float] | None = None  # (uri, saved at): the one to resume from
+    step: int = -1  # the newest checkpoint step reported
+    good: dict[int, tuple[str, float]] | None = None  # step -> (uri, at)
+    verified: set[int] | None = None  # attempts whose location was verified
+    invalid_said: set[int] | None = None  # steps reported bad
+    overdue_said: set[tuple[int, int]] | None = None  # (attempt, last step) warned overdue
+
+
+NO_CHECKPOINTS = Checkpoints()  # read only: what a job nothing was said of has
+
+
+@dataclass(slots=True)
 class GuardianJob:
     """Everything the guardian knows of one job that has not ended: one record, forgotten at once
     when the job ends (`GuardianState.end`). Collections stay None until needed: a pending job costs
@@ -73,17 +89,23 @@ class GuardianJob:
     placed_on: frozenset[str] = frozenset()  # the nodes of that placement (a drain finds its jobs by them)
     started: tuple[int, float, str] | None = None  # (attempt, at, event id) of a watched run
     exits: dict[int, JobExited] | None = None  # replica -> its exit, this attempt
-    checkpoint: tuple[str, float] | None = None  # (uri, saved at): the one to resume from
-    step: int = -1  # the newest checkpoint step reported
-    good: dict[int, tuple[str, float]] | None = None  # step -> (uri, at)
-    verified: set[int] | None = None  # attempts whose location was verified
-    invalid_said: set[int] | None = None  # steps reported bad
-    overdue_said: set[tuple[int, int]] | None = None  # (attempt, last step) warned overdue
+    ckpt: Checkpoints | None = None  # what was said of its checkpoints (None: nothing yet)
     retry_at: tuple[float, int, JobExited, str] | None = None  # a crashed run waiting out its backoff
     idle_since: tuple[float, str] | None = None  # (warned idle at, event id)
     running: bool = False  # a watched run going now
     preempt_pending: bool = False  # asked to give quota back, not yet done
     reclaiming: bool = False  # idle, asked to stop: it ends, not resumes
+
+    @property
+    def said(self) -> Checkpoints:
+        """What was said of its checkpoints, to read (nothing yet: an empty one, not kept)."""
+        return self.ckpt if self.ckpt is not None else NO_CHECKPOINTS
+
+    def checkpoints(self) -> Checkpoints:
+        """What was said of its checkpoints, to add to."""
+        if self.ckpt is None:
+            self.ckpt = Checkpoints()
+        return self.ckpt
 
 
 @dataclass
@@ -130,11 +152,12 @@ ENDS = RUN_ENDED_JOB_TYPES  # (a preempted job that runs again is a resume_reque
 
 def _saved(rec: GuardianJob, step: int, uri: str, at: float) -> None:
     """A good checkpoint reported (saved, or seen as the run ended): the newest is the one to resume from."""
-    if rec.good is None:
-        rec.good = {}
-    rec.good[step] = (uri, at)
-    if step >= rec.step:
-        rec.checkpoint, rec.step = (uri, at), step
+    ck = rec.checkpoints()
+    if ck.good is None:
+        ck.good = {}
+    ck.good[step] = (uri, at)
+    if step >= ck.step:
+        ck.resume, ck.step = (uri, at), step
 
 
 class GuardianCore(BaseCore[GuardianState]):
@@ -200,22 +223,25 @@ class GuardianCore(BaseCore[GuardianState]):
             rec.preempt_pending = True
         elif isinstance(p, JobCheckpointVerified):
             rec = state.job(job_id)
-            rec.verified = (rec.verified or set()) | {p.attempt}
+            ck = rec.checkpoints()
+            ck.verified = (ck.verified or set()) | {p.attempt}
         elif isinstance(p, JobCheckpointInvalid):
             rec = state.job(job_id)
-            rec.invalid_said = (rec.invalid_said or set()) | {p.step}
-            good = rec.good or {}
-            if good.pop(p.step, None) is not None and rec.step == p.step:
+            ck = rec.checkpoints()
+            ck.invalid_said = (ck.invalid_said or set()) | {p.step}
+            good = ck.good or {}
+            if good.pop(p.step, None) is not None and ck.step == p.step:
                 # a checkpoint reported good went bad: the previous good one is the one to resume from
                 if good:
                     step = max(good)
-                    rec.checkpoint, rec.step = good[step], step
+                    ck.resume, ck.step = good[step], step
                 else:
-                    rec.checkpoint, rec.step = None, -1
+                    ck.resume, ck.step = None, -1
         elif isinstance(p, JobCheckpointOverdue):
             rec = state.job(job_id)
             attempt = rec.started[0] if rec.started else 1
-            rec.overdue_said = (rec.overdue_said or set()) | {(attempt, rec.step)}
+            ck = rec.checkpoints()
+            ck.overdue_said = (ck.overdue_said or set()) | {(attempt, ck.step)}
         elif isinstance(p, JobExited):
             rec = state.job(job_id)
             if p.attempt >= rec.attempt:
@@ -356,7 +382,7 @@ class GuardianCore(BaseCore[GuardianState]):
             return [ctx.emit(JobFailed(job_id=job_id, reason=Reason(code="retries_exhausted", message=(
                 f"{what}, and its {budget} retries are used up")), exit_code=ex.exit_code if ex else None),
                 tenant=tenant, cause_id=cause_id, key="end" if ex else f"end:{job_id}")]
-        ckpt = rec.checkpoint
+        ckpt = rec.said.resume
         now = ctx.now.timestamp()
         started = rec.started
         run_start = started[1] if started else now - (ex.runtime_s if ex else 0.0)
@@ -385,7 +411,8 @@ class GuardianCore(BaseCore[GuardianState]):
         good = [s for s in scans if s.checkpoint is not None]
         latest = good[0] if good else None
         newer_bad = [s for s in scans if s.checkpoint is None and (latest is None or s.step > latest.step)]
-        if attempt not in (rec.verified or ()):
+        said = rec.said
+        if attempt not in (said.verified or ()):
             if unwritable is not None:
                 return [ctx.emit(JobFailed(job_id=job_id, reason=Reason(
                     code="checkpoint_location_unwritable", message=unwritable, field="checkpoint.path")),
@@ -405,7 +432,7 @@ class GuardianCore(BaseCore[GuardianState]):
                 latest_step=latest.step if latest else None,
                 skipped=tuple(Reason(code="checkpoint_invalid", message=s.reason, field=s.path.resolve().as_uri())
                               for s in newer_bad)), tenant=tenant, cause_id=started_id, key=f"verify:{attempt}"))
-        reported = rec.step
+        reported = said.step
         for s in sorted(good, key=lambda s: s.step):
             c = s.checkpoint
             if c is not None and s.step > reported:
@@ -413,19 +440,19 @@ class GuardianCore(BaseCore[GuardianState]):
                     job_id=job_id, uri=c.uri, step=c.step, size_bytes=c.size_bytes, sha256=c.sha256,
                     saved_at=utc(c.created_at) if c.created_at else None),
                     tenant=tenant, cause_id=started_id, key=f"ckpt:{c.step}"))
-        reported_good = rec.good or {}
+        reported_good = said.good or {}
         for s in scans:  # newer bad ones, and reported ones that went bad since (then not resumed from)
-            if s.checkpoint is None and s.step not in (rec.invalid_said or ()) and (
+            if s.checkpoint is None and s.step not in (said.invalid_said or ()) and (
                     s.step > reported or s.step in reported_good):
                 out.append(ctx.emit(JobCheckpointInvalid(
                     job_id=job_id, uri=s.path.resolve().as_uri(), step=s.step, reason=s.reason),
                     tenant=tenant, cause_id=started_id, key=f"invalid:{s.step}"))
         limit = 2 * (spec.checkpoint.interval_s if spec.checkpoint else 1800.0)
-        last = rec.checkpoint
+        last = said.resume
         since = max(last[1] if last else 0.0, started_at)
-        last_step = max([rec.step, *(s.step for s in good)])
-        if now - since > limit and (attempt, last_step) not in (rec.overdue_said or ()) and not any(
-                s.step > rec.step for s in good):
+        last_step = max([said.step, *(s.step for s in good)])
+        if now - since > limit and (attempt, last_step) not in (said.overdue_said or ()) and not any(
+                s.step > said.step for s in good):
             out.append(ctx.emit(JobCheckpointOverdue(
                 job_id=job_id, age_s=round(now - since, 3), limit_s=limit, last_uri=last[0] if last else None),
                 tenant=tenant, cause_id=started_id, key=f"overdue:{attempt}:{last_step}"))
