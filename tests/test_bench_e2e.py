@@ -22,3 +22,30 @@ def test_a_steady_rate_places_every_job_and_reports_its_budget() -> None:
     assert any(a.startswith("placer") for a in result["stats_from"]) and any(
         a.startswith("quota") for a in result["stats_from"])
     assert result["cas_conflicts_total"] == 0
+
+
+def test_a_process_cpu_counts_its_children_when_asked() -> None:
+    """PostgreSQL's CPU is its backends' (one process per connection): the budget counts them."""
+    import os
+    import subprocess
+    import sys
+
+    from gpufleet.bench.e2e import _cpu_s
+
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\nprint('burnt', flush=True)\ninput()"
+    child = subprocess.Popen([sys.executable, "-c", burn], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "burnt"
+        me = os.getpid()
+        assert _cpu_s(me, children=True) - _cpu_s(me) >= 0.25  # the living child's 0.3 s
+    finally:
+        child.communicate("\n", timeout=10)
+
+
+def test_until_ended_counts_every_placed_jobs_whole_life() -> None:
+    """`--until-ended --duration 1s`: the run lasts until each placed job has ended, and says so."""
+    result = run_e2e(sim_nodes=20, jobs=40, postgres=False, layouts=("grouped",), duration="1s", until_ended=True)
+    assert result["placed"] == 40 and result["unaccounted"] == 0
+    assert result["ended"] == 40 and result["not_ended"] == 0
+    assert result["ended_wall_s"] >= 1.0  # no job ends before it has run its second
+    assert result["config"]["sim_duration"] == "1s" and result["config"]["until_ended"] is True

@@ -52,7 +52,7 @@ RATE_TICK_S = 0.01  # with --rate: a publish every 10 ms of what the rate allows
 
 async def _drive(nats_url: str, sim_nodes: int, jobs: int, progress: Callable[[str], None] | None,
                  on_ready: Callable[[], None] | None = None, creds: Path | None = None,
-                 rate: float | None = None) -> dict[str, Any]:
+                 rate: float | None = None, duration: str = "1h", until_ended: bool = False) -> dict[str, Any]:
     bus = await Bus.connect(nats_url, name="bench", creds=creds)
     await _wait_nodes(bus, sim_nodes, timeout_s=180)
     if on_ready:
@@ -61,12 +61,17 @@ async def _drive(nats_url: str, sim_nodes: int, jobs: int, progress: Callable[[s
     unschedulable: set[str] = set()
     queued: set[str] = set()  # waiting for quota, told so
     refused: dict[str, str] = {}  # job -> the code it was rejected or failed with (counted, never hidden)
+    ended_at: dict[str, float] = {}  # with until_ended: placed jobs that then ended (succeeded, failed, cancelled)
 
     async def on_msg(msg: Any) -> None:
         job_id = msg.subject.split(".")[4]
         kind = msg.subject.rsplit(".", 1)[1]
         if kind == "placed":
             placed_at.setdefault(job_id, time.perf_counter())
+        elif job_id in placed_at and kind in ("succeeded", "failed", "cancelled"):
+            ended_at.setdefault(job_id, time.perf_counter())
+        elif kind in ("succeeded", "cancelled"):
+            pass  # the end of a job never placed in this run (none is): nothing to count
         elif kind == "unschedulable":
             unschedulable.add(job_id)
         elif kind == "queued":
@@ -80,14 +85,15 @@ async def _drive(nats_url: str, sim_nodes: int, jobs: int, progress: Callable[[s
                 refused[job_id] = f"{kind}:?"
 
     subs = [await bus.nc.subscribe(f"fleet.evt.*.job.*.{kind}", cb=on_msg)
-            for kind in ("placed", "unschedulable", "queued", "rejected", "failed")]
+            for kind in ("placed", "unschedulable", "queued", "rejected", "failed",
+                         *(("succeeded", "cancelled") if until_ended else ()))]
     envs = []
     job_ids: list[str] = []
     for i in range(jobs):
         spec = {
             "name": f"bench-{i}", "tenant": f"team{i % 4}", "type": "batch",
             "resources": {"cpu": 1, "memory": "4Gi", "gpu": GPU_MIX[i % len(GPU_MIX)]},
-            "sim": {"duration": "1h"},
+            "sim": {"duration": duration},
         }
         job_ids.append(new_job_id())
         envs.append(submit_envelope(spec, job_ids[-1], actor="bench"))
@@ -127,12 +133,26 @@ async def _drive(nats_url: str, sim_nodes: int, jobs: int, progress: Callable[[s
             if progress and time.perf_counter() - last_report > 2:
                 last_report = time.perf_counter()
                 progress(f"placed {seen}/{jobs}")
+    t_placed = time.perf_counter()
+    if until_ended:  # the whole life of every placed job: its run and its end are in the CPU counted
+        idle_deadline = time.monotonic() + 60
+        seen = -1
+        while len(ended_at) < len(placed_at) and time.monotonic() < idle_deadline:
+            await asyncio.sleep(0.25)
+            if len(ended_at) != seen:
+                seen = len(ended_at)
+                idle_deadline = time.monotonic() + 60
+                if progress and time.perf_counter() - last_report > 2:
+                    last_report = time.perf_counter()
+                    progress(f"ended {seen}/{len(placed_at)}")
     for sub in subs:
         await sub.unsubscribe()
     await bus.close()
     lat = [placed_at[j] - submitted_at[j] for j in placed_at if j in submitted_at]
     t_last = max(placed_at.values()) if placed_at else t0
     span = t_last - t0
+    ended = {"ended": len(ended_at), "not_ended": len(placed_at) - len(ended_at),
+             "ended_wall_s": round(max(ended_at.values(), default=t_placed) - t0, 2)} if until_ended else {}
     return {
         "sim_nodes": sim_nodes,
         "jobs": jobs,
@@ -151,14 +171,26 @@ async def _drive(nats_url: str, sim_nodes: int, jobs: int, progress: Callable[[s
         "latency_mean_ms": round(statistics.fmean(lat) * 1000, 1) if lat else None,
         "wall_s": round(span, 2),
         "cpus": os.cpu_count(),
+        **ended,
     }
 
 
-def _cpu_s(pid: int) -> float:
-    """User + system CPU seconds a process has used so far (Linux /proc)."""
+def _cpu_s(pid: int, children: bool = False) -> float:
+    """User + system CPU seconds a process has used so far (Linux /proc); with `children`, those of
+    its living children and of the ones it has reaped too (PostgreSQL's backends: one per connection)."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return round((int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), 2)
+        ticks = int(fields[11]) + int(fields[12])
+        if children:
+            ticks += int(fields[13]) + int(fields[14])  # reaped children
+            for stat in Path("/proc").glob("[0-9]*/stat"):
+                try:
+                    f = stat.read_text().rsplit(")", 1)[1].split()
+                except OSError:
+                    continue  # gone meanwhile
+                if f[1] == str(pid):
+                    ticks += int(f[11]) + int(f[12])
+        return round(ticks / os.sysconf("SC_CLK_TCK"), 2)
     except (OSError, IndexError, ValueError):
         return float("nan")
 
@@ -176,20 +208,24 @@ def _limits() -> str:
 def run_e2e(sim_nodes: int = 5000, jobs: int = 20000, postgres: bool = True,
             progress: Callable[[str], None] | None = None, layouts: tuple[str, ...] = ("grouped", "separate"),
             syncs: tuple[str, ...] = ("always",), rate: float | None = None, nats_cluster: int = 1,
-            instances: int = 1) -> dict[str, Any]:
+            instances: int = 1, duration: str = "1h", until_ended: bool = False) -> dict[str, Any]:
     """Run the bench once per layout, the first being the one reported; the others are baselines.
     With several `syncs` (JetStream fsync policies: `always`, or `lazy` for the server's default),
     the first layout also runs under each further one, as a baseline of the same run. With `rate`
-    the jobs are offered at that many a second instead of as fast as the mesh takes them."""
+    the jobs are offered at that many a second instead of as fast as the mesh takes them. Each job runs
+    `duration` on its sim node; with `until_ended` the run (and the CPU it counts) lasts until every
+    placed job has ended, so that the cost per job is its whole life's, whatever the run's length."""
     config = {"sim_nodes": sim_nodes, "jobs": jobs, "postgres": postgres, "layouts": list(layouts),
               "nats_sync": list(syncs), "offered_rate_jobs_s": rate, "submit_batch": SUBMIT_BATCH if rate is None else None,
               "service_batch": int(os.environ.get("GPUFLEET_BATCH", "256")), "cpus": os.cpu_count(),
-              "nats_cluster": nats_cluster, "instances": instances,
+              "nats_cluster": nats_cluster, "instances": instances, "sim_duration": duration,
+              "until_ended": until_ended,
               "limits": _limits()}
     if progress:
         progress(f"config: {json.dumps(config)}")
     layout_run = functools.partial(run_layout, sim_nodes, jobs, postgres, progress=progress, rate=rate,
-                                   nats_cluster=nats_cluster, instances=instances)
+                                   nats_cluster=nats_cluster, instances=instances, duration=duration,
+                                   until_ended=until_ended)
     runs = {layout: _with_sync(syncs[0], functools.partial(layout_run, layout=layout)) for layout in layouts}
     main = dict(runs[layouts[0]])
     main["config"] = config
@@ -221,7 +257,7 @@ def _with_sync(sync: str, run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
 
 def run_layout(sim_nodes: int, jobs: int, postgres: bool, layout: str,
                progress: Callable[[str], None] | None = None, rate: float | None = None, nats_cluster: int = 1,
-               instances: int = 1) -> dict[str, Any]:
+               instances: int = 1, duration: str = "1h", until_ended: bool = False) -> dict[str, Any]:
     from gpufleet.mesh import MeshOptions, Supervisor, wait_services_ready
 
     with tempfile.TemporaryDirectory(prefix="gpufleet-bench-") as tmp:
@@ -243,18 +279,26 @@ def run_layout(sim_nodes: int, jobs: int, postgres: bool, layout: str,
                 [sup.nats_proc] if sup.nats_proc else [])
             for i, proc in enumerate(servers):  # every server of a cluster counts
                 pids["nats-server" if len(servers) == 1 else f"nats-server-{i + 1}"] = proc.pid
+            pg_pid = sup.pg.running_pid() if sup.pg is not None else None
             before: dict[str, float] = {}
 
+            def cpu_now() -> dict[str, float]:
+                now = {name: _cpu_s(pid) for name, pid in pids.items()}
+                if pg_pid:  # PostgreSQL: the postmaster and its backends (the read model's writes)
+                    now["postgres"] = _cpu_s(pg_pid, children=True)
+                return now
+
             def ready() -> None:  # CPU used by start-up and node registration is not the run's
-                before.update({name: _cpu_s(pid) for name, pid in pids.items()})
+                before.update(cpu_now())
 
             result = asyncio.run(_drive(sup.nats_url, sim_nodes, jobs, progress, ready,
-                                        creds=sup.realm.creds_path("admin") if sup.realm else None, rate=rate))
+                                        creds=sup.realm.creds_path("admin") if sup.realm else None, rate=rate,
+                                        duration=duration, until_ended=until_ended))
             result["cpu_us_per_job"] = {}  # filled below, from the CPU seconds
             result["postgres"] = postgres
             result["service_restarts"] = sum(c.restarts for c in sup.children.values())
             # CPU seconds each process spent from the first submit to the end of the run
-            result["cpu_s"] = {name: round(_cpu_s(pid) - before.get(name, 0.0), 2) for name, pid in pids.items()}
+            result["cpu_s"] = {name: round(s - before.get(name, 0.0), 2) for name, s in cpu_now().items()}
             # the budget table's unit: CPU-µs each process spent per submitted job
             result["cpu_us_per_job"] = {name: round(1e6 * s / max(1, jobs)) for name, s in result["cpu_s"].items()}
             result["cpu_us_per_job"]["total"] = round(1e6 * sum(result["cpu_s"].values()) / max(1, jobs))

@@ -34,6 +34,10 @@ def bench_e2e(
     nats_cluster: Annotated[int, typer.Option(help="nats-servers: 1, or a JetStream cluster of 3 (FLEET at R3)")] = 1,
     instances: Annotated[int, typer.Option(
         help="2: every service twice (separate layout): placers side by side, their lost compare-and-sets counted")] = 1,
+    duration: Annotated[str, typer.Option(help="how long each job runs on its sim node (e.g. 30s, 1h)")] = "1h",
+    until_ended: Annotated[bool, typer.Option(
+        "--until-ended", help="run until every placed job has ended: the CPU per job is its whole life's "
+                              "(compare runs of different lengths; give a --duration the fleet can turn over)")] = False,
 ) -> None:
     """Submit jobs as fast as the mesh takes them (or at --rate); report submit->placed rate and latency."""
     from gpufleet.bench.e2e import run_e2e
@@ -41,6 +45,14 @@ def bench_e2e(
     if rate is not None and rate <= 0:
         typer.echo("error: --rate: jobs a second, above 0", err=True)
         raise typer.Exit(2)
+    from gpufleet.shared.contract.spec import parse_duration_s
+
+    try:
+        if parse_duration_s(duration) <= 0:
+            raise ValueError("must be above 0")
+    except ValueError as e:
+        typer.echo(f"error: --duration: {e}", err=True)
+        raise typer.Exit(2) from None
     syncs = tuple(x.strip() for x in nats_sync.split(",") if x.strip())
     if not syncs or any(x not in ("always", "lazy") for x in syncs):
         typer.echo("error: --nats-sync: a list of always / lazy", err=True)
@@ -48,7 +60,7 @@ def bench_e2e(
     result = run_e2e(sim_nodes=sim_nodes, jobs=jobs_n, postgres=postgres,
                      progress=None if as_json else (lambda s: typer.echo(s, err=True)),
                      layouts=tuple(x.strip() for x in layouts.split(",") if x.strip()), syncs=syncs, rate=rate,
-                     nats_cluster=nats_cluster, instances=instances)
+                     nats_cluster=nats_cluster, instances=instances, duration=duration, until_ended=until_ended)
     if as_json:
         _print_json(result)
     else:
