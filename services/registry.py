@@ -76,10 +76,15 @@ def make_sidecar(runtime: ServiceRuntime[Any], bus: Bus) -> Any:
         from gpufleet.shared.runtime import otel
         from gpufleet.shared.runtime.sidecars import Sidecars
 
-        # the ledger folds the log on its own (open intervals and the stream sequence of each
-        # close); it shares only the connection. The gauges read the core's own folded state.
-        parts: list[Any] = [Ledger(bus, os.environ["GPUFLEET_PG_DSN"], getattr(runtime.core, "config", None))
-                 ] if os.environ.get("GPUFLEET_PG_DSN") else []
+        # the ledger folds the log with a billing fold of its own (open intervals and the stream
+        # sequence of each close), from what the runtime (or its group) is delivered once it has
+        # caught up on its own: each event received and parsed once. The gauges read the core's state.
+        parts: list[Any] = []
+        if os.environ.get("GPUFLEET_PG_DSN"):
+            ledger = Ledger(bus, os.environ["GPUFLEET_PG_DSN"], getattr(runtime.core, "config", None))
+            source = runtime.group if runtime.group is not None else runtime
+            source.taps.append(ledger.attach(source.filter_subject))
+            parts.append(ledger)
         if otel.enabled():
             parts.append(billing_metrics(runtime))
         return Sidecars(*parts) if len(parts) > 1 else (parts[0] if parts else None)

@@ -23,14 +23,15 @@ from gpufleet.services.guardian.core import GuardianCore
 from gpufleet.services.placer.core import PlacerCore
 from gpufleet.services.quota.core import QuotaCore
 from gpufleet.shared.contract.clusterconfig import ClusterConfig, parse_config
-from gpufleet.shared.contract.events import Envelope, JobExited, JobStarted, JobSucceeded
+from gpufleet.shared.contract.events import STREAM, Envelope, JobExited, JobStarted, JobSucceeded
 from gpufleet.shared.contract.spec import parse_spec
 from gpufleet.shared.embedded.pg import EmbeddedPostgres
 from gpufleet.shared.node.cluster import sim_fleet
 from gpufleet.shared.runtime.bus import Bus
+from gpufleet.shared.runtime.loop import ServiceRuntime
 
 from .builders import T0, event, make_job, node, placed, started, submitted
-from .helpers import job_status, read_log, running, submit_cmd, wait_until
+from .helpers import job_status, read_log, running, service_creds, submit_cmd, wait_until
 
 PRICES = {"currency": "USD", "gpuHour": {"H100": "36", "*": "18"}, "cpuCoreHour": "0.36", "memoryGiBHour": "0.036"}
 TICK_SLACK_S = Decimal("0.6")  # the sim executor ends jobs on a 0.2 s tick, and a batch takes its time
@@ -237,6 +238,102 @@ async def test_the_ledger_writes_again_what_postgresql_lost_while_it_runs(bus: B
         await conn.close()
         ledger.stop()
         await task
+
+
+async def test_the_ledger_beside_billing_folds_its_delivery_once_caught_up(
+        bus: Bus, nats_url: str, pg: EmbeddedPostgres) -> None:
+    """Beside the billing runtime the ledger reads on its own only until it reaches what the runtime
+    is delivered, then folds that delivery (each event received once in the process): the rows stay
+    the fold of the log through the switch, a refold (PostgreSQL back without its rows) and back."""
+    config = parse_config({"prices": PRICES})
+    await publish(bus, [node("n1"), *job_events("a", 0, timedelta(0))])  # before it starts: read on its own
+    core_bus = await Bus.connect(nats_url, name="billing", creds=service_creds("billing"))
+    rt: ServiceRuntime[Any] = ServiceRuntime(BillingCore(config), core_bus, fetch_timeout_s=0.05)
+    ledger = Ledger(core_bus, pg.dsn, config, fetch_timeout_s=0.1, min_backoff_s=0.05, max_backoff_s=0.2,
+                    check_s=0.2)
+    rt.taps.append(ledger.attach(rt.filter_subject))
+    with pytest.raises(ValueError, match="misses"):
+        ledger.attach("fleet.cmd.>")  # a tap that does not deliver what the ledger folds
+    await rt.start()
+    await ledger.start()
+    tasks = [asyncio.create_task(rt.run()), asyncio.create_task(ledger.run())]
+    conn = await asyncpg.connect(pg.dsn)
+
+    async def is_fold() -> bool:
+        return await ledger_is_the_fold(ledger, bus, pg.dsn, config)
+
+    async def own_consumer() -> bool:
+        return any(c.name.startswith(ledger.name) for c in await bus.js.consumers_info(STREAM))
+
+    try:
+        await wait_until(is_fold, timeout_s=20)
+        await publish(bus, job_events("b", 1, timedelta(hours=1)))
+        await wait_until(lambda: ledger.tapping, timeout_s=20)
+        assert ledger.stats.switches == 1
+        await wait_until(is_fold, timeout_s=20)
+        assert not await own_consumer()  # its reader is gone: one delivery for the runtime and the ledger
+        tapped = ledger.stats.tapped
+        await publish(bus, job_events("c", 2, timedelta(hours=2)))
+        await wait_until(is_fold, timeout_s=20)
+        assert ledger.stats.tapped >= tapped + 5  # c's five events came through the tap
+
+        # PostgreSQL back without its rows: it folds from the start on its own, then takes the tap again
+        await conn.execute("DROP TABLE billing_charges, billing_offsets")
+        await wait_until(lambda: ledger.stats.refolds == 1, timeout_s=20)
+        await publish(bus, job_events("d", 3, timedelta(hours=3)))
+        await wait_until(is_fold, timeout_s=20)
+        await wait_until(lambda: ledger.tapping and ledger.stats.switches == 2, timeout_s=20)
+        assert {k for k, *_ in await ledger_lines(pg.dsn)} == {"a:0:1", "b:0:1", "c:0:1", "d:0:1"}
+        assert ledger.stats.skipped == 0
+    finally:
+        await conn.close()
+        rt.stop()
+        ledger.stop()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await core_bus.close()
+
+
+async def test_a_tapped_ledger_reads_on_its_own_again_when_postgresql_holds_too_much_back(
+        bus: Bus, nats_url: str, pg: EmbeddedPostgres) -> None:
+    """PostgreSQL down while the ledger folds the runtime's delivery: past `max_pending` held charges
+    it stops folding the tap (the runtime goes on deciding), and once PostgreSQL is back it reads on
+    its own from where it stopped and takes the tap again: every charge once."""
+    config = parse_config({"prices": PRICES})
+    core_bus = await Bus.connect(nats_url, name="billing", creds=service_creds("billing"))
+    rt: ServiceRuntime[Any] = ServiceRuntime(BillingCore(config), core_bus, fetch_timeout_s=0.05)
+    ledger = Ledger(core_bus, pg.dsn, config, fetch_timeout_s=0.1, min_backoff_s=0.05, max_backoff_s=0.2,
+                    check_s=0.2, max_pending=2)
+    rt.taps.append(ledger.attach(rt.filter_subject))
+    await rt.start()
+    await ledger.start()
+    tasks = [asyncio.create_task(rt.run()), asyncio.create_task(ledger.run())]
+
+    async def is_fold() -> bool:
+        return await ledger_is_the_fold(ledger, bus, pg.dsn, config)
+
+    try:
+        await publish(bus, [node("n1"), *job_events("a", 0, timedelta(0))])
+        await wait_until(lambda: ledger.tapping, timeout_s=20)
+        await wait_until(is_fold, timeout_s=20)
+        pg.stop()
+        last = 0
+        for i, job in enumerate(("b", "c", "d", "e")):
+            last = await publish(bus, job_events(job, i + 1, timedelta(hours=i + 1)))
+        await wait_until(lambda: rt.applied_seq >= last, timeout_s=20)  # the runtime went on
+        await wait_until(lambda: not ledger.tapping, timeout_s=20)
+        assert len(ledger.pending) >= 2
+        pg.start()
+        await wait_until(is_fold, timeout_s=30)
+        assert {k for k, *_ in await ledger_lines(pg.dsn)} == {f"{j}:0:1" for j in "abcde"}
+        await publish(bus, job_events("f", 5, timedelta(hours=5)))
+        await wait_until(lambda: ledger.tapping and ledger.stats.switches == 2, timeout_s=20)
+        await wait_until(is_fold, timeout_s=20)
+        assert ledger.stats.written == 6 * 3 and ledger.stats.skipped == 0  # three lines a job, each once
+    finally:
+        rt.stop()
+        ledger.stop()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await core_bus.close()
 
 
 class FailsOn(BillingCore):

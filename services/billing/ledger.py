@@ -18,6 +18,13 @@
   from its beginning and writes every charge closed after the stored offset (0: all of them).
 - An event the core fails on is logged, counted (`stats.skipped`) and skipped alone; the batch
   goes on.
+- Beside a service (the billing core's runtime, or the group it is in), the ledger folds what that
+  runtime is delivered (`attach`: a tap on its batches) instead of reading the log a second time:
+  every event received and parsed once in the process. It reads on its own (its ephemeral
+  consumer) until that reading reaches the first batch the tap holds for it, then drops its
+  consumer; it goes back to reading on its own after a refold and while PostgreSQL holds back
+  `max_pending` charges. The tap delivers every message of a filter that covers the ledger's, in
+  order (a redelivered one changes nothing), so nothing is skipped at the switch.
 - Its totals equal a fold of the log by construction; `tests/test_billing_mesh.py` checks it.
 
 PostgreSQL is never the source of truth: drop the tables and the ledger is written again.
@@ -31,6 +38,8 @@ import contextlib
 import logging
 import os
 import time
+from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from decimal import Decimal
@@ -101,6 +110,8 @@ class LedgerStats:
     pg_failures: int = 0
     connects: int = 0
     offset: int = 0  # stored offset
+    tapped: int = 0  # messages folded from the tap (the runtime's delivery), not read by the ledger itself
+    switches: int = 0  # times it stopped reading on its own for the tap
 
 
 class Ledger:
@@ -129,8 +140,54 @@ class Ledger:
         self._backoff = min_backoff_s
         self._next_try = 0.0
         self._stop = asyncio.Event()
+        self._tap_filter: str | None = None  # the tap's server-side filter (None: not attached)
+        self.tapping = False  # folding the tap's delivery, its own consumer gone
+        self._held: deque[Any] = deque()  # the tap's messages, held while it reads on its own
+        self._wake = asyncio.Event()
 
     # ---------------------------------------------------------------- life cycle
+
+    def attach(self, filter_subject: str) -> Callable[[Sequence[Any]], None]:
+        """The tap for the runtime it sits beside, whose consumer's filter is `filter_subject`
+        (it must cover the ledger's own: every message the ledger folds is in the tap's delivery).
+        The runtime calls it with each batch it is delivered, in order, before deciding on it."""
+        if not _covers(filter_subject, self._filter):
+            raise ValueError(f"ledger {self.name}: a tap on {filter_subject} misses part of {self._filter}")
+        self._tap_filter = filter_subject
+        return self.tapped
+
+    def tapped(self, msgs: Sequence[Any]) -> None:
+        """A batch the runtime beside it was delivered: folded now (tapping), else held until its own
+        reading reaches it (the oldest dropped past TAP_HELD: its own reading covers them)."""
+        if not self.tapping:
+            self._held.extend(msgs)
+            while len(self._held) > TAP_HELD:
+                self._held.popleft()
+            return
+        if len(self.pending) >= self.max_pending:  # PostgreSQL away too long: read on its own once it is back
+            log.warning("ledger %s: %d charges wait for PostgreSQL; reading on its own from seq %d once stored",
+                        self.name, len(self.pending), self.read_seq + 1)
+            self.tapping = False
+            self._held.extend(msgs)
+            return
+        for m in msgs:
+            self.fold(int(m.metadata.sequence.stream), m.data, m.subject, m.headers)
+        self.stats.tapped += len(msgs)
+        self._wake.set()
+
+    async def _take_tap(self) -> None:
+        """Its own reading reached the first message the tap holds: fold the rest from the tap."""
+        first = int(self._held[0].metadata.sequence.stream)
+        if self.read_seq < first:
+            return
+        await self._drop_tail()
+        self.tapping = True
+        self.stats.switches += 1
+        held, self._held = self._held, deque()
+        for m in held:  # (those its own reading folded already change nothing)
+            self.fold(int(m.metadata.sequence.stream), m.data, m.subject, m.headers)
+        log.info("ledger %s: folded to seq %d on its own; folding its runtime's delivery from here",
+                 self.name, self.read_seq)
 
     async def start(self) -> None:
         await self.bus.ensure_streams()
@@ -156,6 +213,8 @@ class Ledger:
             await self.close()
 
     async def close(self) -> None:
+        self.tapping = False
+        self._held.clear()
         await self._disconnect()
         await self._drop_tail()
 
@@ -236,11 +295,17 @@ class Ledger:
     async def step(self) -> int:
         """Read a batch (unless too much waits for PostgreSQL), then store what is pending."""
         n = 0
-        if len(self.pending) < self.max_pending:
+        if self.tapping:  # the tap folds; store what it closed now and then
+            self._wake.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout=self.fetch_timeout_s)
+        elif len(self.pending) < self.max_pending:
             msgs = await self._fetch()
             for m in msgs:
                 self.fold(int(m.metadata.sequence.stream), m.data, m.subject, m.headers)
             n = len(msgs)
+            if self._held:
+                await self._take_tap()
         else:
             await self._sleep(self.fetch_timeout_s)
         if self.stored is None or self.read_seq > self.stored or self.pending:
@@ -279,7 +344,9 @@ class Ledger:
         assert self._pool is not None and self.stored is not None
         base = self.stored
         behind: int | None = None
-        rows = [r for seq, c in self.pending if seq > base for r in rows_of(seq, c)]
+        # what is pending now: the tap may fold (and close more) while the transaction is away
+        taken = self.pending[:]
+        rows = [r for seq, c in taken if seq > base for r in rows_of(seq, c)]
         offset = max(base, self.read_seq)
         try:
             async with self._pool.acquire() as conn, conn.transaction():
@@ -291,7 +358,7 @@ class Ledger:
                 elif int(stored or 0) != base:
                     log.warning("ledger %s: offset moved under us (%s, expected %d)", self.name, stored, base)
                     base = int(stored or 0)
-                    rows = [r for seq, c in self.pending if seq > base for r in rows_of(seq, c)]
+                    rows = [r for seq, c in taken if seq > base for r in rows_of(seq, c)]
                 if rows:
                     await conn.executemany(_INSERT, rows)
                 if offset > base:
@@ -310,7 +377,7 @@ class Ledger:
         self.stats.offset = self.stored
         self.stats.written += len(rows)
         self.stats.commits += 1
-        self.pending.clear()
+        del self.pending[:len(taken)]
         self._backoff = self.min_backoff_s
         return True
 
@@ -350,6 +417,8 @@ class Ledger:
         self.stats.offset = stored
         self.engine = Engine(self.core)
         self.pending.clear()
+        self.tapping = False  # read on its own from the start; the tap's next batches are held
+        self._held.clear()
         await self._drop_tail()
         await self._open_tail()
 
@@ -372,6 +441,18 @@ class Ledger:
     async def _sleep(self, delay: float) -> None:
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._stop.wait(), timeout=delay)
+
+
+TAP_HELD = 50_000  # the tap's messages held while the ledger reads on its own (the oldest go first)
+
+
+def _covers(outer: str, inner: str) -> bool:
+    """Whether every subject of the filter `inner` matches the filter `outer` (prefix filters of
+    `consumer_filter`: literal tokens, a trailing '>')."""
+    o, i = outer.split("."), inner.split(".")
+    if o[-1] == ">":
+        return len(i) >= len(o) and all(a == b for a, b in zip(o[:-1], i, strict=False)) and i[len(o) - 1:] != []
+    return o == i
 
 
 # -------------------------------------------------------------------- queries

@@ -263,6 +263,9 @@ class ServiceRuntime(Generic[S]):
         self._batch_types: dict[str, int] | None = None  # the batch's decided events by type (metrics)
         # one broad server-side filter, the rest in the client (see shared/contract/subjects.py)
         self.filter_subject = consumer_filter(self.core.subjects)
+        # readers beside it that fold what it is delivered instead of reading the log again (the
+        # billing ledger): each called with every batch, in order, before the decisions
+        self.taps: list[Callable[[Sequence[Msg]], None]] = []
 
     @property
     def actor(self) -> str:
@@ -454,6 +457,7 @@ class ServiceRuntime(Generic[S]):
         msgs = await fetch_batch(self._psub, self.batch, self.fetch_timeout_s)
         if msgs:
             self._delivered = check_deliveries(msgs, self._delivered, self.durable)
+            _tap(self.taps, msgs)
             await self.handle_batch(msgs)
         await self.tick_if_due()
         if not msgs:
@@ -910,6 +914,7 @@ class RuntimeGroup:
         self._psub: Any = None
         self._generation = 0
         self._stop = asyncio.Event()
+        self.taps: list[Callable[[Sequence[Msg]], None]] = []  # as ServiceRuntime.taps, for the group's delivery
 
     async def start(self) -> None:
         await self.bus.ensure_streams()
@@ -955,6 +960,7 @@ class RuntimeGroup:
         msgs = await fetch_batch(self._psub, self.batch, self.fetch_timeout_s)
         if msgs:
             self._delivered = check_deliveries(msgs, self._delivered, self.durable)
+            _tap(self.taps, msgs)
             generation = self._generation
             # Each member decides in turn (its decision runs without a pause up to its publish)
             # and the members' publishes are in flight together: their states are apart, and a
@@ -975,6 +981,14 @@ class RuntimeGroup:
                 rt.idle()
         await self._watch.after(len(msgs))
         return len(msgs)
+
+
+def _tap(taps: Sequence[Callable[[Sequence[Msg]], None]], msgs: Sequence[Msg]) -> None:
+    for tap in taps:
+        try:
+            tap(msgs)
+        except Exception:  # noqa: BLE001 - a reader beside the runtime never stops its decisions
+            log.exception("a tap on the delivery failed")
 
 
 class LeaseLost(RuntimeError):
