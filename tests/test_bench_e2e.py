@@ -44,7 +44,12 @@ def test_a_process_cpu_counts_its_children_when_asked() -> None:
 
 def test_until_ended_counts_every_placed_jobs_whole_life() -> None:
     """`--until-ended --duration 1s`: the run lasts until each placed job has ended, and says so."""
-    result = run_e2e(sim_nodes=20, jobs=40, postgres=False, layouts=("grouped",), duration="1s", until_ended=True)
+    from pathlib import Path
+
+    cluster = Path(__file__).resolve().parents[1] / "examples" / "bench-cluster.yaml"  # limits a burst stays under
+    result = run_e2e(sim_nodes=20, jobs=40, postgres=False, layouts=("grouped",), duration="1s", until_ended=True,
+                     config=cluster)
+    assert result["config"]["cluster_config"] == str(cluster) and "100000 submits/s" in result["config"]["limits"]
     assert result["placed"] == 40 and result["unaccounted"] == 0
     assert result["ended"] == 40 and result["not_ended"] == 0
     assert result["ended_wall_s"] >= 1.0  # no job ends before it has run its second

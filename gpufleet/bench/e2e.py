@@ -195,10 +195,16 @@ def _cpu_s(pid: int, children: bool = False) -> float:
         return float("nan")
 
 
-def _limits() -> str:
+def _limits(config: Path | None = None) -> str:
     """What an open cluster still refuses: each tenant's default policy (its refusals are counted)."""
-    from gpufleet.shared.contract.clusterconfig import TenantPolicy
+    from gpufleet.shared.contract.clusterconfig import TenantPolicy, load_config
 
+    if config is not None:
+        c = load_config(config)
+        p = c.defaults
+        return (f"config {config}: tenants {sorted(c.tenants) or 'none listed'}, open {c.open_tenants}; an unlisted "
+                f"tenant's policy {p.submit_rate_per_s:g} submits/s, burst {p.submit_burst}, {p.max_pending_jobs} pending: "
+                "what it refuses is counted")
     p = TenantPolicy()
     return (f"open cluster: no tenants or queues configured; each tenant has the default policy "
             f"({p.submit_rate_per_s:g} submits/s, burst {p.submit_burst}, {p.max_pending_jobs} pending): "
@@ -208,27 +214,29 @@ def _limits() -> str:
 def run_e2e(sim_nodes: int = 5000, jobs: int = 20000, postgres: bool = True,
             progress: Callable[[str], None] | None = None, layouts: tuple[str, ...] = ("grouped", "separate"),
             syncs: tuple[str, ...] = ("always",), rate: float | None = None, nats_cluster: int = 1,
-            instances: int = 1, duration: str = "1h", until_ended: bool = False) -> dict[str, Any]:
+            instances: int = 1, duration: str = "1h", until_ended: bool = False,
+            config: Path | None = None) -> dict[str, Any]:
     """Run the bench once per layout, the first being the one reported; the others are baselines.
     With several `syncs` (JetStream fsync policies: `always`, or `lazy` for the server's default),
     the first layout also runs under each further one, as a baseline of the same run. With `rate`
     the jobs are offered at that many a second instead of as fast as the mesh takes them. Each job runs
     `duration` on its sim node; with `until_ended` the run (and the CPU it counts) lasts until every
-    placed job has ended, so that the cost per job is its whole life's, whatever the run's length."""
-    config = {"sim_nodes": sim_nodes, "jobs": jobs, "postgres": postgres, "layouts": list(layouts),
-              "nats_sync": list(syncs), "offered_rate_jobs_s": rate, "submit_batch": SUBMIT_BATCH if rate is None else None,
-              "service_batch": int(os.environ.get("GPUFLEET_BATCH", "256")), "cpus": os.cpu_count(),
-              "nats_cluster": nats_cluster, "instances": instances, "sim_duration": duration,
-              "until_ended": until_ended,
-              "limits": _limits()}
+    placed job has ended, so that the cost per job is its whole life's, whatever the run's length.
+    `config`: the mesh's cluster config (None: the embedded default, an open cluster)."""
+    settings = {"sim_nodes": sim_nodes, "jobs": jobs, "postgres": postgres, "layouts": list(layouts),
+                "nats_sync": list(syncs), "offered_rate_jobs_s": rate, "submit_batch": SUBMIT_BATCH if rate is None else None,
+                "service_batch": int(os.environ.get("GPUFLEET_BATCH", "256")), "cpus": os.cpu_count(),
+                "nats_cluster": nats_cluster, "instances": instances, "sim_duration": duration,
+                "until_ended": until_ended, "cluster_config": str(config) if config else None,
+                "limits": _limits(config)}
     if progress:
-        progress(f"config: {json.dumps(config)}")
+        progress(f"config: {json.dumps(settings)}")
     layout_run = functools.partial(run_layout, sim_nodes, jobs, postgres, progress=progress, rate=rate,
                                    nats_cluster=nats_cluster, instances=instances, duration=duration,
-                                   until_ended=until_ended)
+                                   until_ended=until_ended, config=config)
     runs = {layout: _with_sync(syncs[0], functools.partial(layout_run, layout=layout)) for layout in layouts}
     main = dict(runs[layouts[0]])
-    main["config"] = config
+    main["config"] = settings
     main["layout"] = layouts[0]
     main["nats_sync"] = syncs[0]
     for layout in layouts[1:]:
@@ -257,7 +265,8 @@ def _with_sync(sync: str, run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
 
 def run_layout(sim_nodes: int, jobs: int, postgres: bool, layout: str,
                progress: Callable[[str], None] | None = None, rate: float | None = None, nats_cluster: int = 1,
-               instances: int = 1, duration: str = "1h", until_ended: bool = False) -> dict[str, Any]:
+               instances: int = 1, duration: str = "1h", until_ended: bool = False,
+               config: Path | None = None) -> dict[str, Any]:
     from gpufleet.mesh import MeshOptions, Supervisor, wait_services_ready
 
     with tempfile.TemporaryDirectory(prefix="gpufleet-bench-") as tmp:
@@ -266,7 +275,7 @@ def run_layout(sim_nodes: int, jobs: int, postgres: bool, layout: str,
         old_stats = os.environ.get("GPUFLEET_STATS_DIR")
         os.environ["GPUFLEET_STATS_DIR"] = str(stats_dir)  # each service's counters, written at its stop
         sup = Supervisor(MeshOptions(Path(tmp), sim_nodes=sim_nodes, postgres=postgres, log_level="WARNING",
-                                     layout=layout, nats_cluster=nats_cluster, instances=instances))
+                                     layout=layout, nats_cluster=nats_cluster, instances=instances, config=config))
         result: dict[str, Any] = {}
         try:
             sup.start_infra()

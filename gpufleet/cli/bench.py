@@ -38,6 +38,9 @@ def bench_e2e(
     until_ended: Annotated[bool, typer.Option(
         "--until-ended", help="run until every placed job has ended: the CPU per job is its whole life's "
                               "(compare runs of different lengths; give a --duration the fleet can turn over)")] = False,
+    config: Annotated[Path | None, typer.Option(
+        help="the mesh's cluster config (default: the embedded default, an open cluster whose tenants get the "
+             "default policy: its rate limit refuses part of a burst, counted)")] = None,
 ) -> None:
     """Submit jobs as fast as the mesh takes them (or at --rate); report submit->placed rate and latency."""
     from gpufleet.bench.e2e import run_e2e
@@ -46,6 +49,10 @@ def bench_e2e(
         typer.echo("error: --rate: jobs a second, above 0", err=True)
         raise typer.Exit(2)
     from gpufleet.shared.contract.spec import parse_duration_s
+
+    if config is not None and not config.is_file():
+        typer.echo(f"error: --config: no such file {config}", err=True)
+        raise typer.Exit(2)
 
     try:
         if parse_duration_s(duration) <= 0:
@@ -60,7 +67,8 @@ def bench_e2e(
     result = run_e2e(sim_nodes=sim_nodes, jobs=jobs_n, postgres=postgres,
                      progress=None if as_json else (lambda s: typer.echo(s, err=True)),
                      layouts=tuple(x.strip() for x in layouts.split(",") if x.strip()), syncs=syncs, rate=rate,
-                     nats_cluster=nats_cluster, instances=instances, duration=duration, until_ended=until_ended)
+                     nats_cluster=nats_cluster, instances=instances, duration=duration, until_ended=until_ended,
+                     config=config)
     if as_json:
         _print_json(result)
     else:
