@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 from datetime import datetime
+from itertools import islice
 
 from gpufleet.shared.contract.clusterconfig import ClusterConfig
 from gpufleet.shared.contract.events import (
@@ -571,7 +572,9 @@ class PlacerCore(BaseCore[PlacerState]):
                  "node.registered", "node.uncordoned", "node.gpu_cleared"):
             out: list[Envelope] = []
             plan = Plan()  # what earlier plans in this decision took
-            for job_id in list(state.pending)[:RETRY_PENDING_MAX]:
+            # the oldest few: a copy of the first RETRY_PENDING_MAX, not of the whole backlog (a
+            # list of every pending job at every job's end made each end dearer as the backlog grew)
+            for job_id in list(islice(state.pending, RETRY_PENDING_MAX)):
                 out.extend(self._try(state, job_id, ctx, plan, now, say_unschedulable=False))
             return out
         return []
