@@ -600,13 +600,16 @@ class PlacerCore(BaseCore[PlacerState]):
         allocs = self.plan(state, spec, trial)
         res = state.reservation if self.placement.backfill else None
         if (allocs is not None and res is not None and res.job_id != job_id and res.job_id in state.pending
-                and any(a.node_id in res.nodes for a in allocs) and now + spec.max_runtime_s > res.start_s
-                and not self._head_fits_beside(state, res, trial)):
+                and now + spec.max_runtime_s > res.start_s and not self._head_fits_beside(state, res, trial)):
             # backfill: it takes what the head job needs at its start (and runs past it): keep off
-            # the head's nodes (a job on GPUs of those nodes the head does not need passes above)
+            # the head's nodes (a job on GPUs of those nodes the head does not need passes above).
+            # Checked wherever it lands, not only on the reserved nodes: once a backfill job took
+            # part of a reserved node, the head's start may rest on other nodes than those it was
+            # reserved on (the property test found a second job taking them unchecked)
             trial = plan.fork()
             allocs = self.plan(state, spec, trial, avoid=frozenset(res.nodes))
-            if allocs is None:  # it would delay the reserved job: it waits, and says so (once per reservation)
+            if allocs is None or not self._head_fits_beside(state, res, trial):
+                # it would delay the reserved job: it waits, and says so (once per reservation)
                 return self._backfill_wait(state, job_id, spec, res, ctx)
         if allocs is not None:
             plan.nodes, plan.mig_taken = trial.nodes, trial.mig_taken
@@ -653,6 +656,11 @@ class PlacerCore(BaseCore[PlacerState]):
             if end_s > res.start_s:
                 break
             at_start.give_back(state, state.jobs[job_id].allocations or ())
+        topo = head.spec.topology
+        if topo is None or (topo.required is None and topo.preferred is None):
+            # first on the nodes it was reserved on (a few, not the whole fleet): where it usually still fits
+            if self._plan(state, head.spec, at_start.fork(), full_scan=True, within=frozenset(res.nodes)) is not None:
+                return True
         return self.plan(state, head.spec, at_start, full_scan=True) is not None
 
     def _backfill_wait(self, state: PlacerState, job_id: str, spec: JobSpec, res: Reservation,
