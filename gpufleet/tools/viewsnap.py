@@ -7,7 +7,9 @@ without what only a live page keeps (its feed, recent jobs, per-job histories). 
 mesh, `view` (its own identity, which may write only the bucket `SNAP_view`), folds the log
 behind the services at a low CPU priority (nice 10: under load the services come first, it
 catches up when they are idle) and stores a point every `GPUFLEET_VIEW_SNAPSHOT_EVENTS`
-(10,000) events, in two parts, so that no point's cost grows with the history:
+(10,000) events, or every as many events as the live board has rows when that is more (a point
+costs in proportion to them: `spacing`), in two parts, so that no point's cost grows with the
+history:
 
 - `view-<seq>-<ms>` (the sequence it covers and the stored time of its last event, zero-padded
   so the names sort): the live board - nodes, GPU cells, queues, the rows of jobs that have not
@@ -15,7 +17,8 @@ catches up when they are idle) and stores a point every `GPUFLEET_VIEW_SNAPSHOT_
 - `rows-<seq>`: the rows of the jobs that ended since the point before (written once: a job's
   end is final, shared/read/view.py), put away from the process's own board once stored.
 
-`replay --seq N` restores the live board at the nearest point and folds at most 10,000 events;
+`replay --seq N` restores the live board at the nearest point and folds at most 10,000 events
+(or as many as the jobs live at that point);
 the ended jobs' rows are read from the segments only when asked for (`replay --all`, `Fleet.fold`
 for `jobs` without PostgreSQL). Both kinds of object live in the same container as the cores'
 snapshots (shared/runtime/snapshots.py: state format, the log it belongs to, an HMAC with the
@@ -248,13 +251,23 @@ async def fold_board(bus: Any, board: Board, until_seq: int | None = None, until
 # ---------------------------------------------------------------- the mesh's view process
 
 
+def spacing(board: Board, every: int) -> int:
+    """Events from one point to the next: `every`, or the number of live rows the point will
+    pickle when that is more. A point costs in proportion to the live board (every job not
+    ended); spaced at least that many events apart, each event pays a bounded share of it
+    however long the backlog (at 50,000 jobs in a burst, taking points was 17 % of the view
+    process, twice its share at 5,000), and the tail a restore folds stays no longer than the
+    board it restores."""
+    return max(every, len(board.view.jobs))
+
+
 async def catch_up(bus: Any, snaps: ViewSnapshots, board: Board, last: int, every: int,
                    stop: asyncio.Event | None = None) -> int:
-    """Fold the log into `board` and store a snapshot at each multiple of `every` events past
+    """Fold the log into `board` and store a snapshot each `spacing(board, every)` events past
     `last` up to the head (one at each, catching up too: the points stay spread). The new last."""
     head = await bus.last_seq()
-    while head - last >= every and not (stop is not None and stop.is_set()):
-        target = last + every
+    while head - last >= spacing(board, every) and not (stop is not None and stop.is_set()):
+        target = last + spacing(board, every)
         ms = await fold_board(bus, board, until_seq=target)
         board.view.seq = max(board.view.seq, target)
         p = await snaps.save(board, target, ms, after_seq=last)
