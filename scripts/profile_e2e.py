@@ -1,6 +1,7 @@
 """Profile every process of the mesh under `bench e2e` with py-spy (a dev tool: `pip install py-spy`).
 
     .venv/bin/python scripts/profile_e2e.py [--jobs 20000] [--sim-nodes 5000] [--seconds 30] [--out DIR]
+        [--only placer ...] [any other option of bench e2e, e.g. --config FILE --duration 20s]
 
 Starts `gpufleet bench e2e --layouts grouped` (the embedded default), waits until the jobs are
 being submitted, records each gpufleet process for --seconds at 50 Hz (py-spy's raw format) and
@@ -65,18 +66,19 @@ def main() -> int:
     ap.add_argument("--seconds", type=int, default=30)
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--out", type=Path, default=Path("/tmp/gpufleet-profile"))
-    args = ap.parse_args()
+    ap.add_argument("--only", action="append", help="profile only these processes (by name, e.g. placer)")
+    args, extra = ap.parse_known_args()  # (the rest goes to the bench: --config, --duration, --until-ended)
     args.out.mkdir(parents=True, exist_ok=True)
     gpufleet = Path(sys.executable).with_name("gpufleet")
     bench = subprocess.Popen([str(gpufleet), "bench", "e2e", "--sim-nodes", str(args.sim_nodes),
-                              "--jobs", str(args.jobs), "--layouts", "grouped"],
+                              "--jobs", str(args.jobs), "--layouts", "grouped", *extra],
                              stdout=(args.out / "bench.txt").open("w"), stderr=subprocess.PIPE, text=True)
     assert bench.stderr is not None
     for line in bench.stderr:  # the bench's progress: profile once the jobs flow
         sys.stderr.write(line)
         if line.startswith(("submitted ", "placed ")):
             break
-    pids = _pids()
+    pids = {k: v for k, v in _pids().items() if not args.only or k in args.only}
     print(f"profiling {pids}", file=sys.stderr)
     spies = {name: subprocess.Popen([str(Path(sys.executable).with_name("py-spy")), "record", "-r", "50", "-d", str(args.seconds), "-f", "raw", "-p",
                                      str(pid), "-o", str(args.out / f"{name.replace(' ', '_')}.txt")],
