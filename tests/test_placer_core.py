@@ -230,9 +230,9 @@ def test_a_job_whose_selector_no_node_matches_fails_instead_of_holding_quota() -
 HOUR = 3600.0
 
 
-def _busy_cluster(backfill: bool = True) -> Harness[PlacerState]:
+def _busy_cluster(backfill: bool = True, reservations: int = 1) -> Harness[PlacerState]:
     """n1 and n2 (8 H100 each) run one 8-GPU job each, ending in 1 h and 3 h; n3 is free."""
-    h = Harness(PlacerCore(parse_config({"placement": {"backfill": backfill}}))).given(
+    h = Harness(PlacerCore(parse_config({"placement": {"backfill": backfill, "reservations": reservations}}))).given(
         node("n1"), node("n2"), node("n3"))
     for job_id, node_id, hours in (("r1", "n1", 1), ("r2", "n2", 3)):
         job = make_job().gpus(8).max_runtime(f"{hours}h")
@@ -303,36 +303,74 @@ def test_without_backfill_protection_a_small_job_delays_the_big_one() -> None:
     assert before is not None and after is not None and after[0] > before[0]
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     running=st.lists(st.tuples(st.integers(1, 8), st.integers(1, 12)), min_size=1, max_size=6),
-    head_gpus=st.integers(6, 8), head_replicas=st.integers(2, 3),
+    heads=st.lists(st.tuples(st.integers(6, 8), st.integers(2, 3), st.integers(1, 6)), min_size=1, max_size=3),
+    k=st.integers(1, 3),
     arrivals=st.lists(st.tuples(st.integers(1, 8), st.integers(1, 16)), min_size=1, max_size=8),
 )
 # found by this test: b0 took GPUs of a reserved node, the head's start then rested on two other
 # nodes, and b1 took one of them unchecked (the check ran only for jobs landing on reserved nodes)
-@example(running=[(4, 2), (5, 1), (5, 1)], head_gpus=6, head_replicas=2, arrivals=[(3, 2), (3, 2)])
-def test_backfill_never_delays_the_reserved_job(running: list[tuple[int, int]], head_gpus: int, head_replicas: int,
-                                                arrivals: list[tuple[int, int]]) -> None:
-    """Random running jobs (GPUs, hours left) on 4 nodes, a head job that does not fit now, then
-    random smaller jobs (GPUs, hours): whatever backfill lets in, the head's estimated start
-    does not move later."""
-    core = PlacerCore()
+@example(running=[(4, 2), (5, 1), (5, 1)], heads=[(6, 2, 1)], k=1, arrivals=[(3, 2), (3, 2)])
+def test_backfill_never_delays_a_reserved_job(running: list[tuple[int, int]], heads: list[tuple[int, int, int]],
+                                              k: int, arrivals: list[tuple[int, int]]) -> None:
+    """Random running jobs (GPUs, hours left) on 4 nodes, up to three gangs (GPUs, replicas,
+    hours) that do not fit now, the first `k` of them reserved (1: EASY, more: conservative
+    backfill), then random smaller jobs (GPUs, hours): whatever backfill lets in, no reserved
+    job's estimated start moves later."""
+    core = PlacerCore(parse_config({"placement": {"reservations": k}}))
     h = Harness(core).given(*(node(f"n{i}") for i in range(4)))
     for i, (gpus, hours) in enumerate(running):
         job = make_job().gpus(gpus).max_runtime(f"{hours}h")
         out = place(h, job, f"r{i}")
         if not any(isinstance(e.payload, JobPlaced) for e in out):
             h.given(event(_ended(f"r{i}")))  # it did not fit: drop it
-    head = make_job().gpus(head_gpus).replicas(head_replicas).max_runtime("1h")
-    out = place(h, head, "head")
-    if any(isinstance(e.payload, JobPlaced) for e in out) or h.state.reservation is None:
-        return  # it fitted at once (or never could): nothing to protect
-    start = h.state.reservation.start_s
+    for i, (gpus, replicas, hours) in enumerate(heads):
+        out = place(h, make_job().gpus(gpus).replicas(replicas).max_runtime(f"{hours}h"), f"head{i}")
+        if any(isinstance(e.payload, JobPlaced) for e in out):
+            h.given(event(_ended(f"head{i}")))  # it fitted at once: nothing to protect; it goes
+    reserved = h.state.reserved()
+    assert len(reserved) <= k
+    if not reserved:
+        return  # nothing waits (or nothing could ever fit)
+    starts = {r.job_id: r.start_s for r in reserved}
     for i, (gpus, hours) in enumerate(arrivals):
         place(h, make_job().gpus(gpus).max_runtime(f"{hours}h"), f"b{i}")
-        est = core.estimate(h.state, head.spec(), T0.timestamp())
-        assert est is not None and est[0] <= start, (i, est, start)
+        for j, r in enumerate(reserved):
+            spec = h.state.jobs[r.job_id].spec
+            assert spec is not None
+            est = core.estimate(h.state, spec, T0.timestamp(), reserved[:j])
+            assert est is not None and est[0] <= starts[r.job_id], (i, r.job_id, est, starts)
+
+
+def test_conservative_backfill_reserves_the_first_k_waiting_jobs_each_beside_those_ahead() -> None:
+    """n1 frees in 1 h, n2 in 3 h, half of n3 in 5 h. g1 (2 x 8 GPUs, 2 h) is reserved on n1 + n2
+    at 3 h; g2 (3 x 8 GPUs) can start only once g1 and n3's job end, at 5 h, on all three. A
+    4-GPU job of 10 h fits now on n3's free half, beside g1's reservation but in g2's way: with
+    reservations: 2 it waits, with EASY (the head only) it is placed and g2 starts later."""
+    def cluster(k: int) -> Harness[PlacerState]:
+        h = Harness(PlacerCore(parse_config({"placement": {"reservations": k}}))).given(
+            node("n1"), node("n2"), node("n3"))
+        for job_id, node_id, gpus, hours in (("r1", "n1", 8, 1), ("r2", "n2", 8, 3), ("r3", "n3", 4, 5)):
+            job = make_job().gpus(gpus).max_runtime(f"{hours}h")
+            h.given(submitted(job, job_id), quota_reserved(job, job_id), placed(job_id, (node_id, range(gpus)), at=T0))
+        place(h, make_job().gpus(8).replicas(2).max_runtime("2h"), "g1")
+        place(h, make_job().gpus(8).replicas(3).max_runtime("1h"), "g2")
+        return h
+
+    h = cluster(2)
+    got = [(r.job_id, r.nodes, r.start_s - T0.timestamp()) for r in h.state.reserved()]
+    assert got == [("g1", ("n1", "n2"), 3 * 3600.0), ("g2", ("n1", "n2", "n3"), 5 * 3600.0)]
+    out = place(h, make_job().gpus(4).max_runtime("10h"), "x")
+    assert [r.code for e in out if isinstance(e.payload, JobUnschedulable) for r in e.payload.reasons] == [
+        "backfill_reservation"]
+    assert "held for g2" in next(r.message for e in out if isinstance(e.payload, JobUnschedulable) for r in e.payload.reasons)
+    assert [e.job_id for e in place(h, make_job().gpus(4).max_runtime("4h"), "short")] == ["short"]  # ends by 5 h
+    easy = cluster(1)
+    assert [r.job_id for r in easy.state.reserved()] == ["g1"]
+    (x,) = allocs(place(easy, make_job().gpus(4).max_runtime("10h"), "x"))
+    assert x.node_id == "n3"  # g2, unreserved, now waits for x too
 
 
 def _ended(job_id: str) -> Any:
@@ -482,7 +520,7 @@ def test_the_placer_forgets_every_fact_of_a_job_when_it_ends() -> None:
     rec = h.state.jobs["j1"]
     assert rec.attempt == 2 and rec.allocations is not None and h.state.jobs_on == {"d1": {"j1"}}
     h.given(event(JobSucceeded(job_id="j1")), cancelled("j2"))
-    assert not (h.state.jobs or h.state.pending or h.state.placed or h.state.jobs_on or h.state.reservation)
+    assert not (h.state.jobs or h.state.pending or h.state.placed or h.state.jobs_on or h.state.reservations)
     assert "j1" in h.state.ended and "j2" in h.state.ended and len(h.state.nodes["d1"].free_gpus) == 8
     h.given(submitted(big, "j1"), exited("j1", "d1"), quota_reserved(big, "j2"))
     assert not h.state.jobs, "a late fact about an ended job brought its record back"

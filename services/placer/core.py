@@ -10,10 +10,11 @@ of the configured profile (`placement.profile`), over at most `placement.candida
 nodes taken from an index (GPU model -> free whole GPUs -> nodes, and the nodes with a partly
 used GPU), tightest buckets first: a decision looks at a few buckets, not at every node.
 
-Backfill (EASY): when the oldest waiting job does not fit, it gets a reservation — the nodes it
-would use once enough running jobs end (placement time + max runtime) and that estimated start —
-and a later job is placed before it only if it keeps off those nodes or ends (by its max runtime)
-before that start.
+Backfill: when one of the first `placement.reservations` waiting jobs (1: EASY; more:
+conservative) does not fit, it gets a reservation — the nodes it would use once enough running
+jobs end (placement time + max runtime), with the reservations ahead of it holding theirs, and
+that estimated start — and any other job is placed only where every reserved job still fits at
+its start, or if it ends (by its max runtime) before that start.
 """
 
 from __future__ import annotations
@@ -140,7 +141,7 @@ class PlacerState:
     pending: OrderedDict[str, None] = field(default_factory=OrderedDict)
     placed: set[str] = field(default_factory=set)
     jobs_on: dict[str, set[str]] = field(default_factory=dict)
-    reservation: Reservation | None = None
+    reservations: dict[str, Reservation] = field(default_factory=dict)  # job -> its backfill reservation
     shapes: Counter[TaskShape] = field(default_factory=Counter)
     recent: deque[TaskShape] = field(default_factory=deque)
     shapes_seen: int = 0
@@ -176,8 +177,17 @@ class PlacerState:
     def unqueue(self, job_id: str) -> None:
         """The job waits for nodes no more: the reservation held for it goes with it."""
         self.pending.pop(job_id, None)
-        if self.reservation is not None and self.reservation.job_id == job_id:
-            self.reservation = None
+        self.reservations.pop(job_id, None)
+
+    def reserved(self) -> list[Reservation]:
+        """The reservations of waiting jobs, in the order the jobs wait (oldest first)."""
+        if not self.reservations:
+            return []
+        out = [self.reservations[j] for j in islice(self.pending, RETRY_PENDING_MAX) if j in self.reservations]
+        if len(out) < len(self.reservations):  # (a reserved job further back: only after the config lowered K)
+            seen = {r.job_id for r in out}
+            out += [r for j, r in self.reservations.items() if j not in seen and j in self.pending]
+        return out
 
     def hold(self, job_id: str, rec: PlacerJob, allocs: tuple[ReplicaAllocation, ...], attempt: int,
              ends_at: float) -> None:
@@ -474,8 +484,8 @@ class PlacerCore(BaseCore[PlacerState]):
                 state.jobs[job_id].unschedulable_said = "; ".join(r.message for r in p.reasons)
         elif isinstance(p, JobBackfillReserved):
             if job_id in state.pending:
-                state.reservation = Reservation(job_id, p.nodes, p.estimated_start.timestamp(),
-                                                env.occurred_at.timestamp())
+                state.reservations[job_id] = Reservation(job_id, p.nodes, p.estimated_start.timestamp(),
+                                                         env.occurred_at.timestamp())
         elif isinstance(p, JobPlaced):
             if job_id in state.ended:
                 return state
@@ -598,19 +608,21 @@ class PlacerCore(BaseCore[PlacerState]):
             return [ctx.emit(JobCancelled(job_id=job_id, reason=rec.cancel_asked), tenant=spec.tenant, key="cancelled")]
         trial = plan.fork()
         allocs = self.plan(state, spec, trial)
-        res = state.reservation if self.placement.backfill else None
-        if (allocs is not None and res is not None and res.job_id != job_id and res.job_id in state.pending
-                and now + spec.max_runtime_s > res.start_s and not self._head_fits_beside(state, res, trial)):
-            # backfill: it takes what the head job needs at its start (and runs past it): keep off
-            # the head's nodes (a job on GPUs of those nodes the head does not need passes above).
+        reserved = state.reserved() if self.placement.backfill else []
+        if allocs is not None and reserved:
+            # backfill: a job that runs past a reserved start must leave that job room at its start.
             # Checked wherever it lands, not only on the reserved nodes: once a backfill job took
             # part of a reserved node, the head's start may rest on other nodes than those it was
             # reserved on (the property test found a second job taking them unchecked)
-            trial = plan.fork()
-            allocs = self.plan(state, spec, trial, avoid=frozenset(res.nodes))
-            if allocs is None or not self._head_fits_beside(state, res, trial):
-                # it would delay the reserved job: it waits, and says so (once per reservation)
-                return self._backfill_wait(state, job_id, spec, res, ctx)
+            blocked = self._delays(state, reserved, job_id, spec, trial, now)
+            if blocked is not None:
+                # keep off the nodes of every reservation (a job on GPUs of reserved nodes that
+                # no reserved job needs passed above)
+                trial = plan.fork()
+                allocs = self.plan(state, spec, trial, avoid=frozenset(n for r in reserved for n in r.nodes))
+                if allocs is None or self._delays(state, reserved, job_id, spec, trial, now) is not None:
+                    # it would delay a reserved job: it waits, and says so (once per reservation)
+                    return self._backfill_wait(state, job_id, spec, blocked, ctx)
         if allocs is not None:
             plan.nodes, plan.mig_taken = trial.nodes, trial.mig_taken
             # The runtime evolves this output at once, so the next decision sees the GPUs taken.
@@ -643,11 +655,22 @@ class PlacerCore(BaseCore[PlacerState]):
 
     # ------------------------------------------------------------ backfill
 
-    def _head_fits_beside(self, state: PlacerState, res: Reservation, trial: Plan) -> bool:
+    def _delays(self, state: PlacerState, reserved: list[Reservation], job_id: str, spec: JobSpec,
+                trial: Plan, now: float) -> Reservation | None:
+        """The first reservation (of another job) that `trial`, holding the job being tried, would
+        delay: the job runs past its start and the reserved job no longer fits there then."""
+        for i, res in enumerate(reserved):
+            if res.job_id != job_id and now + spec.max_runtime_s > res.start_s \
+                    and not self._fits_at_start(state, [r for r in reserved[:i] if r.job_id != job_id], res, trial):
+                return res
+        return None
+
+    def _fits_at_start(self, state: PlacerState, ahead: list[Reservation], res: Reservation, trial: Plan) -> bool:
         """Whether the reserved job still fits at its estimated start with `trial` holding what it
-        holds (the job being tried runs past that start): the jobs that end by then give their
-        GPUs back, as the estimate counted them. A reservation so holds the GPUs, cores and memory
-        the head needs, not whole nodes: a backfill job on the rest of a reserved node delays nothing."""
+        holds: the jobs that end by then give their GPUs back and the reserved jobs ahead of it
+        that still run then hold theirs, as its estimate counted them. A reservation so holds the
+        GPUs, cores and memory the job needs, not whole nodes: a backfill job on the rest of a
+        reserved node delays nothing."""
         head = state.jobs.get(res.job_id)
         if head is None or head.spec is None:
             return False
@@ -656,6 +679,12 @@ class PlacerCore(BaseCore[PlacerState]):
             if end_s > res.start_s:
                 break
             at_start.give_back(state, state.jobs[job_id].allocations or ())
+        for r in ahead:
+            before = state.jobs.get(r.job_id)
+            if before is None or before.spec is None or r.start_s + before.spec.max_runtime_s <= res.start_s:
+                continue
+            if self.plan(state, before.spec, at_start, full_scan=True) is None:
+                return False
         topo = head.spec.topology
         if topo is None or (topo.required is None and topo.preferred is None):
             # first on the nodes it was reserved on (a few, not the whole fleet): where it usually still fits
@@ -665,12 +694,12 @@ class PlacerCore(BaseCore[PlacerState]):
 
     def _backfill_wait(self, state: PlacerState, job_id: str, spec: JobSpec, res: Reservation,
                        ctx: Ctx) -> list[Envelope]:
-        """`job.unschedulable` for a job that fits only where the head job's reservation is."""
+        """`job.unschedulable` for a job that fits now only where a reserved job needs room at its start."""
         # (the reservation's estimated start is not in the message: it moves as running jobs are
         # re-estimated, and each move would tell every held job again; `explain` shows it)
         reason = Reason(code="backfill_reservation", message=(
             f"it fits now only on nodes held for {res.job_id} ({', '.join(res.nodes)}); with a max runtime "
-            f"of {spec.max_runtime_s:.0f} s it would delay that job's start (EASY backfill)"))
+            f"of {spec.max_runtime_s:.0f} s it would delay that job's start (backfill)"))
         if state.jobs[job_id].unschedulable_said == reason.message:
             return []
         return [ctx.emit(JobUnschedulable(job_id=job_id, reasons=(reason,),
@@ -679,53 +708,78 @@ class PlacerCore(BaseCore[PlacerState]):
                          tenant=spec.tenant, key=f"unsched:{job_id}:backfill:{res.job_id}:{','.join(res.nodes)}")]
 
     def _reserve(self, state: PlacerState, job_id: str, spec: JobSpec, ctx: Ctx, now: float) -> list[Envelope]:
-        """Reserve for the head job (the oldest waiting one): nodes and an estimated start."""
-        res = state.reservation
-        head = next(iter(state.pending), None)
-        if head != job_id or (res is not None and res.job_id != job_id and res.job_id in state.pending):
+        """Reserve for one of the first `placement.reservations` waiting jobs: nodes and an
+        estimated start, with the reservations ahead of it holding what they need."""
+        first = list(islice(state.pending, self.placement.reservations))
+        if job_id not in first:
             return []
-        if res is not None and res.job_id == job_id and now - res.said_s < RESERVATION_REFRESH_S:
+        reserved = state.reserved()
+        res = state.reservations.get(job_id)
+        if res is None and len(reserved) >= self.placement.reservations:
+            return []  # (all taken: by jobs now further back, only after the config lowered K)
+        if res is not None and now - res.said_s < RESERVATION_REFRESH_S:
             return []  # said lately: planning on every node again on every event would stall the placer
-        est = self.estimate(state, spec, now)
+        ahead = [r for r in reserved if r.job_id in first[:first.index(job_id)]]
+        est = self.estimate(state, spec, now, ahead)
         if est is None:
             return []
         start, nodes = est
-        if res is not None and res.job_id == job_id and res.nodes == nodes and abs(res.start_s - start) < RESERVATION_SLACK_S:
+        if res is not None and res.nodes == nodes and abs(res.start_s - start) < RESERVATION_SLACK_S:
             return []
         return [ctx.emit(JobBackfillReserved(job_id=job_id, nodes=nodes, estimated_start=utc(start)),
                          tenant=spec.tenant, key=f"reserve:{job_id}:{int(start)}:{','.join(nodes)}")]
 
-    def estimate(self, state: PlacerState, spec: JobSpec, now: float) -> tuple[float, tuple[str, ...]] | None:
-        """When the job could start, and on which nodes, if running jobs end at their max runtime.
+    def estimate(self, state: PlacerState, spec: JobSpec, now: float,
+                 ahead: list[Reservation] | None = None) -> tuple[float, tuple[str, ...]] | None:
+        """When the job could start, and on which nodes, if running jobs end at their max runtime
+        and the reserved jobs `ahead` of it start at their estimated starts (it starts no earlier
+        than the last of them, and beside those still running then).
 
-        The fewest endings after which it fits are found by doubling then bisecting: a few plans,
-        not one per running job."""
+        The first time it fits is found by doubling then bisecting over the times something ends:
+        a few plans, not one per running job."""
         ending = state.ending()
+        held: list[tuple[float, float, JobSpec]] = []  # (start, end, spec) of the reserved jobs ahead
+        for r in ahead or ():
+            rec = state.jobs.get(r.job_id)
+            if rec is not None and rec.spec is not None:
+                held.append((r.start_s, r.start_s + rec.spec.max_runtime_s, rec.spec))
+        floor = max([now] + [h[0] for h in held])
+        times = sorted({floor} | {e for e, _ in ending if e > floor} | {h[1] for h in held if h[1] > floor})
 
-        def after(k: int) -> tuple[ReplicaAllocation, ...] | None:
+        def at(t: float) -> tuple[ReplicaAllocation, ...] | None:
             plan = Plan()
-            for _, job_id in ending[:k]:
+            for end_s, job_id in ending:
+                if end_s > t:
+                    break
                 plan.give_back(state, state.jobs[job_id].allocations or ())
+            for _, end_s, s in held:
+                if end_s > t and self.plan(state, s, plan, full_scan=True) is None:
+                    return None
             return self.plan(state, spec, plan, full_scan=True)
 
-        if not ending:
+        if not ending and not held:
             return None
-        hi = 1
-        while hi < len(ending) and after(hi) is None:
-            hi *= 2
-        hi = min(hi, len(ending))
-        allocs = after(hi)
+        # (the first time is `now` only when something ahead holds it back or a run is overdue:
+        # the job was tried now and did not fit)
+        hi = 0 if held or (ending and ending[0][0] <= now) else 1
+        hi = min(hi, len(times) - 1)
+        step = 1
+        while hi < len(times) - 1 and at(times[hi]) is None:
+            hi = min(hi + step, len(times) - 1)
+            step *= 2
+        allocs = at(times[hi])
         if allocs is None:
             return None
-        lo = hi // 2  # after(lo) did not fit (or lo == 0)
+        lo = hi - step // 2 if step > 1 else hi - 1  # at(times[lo]) did not fit (or lo < 0)
+        lo = max(lo, -1)
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            got = after(mid)
+            got = at(times[mid])
             if got is None:
                 lo = mid
             else:
                 hi, allocs = mid, got
-        return max(now, ending[hi - 1][0]), tuple(sorted({a.node_id for a in allocs}))
+        return times[hi], tuple(sorted({a.node_id for a in allocs}))
 
     # ------------------------------------------------------------ planning
 
@@ -988,9 +1042,9 @@ class PlacerCore(BaseCore[PlacerState]):
             return [Reason(code="no_nodes", message="no nodes registered")]
         filtered = self._filtered(state, spec)
         parts = ", ".join(f"{v} {k}" for k, v in filtered.items()) or "replicas do not fit together"
-        res = state.reservation
+        res = next((r for r in state.reserved() if r.job_id != job_id), None)
         held = ""
-        if res is not None and res.job_id in state.pending and res.job_id != job_id:
+        if res is not None:
             held = f"; job {res.job_id} holds {len(res.nodes)} node(s) from {utc(res.start_s).isoformat()}"
         level = spec.topology.required if spec.topology is not None else None
         if level is not None:  # which domain came closest, and how close

@@ -163,7 +163,10 @@ class PlacementConfig(BaseModel):
     profile: Literal["default", "fragaware", "fgd", "bestfit", "topology", "packing", "dotprod", "clustering",
                      "random"] = "default"
     candidates: int = Field(default=64, ge=1, le=100_000)  # feasible nodes scored per replica
-    backfill: bool = True  # EASY backfill with a reservation for the head job
+    backfill: bool = True  # backfill with a reservation for the head job (EASY)
+    # the first this many waiting jobs get a reservation each (1: EASY; more: conservative backfill,
+    # as Slurm's bf_max_job_test); a job is placed early only where it delays none of them
+    reservations: int = Field(default=1, ge=1, le=64)
 
 
 def _money(v: Any) -> Any:

@@ -134,9 +134,10 @@ class JobUnschedulable(_JobPayload):
 
 
 class JobBackfillReserved(_JobPayload):
-    """The job at the head of the line cannot be placed yet: these nodes are held for it from the
-    estimated start (running jobs' max runtimes), and smaller jobs run before it only where they
-    do not delay that start (EASY backfill)."""
+    """A job at the head of the line (the first `placement.reservations` waiting) cannot be placed
+    yet: it is to start on these nodes at the estimated start (running jobs' max runtimes, the
+    reserved jobs ahead of it at theirs), and other jobs run before it only where they do not
+    delay that start (backfill: EASY for one reservation, conservative for more)."""
 
     type: Literal["job.backfill_reserved"] = "job.backfill_reserved"
     nodes: tuple[str, ...]
