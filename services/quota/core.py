@@ -8,8 +8,11 @@ queues of its cohort (up to its borrowing limit) what they do not use, and lends
 lending limit. A queue the config does not list is unlimited (the open default).
 
 One cycle, run when a job is admitted, when quota is released and every few seconds:
-  1. order the pending jobs: priority (high first), then the DRF share of their queue (its
-     dominant resource's usage / nominal: lowest first), then admission order;
+  1. order the pending jobs: priority (high first), then their queue's fair share (what it
+     borrows / what its cohort holds, over its `fairSharing.weight`), then the DRF share of
+     their queue (its dominant resource's usage / nominal), then their tenant's fair share (its
+     usage / its cohort's quota, over the tenant's weight), lowest first, then admission order;
+     the shares as they stand when the job comes up in the cycle;
   2. for each, find a GPU flavor (model) where all replicas fit, all or nothing, and reserve;
   3. a job that does not fit is skipped — smaller jobs behind it go ahead (no head-of-line
      blocking) — and told why (`job.queued`);
@@ -29,7 +32,10 @@ One cycle, run when a job is admitted, when quota is released and every few seco
 
 from __future__ import annotations
 
+import heapq
 import sys
+from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
 
@@ -66,6 +72,7 @@ class Hold:
     order: int  # later = more recently admitted to run
     preempting_for: str | None = None  # asked to give it back, for this job ('' if unnamed)
     protected: bool = False  # reserved after starving: safe from reclaim
+    tenant: str = ""  # whose it is (the tenant's usage, for fair sharing between tenants)
 
 
 @dataclass(slots=True)
@@ -93,6 +100,7 @@ class QuotaJob:
 class QuotaState:
     jobs: dict[str, QuotaJob] = field(default_factory=dict)
     usage: dict[str, dict[str, int]] = field(default_factory=dict)  # queue -> resource -> amount
+    tenant_usage: dict[str, dict[str, int]] = field(default_factory=dict)  # tenant -> resource -> amount
     ended: EndedJobs = field(default_factory=EndedJobs)  # forgotten after a window of log time
     admitted_n: int = 0
     reserved_n: int = 0
@@ -127,10 +135,13 @@ class QuotaState:
     def reserve(self, job_id: str, rec: QuotaJob, queue: str, d: dict[str, int]) -> Hold:
         """The job holds `d` of the queue's quota now; it waits no more."""
         self.reserved_n += 1
-        hold = rec.hold = Hold(queue, d, self.reserved_n)
+        tenant = rec.spec.tenant if rec.spec is not None else rec.tenant
+        hold = rec.hold = Hold(queue, d, self.reserved_n, tenant=sys.intern(tenant))
         use = self.usage.setdefault(queue, {})
+        mine = self.tenant_usage.setdefault(hold.tenant, {})
         for r, v in d.items():
             use[r] = use.get(r, 0) + v
+            mine[r] = mine.get(r, 0) + v
         self.reserved.add(job_id)
         self.pending.discard(job_id)
         return hold
@@ -139,8 +150,12 @@ class QuotaState:
         """The job gives back the quota it holds (it ended, or runs again later)."""
         if rec.hold is not None:
             use = self.usage.setdefault(rec.hold.queue, {})
+            mine = self.tenant_usage.setdefault(rec.hold.tenant, {})
             for r, v in rec.hold.demand.items():
                 use[r] = use.get(r, 0) - v
+                mine[r] = mine.get(r, 0) - v
+            if not any(mine.values()):
+                del self.tenant_usage[rec.hold.tenant]  # (a tenant holding nothing costs nothing)
             rec.hold = None
         for index in (self.reserved, self.preempting, self.protected):
             index.discard(job_id)
@@ -183,7 +198,7 @@ class QuotaCore(BaseCore[QuotaState]):
         "fleet.evt.*.job.*.preempted",
     )
     tick_s = 1.0
-    state_format = 3  # one record per job (QuotaJob), with the event it waits since
+    state_format = 4  # one record per job (QuotaJob), with the event it waits since; tenants' usage
 
     def __init__(self, config: ClusterConfig | None = None) -> None:
         self.config = config or ClusterConfig()
@@ -265,24 +280,109 @@ class QuotaCore(BaseCore[QuotaState]):
     def queue_config(self, queue: str) -> QueueConfig | None:
         return self.config.queues.get(queue)
 
-    def share(self, state: QuotaState, queue: str) -> float:
+    def share(self, state: QuotaState, queue: str, extra: dict[str, dict[str, int]] | None = None) -> float:
         """DRF: the queue's dominant share, usage / nominal over its limited resources."""
         q = self.queue_config(queue)
         if q is None:
             return 0.0
-        use = state.usage.get(queue, {})
-        return max((use.get(r, 0) / n for r, n in q.nominal.items() if n > 0), default=0.0)
+        use, more = state.usage.get(queue, {}), (extra or {}).get(queue, {})
+        return max(((use.get(r, 0) + more.get(r, 0)) / n for r, n in q.nominal.items() if n > 0), default=0.0)
+
+    def fair_share(self, state: QuotaState, queue: str, extra: dict[str, dict[str, int]] | None = None) -> float:
+        """Fair sharing (Kueue's): what the queue borrows beyond its own quota, as a share of what
+        its cohort holds, dominant resource, over the queue's weight. 0 for a queue within its
+        nominal or outside any cohort; a queue of weight 0 that borrows comes last."""
+        q = self.queue_config(queue)
+        node = self.tree.nodes.get(f"queue:{queue}")
+        if q is None or node is None or node.parent is None:
+            return 0.0
+        use, more = state.usage.get(queue, {}), (extra or {}).get(queue, {})
+        share, full = 0.0, False
+        for r in self.tree.limited(queue):
+            borrowed = use.get(r, 0) + more.get(r, 0) - self.tree.subtree(node.key, r)
+            pool = self.tree.subtree(node.parent, r)
+            if pool > 0:
+                full = full or borrowed >= 0
+                if borrowed > 0:
+                    share = max(share, borrowed / pool)
+        if q.fair_sharing.weight == 0:  # its next job borrows: after every queue of weight > 0
+            return float("inf") if full else 0.0
+        return share / q.fair_sharing.weight
+
+    def tenant_share(self, state: QuotaState, tenant: str, queue: str,
+                     extra: dict[str, dict[str, int]] | None = None) -> float:
+        """Fair sharing between tenants: the tenant's dominant share of the quota of the queue's
+        root cohort (or of the queue), over the tenant's weight (`extra`: tenant -> what this
+        cycle reserved)."""
+        use, more = state.tenant_usage.get(tenant, {}), (extra or {}).get(tenant, {})
+        if not use and not more:
+            return 0.0
+        root = self.tree.root(queue) if self.tree.is_limited(queue) else None
+        share = 0.0
+        if root is not None:
+            for r in self.tree.limited(queue):
+                pool = self.tree.subtree(root, r)
+                if pool > 0:
+                    share = max(share, (use.get(r, 0) + more.get(r, 0)) / pool)
+        policy = self.config.policy(tenant)
+        weight = policy.fair_sharing.weight if policy is not None else 1.0
+        return share / weight if weight > 0 else float("inf")  # (0: after every tenant of weight > 0)
+
+    def _fair_order(self, state: QuotaState, first: list[tuple[str, QuotaJob, JobSpec]],
+                    extra: dict[str, dict[str, int]], extra_t: dict[str, dict[str, int]], now: float,
+                    starve_s: float) -> Iterator[tuple[str, QuotaJob, JobSpec]]:
+        """The jobs of `first` (sorted by the shares at the cycle's start) in the order the cycle
+        looks at them: one lane per (priority, starving, queue, tenant), each in admission order;
+        the next job is the head of the lane whose shares are lowest now, with what the cycle
+        reserved so far (`extra`, `extra_t`) counted. A share only grows within a cycle, so a lane's
+        key from before is a lower bound: a lane whose key grew goes back and the next is looked at."""
+        lanes: dict[tuple[int, bool, str, str], deque[tuple[str, QuotaJob, JobSpec]]] = {}
+        for w in first:
+            lanes.setdefault((-w[2].priority, now - w[1].since_s < starve_s, w[2].queue, w[2].tenant), deque()).append(w)
+
+        def key(lane: tuple[int, bool, str, str]) -> tuple[int, bool, float, float, float, int]:  # (as `cycle` sorts)
+            prio, fresh, queue, tenant = lane
+            return (prio, fresh, self.fair_share(state, queue, extra), self.share(state, queue, extra),
+                    self.tenant_share(state, tenant, queue, extra_t), lanes[lane][0][1].order)
+
+        heap = [(key(lane), lane) for lane in lanes]
+        heapq.heapify(heap)
+        while heap:
+            was, lane = heapq.heappop(heap)
+            now_key = key(lane)
+            if now_key > was and heap and now_key > heap[0][0]:
+                heapq.heappush(heap, (now_key, lane))
+                continue
+            jobs = lanes[lane]
+            yield jobs.popleft()
+            if jobs:
+                heapq.heappush(heap, (key(lane), lane))
 
     def cycle(self, state: QuotaState, ctx: Ctx) -> list[Envelope]:
         now = ctx.now.timestamp()
         starve_s = self.config.starvation_after_s
         # a starving job goes first within its priority: were a queue with a lower DRF share looked
         # at before it, that queue's jobs would take what frees before it could be held for it
-        order = sorted(state.waiting(), key=lambda w: (
-            -w[2].priority, now - w[1].since_s < starve_s, self.share(state, w[2].queue), w[1].order))[:CYCLE_JOBS_MAX]
+        # then fair sharing: the queue's weighted share of what its cohort lends, DRF within the
+        # queue's own nominal, then the tenant's weighted share of its cohort's quota, as they stand when the job
+        # comes up (each reservation of the cycle raises its queue's and tenant's shares)
+        shares: dict[tuple[str, str], tuple[float, float, float]] = {}
+
+        def share_of(queue: str, tenant: str) -> tuple[float, float, float]:
+            got = shares.get((queue, tenant))
+            if got is None:
+                got = shares[(queue, tenant)] = (self.fair_share(state, queue), self.share(state, queue),
+                                                 self.tenant_share(state, tenant, queue))
+            return got
+
+        first = sorted(state.waiting(), key=lambda w: (
+            -w[2].priority, now - w[1].since_s < starve_s, share_of(w[2].queue, w[2].tenant), w[1].order))[:CYCLE_JOBS_MAX]
         out: list[Envelope] = []
-        # what this cycle reserved so far, so later jobs in it see it (outputs evolve after)
+        # what this cycle reserved so far, so later jobs in it see it (outputs evolve after), per
+        # queue and per tenant
         extra: dict[str, dict[str, int]] = {}
+        extra_t: dict[str, dict[str, int]] = {}
+        order = self._fair_order(state, first, extra, extra_t, now, starve_s)
         # cohort -> (priority, resources, job, queue, why): a starving job, or one waiting for the
         # jobs it preempts, that later jobs must not take what it lacks from
         blocked: dict[str, tuple[int, set[str], str, str, str]] = {}
@@ -313,9 +413,10 @@ class QuotaCore(BaseCore[QuotaState]):
                 flavor = None
             if flavor is not None:
                 d = demand(spec, flavor or None)
-                add = extra.setdefault(queue, {})
+                add, add_t = extra.setdefault(queue, {}), extra_t.setdefault(spec.tenant, {})
                 for r, v in d.items():
                     add[r] = add.get(r, 0) + v
+                    add_t[r] = add_t.get(r, 0) + v
                 out.append(ctx.emit(JobQuotaReserved(
                     job_id=job_id, queue=queue, cpu_milli=d["cpu"], memory_mib=d["memory"],
                     gpus=spec.gpus_total, flavor=flavor or None, mig=spec.mig_total,
@@ -524,3 +625,4 @@ class QuotaCore(BaseCore[QuotaState]):
         q = self.queue_config(queue)
         return q is not None and any(
             v > 0 and r in q.nominal and self._used(state, extra, queue, r) + v > q.nominal[r] for r, v in d.items())
+

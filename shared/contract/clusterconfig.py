@@ -74,6 +74,12 @@ def _tokens(field: str) -> BeforeValidator:
     return BeforeValidator(lambda v: tuple(check_token(x, field) for x in v) if isinstance(v, list | tuple) else v)
 
 
+class FairSharing(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
+
+    weight: float = Field(default=1.0, ge=0, le=1_000_000)
+
+
 class TenantPolicy(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
 
@@ -93,6 +99,9 @@ class TenantPolicy(BaseModel):
     submit_rate_per_s: float = Field(default=200.0, alias="submitRatePerS", gt=0)
     submit_burst: int = Field(default=2000, alias="submitBurst", ge=1)
     max_pending_jobs: int = Field(default=100_000, alias="maxPendingJobs", ge=1)
+    # fair sharing between the tenants of a cohort: a tenant's quota over this weight orders its
+    # jobs after the queues' own shares (weight 3: three times the GPUs of a tenant of weight 1)
+    fair_sharing: FairSharing = Field(default_factory=lambda: FairSharing(), alias="fairSharing")
 
     def image_allowed(self, image: str) -> bool:
         return self.allowed_images is None or any(fnmatch.fnmatchcase(image, p) for p in self.allowed_images)
@@ -138,6 +147,9 @@ class QueueConfig(BaseModel):
     nominal: Resources = Field(default_factory=dict)
     borrowing_limit: Resources = Field(default_factory=dict, alias="borrowingLimit")  # absent: no limit
     lending_limit: Resources = Field(default_factory=dict, alias="lendingLimit")  # absent: lends it all
+    # fair sharing: what it borrows is weighed against the cohort's quota over this weight (a
+    # queue of weight 3 borrows three times what one of weight 1 does; 0: only what nobody else wants)
+    fair_sharing: FairSharing = Field(default_factory=lambda: FairSharing(), alias="fairSharing")
 
 
 class CohortConfig(BaseModel):
