@@ -1083,3 +1083,36 @@ def test_without_weights_a_saturated_cohort_splits_evenly_and_a_weight_of_0_borr
     assert reserved_ids(arrive(h, gpu_job(4, "a"), "a-first")) == ["a-first"]  # nobody else wants it: it borrows
     split = _saturate(h, [("a", "acme"), ("b", "acme")], random.Random(2), 8, (1,), steps=200, warmup=100)
     assert split[("a", "acme")] < 0.01, split  # once b wants it all, a gets nothing new
+
+
+def test_fair_sharing_preemption_brings_a_starved_queue_back_to_its_share_and_no_further() -> None:
+    """b took all 16 GPUs of the cohort while a had nothing to run. With fairSharingPreemption,
+    a's jobs preempt b's (code fair_share) while a's share with the job stays at most b's without
+    the victim: up to 8 : 8 for equal weights, never past it (b could not take them back: no
+    ping-pong). Off (the default): a waits."""
+    from gpufleet.shared.contract.events import JobPreemptionRequested
+
+    def cohort(preempt: bool) -> Harness[QuotaState]:
+        return quota({"a": {"cohort": "pool"}, "b": {"cohort": "pool"}}, starvationAfter="30d",
+                     cohorts={"pool": {"nominal": {"gpu": 16}, "fairSharingPreemption": preempt}})
+
+    h = cohort(True)
+    holding(h, *((f"b{i}", gpu_job(1, "b")) for i in range(16)))
+    victims: list[str] = []
+    for i in range(10):
+        out = arrive(h, gpu_job(1, "a"), f"a{i}", s=i)
+        asked = [e.payload for e in out if isinstance(e.payload, JobPreemptionRequested)]
+        assert all(p.reason.code == "fair_share" for p in asked), asked
+        for p in asked:  # the guardian stops it; quota takes its quota back; the preemptor gets it
+            victims.append(p.job_id)
+            h.when(preempted(p.job_id), at(i))
+    assert len(victims) == 8 and usage(h, "a") == 8 and usage(h, "b") == 8, (victims, usage(h, "a"))
+    assert "a8" in h.state.pending and "a9" in h.state.pending  # past its share: a waits
+    # b's next job does not take them back: with it, b is above a without the victim
+    out = arrive(h, gpu_job(1, "b"), "b-more", s=20)
+    assert not [e for e in out if isinstance(e.payload, JobPreemptionRequested)]
+
+    off = cohort(False)
+    holding(off, *((f"b{i}", gpu_job(1, "b")) for i in range(16)))
+    out = arrive(off, gpu_job(1, "a"), "a0")
+    assert not [e for e in out if isinstance(e.payload, JobPreemptionRequested)] and "a0" in off.state.pending

@@ -466,15 +466,21 @@ class QuotaCore(BaseCore[QuotaState]):
                 taken: set[str]) -> list[tuple[str, Reason]]:
         """The fewest running jobs whose quota lets `job_id` in: lower priority in its own queue, or
         any priority in a queue that borrows from this one's cohort while this queue is under its
-        nominal (reclaim). Lowest priority first, then the most recently admitted. [] if none do."""
+        nominal (reclaim), or — where the root cohort has `fairSharingPreemption` — in a queue that
+        borrows and whose fair share without the victim stays at least this queue's with the job.
+        Lowest priority first, then the most recently admitted. [] if none do."""
         q = self.queue_config(spec.queue)
         if q is None:
             return []
+        # (a resource limited for it by a cohort above, with no nominal of its own: its nominal is 0)
+        limited = self.tree.limited(spec.queue)
         within_nominal = all(
-            self._used(state, extra, spec.queue, r) + v <= q.nominal[r]
-            for r, v in demand(spec, self._flavor_hint(spec.queue, spec)).items() if r in q.nominal
+            self._used(state, extra, spec.queue, r) + v <= q.nominal.get(r, 0)
+            for r, v in demand(spec, self._flavor_hint(spec.queue, spec)).items() if r in limited and v > 0
         )
-        candidates: list[tuple[int, int, str, Reason, Hold]] = []
+        root = self.config.cohorts.get(self._cohort(spec.queue).removeprefix("cohort:"))
+        fair = root is not None and root.fair_sharing_preemption
+        candidates: list[tuple[int, int, str, Reason | None, Hold]] = []  # (None: for fair shares, checked below)
         for victim in state.reserved:
             vspec, hold = state.jobs[victim].spec, state.jobs[victim].hold
             if victim in taken or vspec is None or hold is None or hold.preempting_for is not None:
@@ -487,13 +493,34 @@ class QuotaCore(BaseCore[QuotaState]):
                   and self._cohort(queue) == self._cohort(spec.queue) and self._borrowing(state, queue, held)):
                 why = Reason(code="reclaim", message=(
                     f"queue {spec.queue} reclaims its nominal quota from {queue}, which borrows it"))
+            elif (fair and queue != spec.queue and not hold.protected and self._cohort(queue) == self._cohort(spec.queue)
+                  and self._borrowing(state, queue, held)):
+                why = None
             else:
                 continue
             candidates.append((vspec.priority, -hold.order, victim, why, hold))
-        candidates.sort()
+        candidates.sort(key=lambda c: (c[0], c[1], c[2]))
         chosen: list[tuple[str, Reason]] = []
         freed: dict[str, dict[str, int]] = {k: dict(v) for k, v in extra.items()}
-        for _prio, _order, victim, why, hold in candidates:
+        mine = demand(spec, self._flavor_hint(spec.queue, spec))
+        for _prio, _order, victim, maybe, hold in candidates:
+            if maybe is None:
+                # fair sharing: only while this queue with the job stays at most at the victim's queue without it
+                with_job = {k: dict(v) for k, v in freed.items()}
+                add = with_job.setdefault(spec.queue, {})
+                for r, v in mine.items():
+                    add[r] = add.get(r, 0) + v
+                without = {k: dict(v) for k, v in freed.items()}
+                sub = without.setdefault(hold.queue, {})
+                for r, v in hold.demand.items():
+                    sub[r] = sub.get(r, 0) - v
+                ours, theirs = self.fair_share(state, spec.queue, with_job), self.fair_share(state, hold.queue, without)
+                if ours > theirs:  # (at most: the victim's queue could not take it back, its job would raise it above ours)
+                    continue
+                maybe = Reason(code="fair_share", message=(
+                    f"queue {spec.queue} is below its fair share of the cohort ({ours:.2f} with job {job_id}, "
+                    f"weighted); {hold.queue} borrows more ({theirs:.2f} without this job)"))
+            why = maybe
             sub = freed.setdefault(hold.queue, {})
             for r, v in hold.demand.items():
                 sub[r] = sub.get(r, 0) - v
@@ -530,7 +557,9 @@ class QuotaCore(BaseCore[QuotaState]):
             if owner is not None and owner.queue == queue:
                 for r, v in owner.demand.items():
                     use[r] = use.get(r, 0) - v
-        return any(r in q.nominal and use.get(r, 0) > q.nominal[r] for r in held)
+        # (a resource limited for it by a cohort above, with no nominal of its own: all it uses is borrowed)
+        limited = self.tree.limited(queue)
+        return any(r in limited and use.get(r, 0) > q.nominal.get(r, 0) for r in held)
 
     def _models(self, queue: str) -> list[str]:
         """The GPU models (flavors) limited for the queue, in the config's order (queue, then cohorts)."""

@@ -163,6 +163,10 @@ class CohortConfig(BaseModel):
     nominal: Resources = Field(default_factory=dict)
     borrowing_limit: Resources = Field(default_factory=dict, alias="borrowingLimit")
     lending_limit: Resources = Field(default_factory=dict, alias="lendingLimit")
+    # on a root cohort: a job of a queue below its fair share may preempt jobs of a queue that
+    # borrows more, while its share with the job stays <= theirs without the victim (Kueue's
+    # LessThanOrEqualToFinalShare: the victim's queue cannot take it back, its job would lift it above)
+    fair_sharing_preemption: bool = Field(default=False, alias="fairSharingPreemption")
 
 
 class PlacementConfig(BaseModel):
