@@ -306,3 +306,19 @@ def test_every_profile_the_config_accepts_exists_and_a_bad_one_names_the_field()
     with pytest.raises(SpecError) as err:
         parse_config({"placement": {"profile": "magic"}})
     assert err.value.field == "placement.profile"
+
+
+def test_trace_variants_are_cpu_or_gpu_heavier_workloads_of_the_same_family() -> None:
+    from gpufleet.bench.placement import Pod, variant
+
+    pods = [Pod(f"c{i}", Ask(cpu=4000, mem=1024)) for i in range(10)] + \
+           [Pod(f"g{i}", Ask(cpu=8000, mem=1024, gpus=1, milli=500)) for i in range(5)]
+    heavier = variant(pods, "cpu-only", 2.5, seed=1)
+    assert sum(1 for p in heavier if not p.ask.gpus) == 25 and sum(1 for p in heavier if p.ask.gpus) == 5
+    assert len({p.name for p in heavier}) == len(heavier)  # every draw named apart
+    assert heavier == variant(pods, "cpu-only", 2.5, seed=1) != variant(pods, "cpu-only", 2.5, seed=2)
+    assert sum(1 for p in variant(pods, "cpu-only", 0) if not p.ask.gpus) == 0
+    lighter = variant(pods, "cpu-per-gpu", 0.5)
+    assert {p.ask.cpu for p in lighter if p.ask.gpus} == {4000} and {p.ask.cpu for p in lighter if not p.ask.gpus} == {4000}
+    with pytest.raises(ValueError, match="unknown kind"):
+        variant(pods, "memory", 2)

@@ -18,7 +18,7 @@ import random
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +59,34 @@ def load_pods(path: str | Path) -> list[Pod]:
             models = frozenset(m for m in spec.split("|") if m and m != "nan")
             out.append(Pod(row["name"], Ask(cpu=int(row["cpu_milli"]), mem=int(row["memory_mib"]), gpus=gpus,
                                             milli=milli if gpus else MILLI, models=models)))
+    out.sort(key=lambda p: p.name)
+    return out
+
+
+VARIANTS = ("cpu-only", "cpu-per-gpu")
+
+
+def variant(pods: Sequence[Pod], kind: str, factor: float, seed: int = 0) -> list[Pod]:
+    """A CPU- or GPU-heavier workload of the same family, to check a policy on traces it was not
+    tuned on. `cpu-only=F`: the CPU-only pods resampled (seeded) to F times their number — the
+    trace's own cpu037 ... cpu235 workloads differ this way; `cpu-per-gpu=F`: every GPU pod asks F
+    times its CPU (F < 1: GPU-heavier), capped at 128 cores."""
+    if factor < 0:
+        raise ValueError(f"variant {kind}: the factor must be at least 0, got {factor}")
+    if kind == "cpu-only":
+        cpu = [p for p in pods if not p.ask.gpus]
+        rest = [p for p in pods if p.ask.gpus]
+        rng = random.Random(seed * 15485863 + 11)
+        n = round(len(cpu) * factor)
+        whole, part = divmod(n, len(cpu)) if cpu else (0, 0)
+        drawn = [Pod(f"{p.name}-v{k}", p.ask) for k in range(whole) for p in cpu]
+        drawn += [Pod(f"{p.name}-v{whole}", p.ask) for p in rng.sample(cpu, part)]
+        out = rest + drawn
+    elif kind == "cpu-per-gpu":
+        out = [Pod(p.name, replace(p.ask, cpu=min(128_000, round(p.ask.cpu * factor)))) if p.ask.gpus else p
+               for p in pods]
+    else:
+        raise ValueError(f"variant: unknown kind {kind!r} (one of {', '.join(VARIANTS)})")
     out.sort(key=lambda p: p.name)
     return out
 
@@ -168,10 +196,15 @@ def published(path: str | Path, workload: str) -> dict[str, dict[str, float]]:
 
 def bench(pods_csv: str | Path, nodes_csv: str | Path, policies: Sequence[str], seeds: Sequence[int],
           progress: Callable[[str], None] | None = None,
-          make_profile: Callable[[str], Profile] | None = None) -> dict[str, Any]:
+          make_profile: Callable[[str], Profile] | None = None,
+          vary: tuple[str, float] | None = None) -> dict[str, Any]:
     node_spec = load_nodes(nodes_csv)
     pods = load_pods(pods_csv)
-    out: dict[str, Any] = {"workload": Path(pods_csv).stem, "nodes": len(node_spec),
+    name = Path(pods_csv).stem
+    if vary is not None:
+        pods = variant(pods, vary[0], vary[1])
+        name = f"{name}+{vary[0]}={vary[1]:g}"
+    out: dict[str, Any] = {"workload": name, "nodes": len(node_spec),
                            "gpus": sum(s[3] for s in node_spec), "pods": len(pods), "seeds": list(seeds),
                            "policies": {}}
     for policy in policies:

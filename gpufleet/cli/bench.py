@@ -116,15 +116,29 @@ def _seeds(text: str) -> list[int]:
 def bench_placement(
     pods: Annotated[Path, typer.Option(help="pod list CSV (openb_pod_list_*.csv), or a folder: every pod list in it")],
     nodes: Annotated[Path, typer.Option(help="node list CSV (openb_node_list_gpu_node.csv)")],
-    policies: Annotated[str, typer.Option(help="random,dotprod,clustering,packing,bestfit,fgd,fragaware")] = "bestfit,fgd,fragaware",
-    seeds: Annotated[str, typer.Option(help="e.g. 42-51 or 42,43")] = "42-51",
+    policies: Annotated[str | None, typer.Option(
+        help="random,dotprod,clustering,packing,bestfit,fgd,fragaware,leastallocated,default "
+             "(default: bestfit,fgd,fragaware; with --dynamic: leastallocated,bestfit,fgd,fragaware)")] = None,
+    seeds: Annotated[str | None, typer.Option(help="e.g. 42-51 or 42,43 (default: 42-51; with --dynamic: 42-44)")] = None,
     published: Annotated[Path | None, typer.Option(help="folder of the published results (fgd-expected)")] = None,
-    plot: Annotated[Path | None, typer.Option(help="write the allocation curves to this PNG")] = None,
+    plot: Annotated[Path | None, typer.Option(help="write the allocation curves (--dynamic: over time, and the waits) to this PNG")] = None,
+    dynamic: Annotated[bool, typer.Option(
+        "--dynamic", help="pods arrive at their creation time and leave after their run time: waits and "
+                          "allocation over time, per policy")] = False,
+    tune: Annotated[float, typer.Option(help="--dynamic: pods drawn from the trace until the GPU asked is this "
+                                             "multiple of the cluster's")] = 2.0,
+    compress: Annotated[float, typer.Option(help="--dynamic: arrivals this many times closer together "
+                                                 "(run times unchanged)")] = 3000.0,
+    drain: Annotated[str | None, typer.Option(help="--dynamic: how long the cluster runs after the last arrival "
+                                                   "(default: a tenth of the arrival window)")] = None,
+    vary: Annotated[str | None, typer.Option(
+        "--variant", help="a CPU- or GPU-heavier workload of the same family: cpu-only=F (the CPU-only pods "
+                          "resampled to F times their number) or cpu-per-gpu=F (each GPU pod asks F times its CPU)")] = None,
     as_json: JsonOut = False,
 ) -> None:
     """Replay an Alibaba GPU trace through the placer's framework, as the FGD paper's simulator does:
     GPU allocation ratio at 130 % arrived GPU, fragmentation at 80 %, side by side with the
-    published numbers."""
+    published numbers. With --dynamic, pods also leave: waits and allocation over time."""
     from gpufleet.bench.placement import bench, write_plot
     from gpufleet.bench.placement import published as published_results
 
@@ -135,6 +149,10 @@ def bench_placement(
     if not nodes.exists():
         typer.echo(f"error: --nodes: {nodes} does not exist", err=True)
         raise typer.Exit(2)
+    if policies is None:
+        policies = "leastallocated,bestfit,fgd,fragaware" if dynamic else "bestfit,fgd,fragaware"
+    if seeds is None:
+        seeds = "42-44" if dynamic else "42-51"
     names = [p.strip() for p in policies.split(",") if p.strip()]
     from gpufleet.services.placer.framework import profiles
 
@@ -142,6 +160,25 @@ def bench_placement(
     if unknown:
         typer.echo(f"error: --policies: unknown {', '.join(unknown)} (one of {', '.join(profiles())})", err=True)
         raise typer.Exit(2)
+    variant_ = None
+    if vary is not None:
+        from gpufleet.bench.placement import VARIANTS
+
+        kind, _, factor = vary.partition("=")
+        try:
+            variant_ = (kind.strip(), float(factor))
+            if variant_[0] not in VARIANTS or variant_[1] < 0:
+                raise ValueError
+        except ValueError:
+            typer.echo(f"error: --variant: KIND=F with KIND one of {', '.join(VARIANTS)} and F >= 0, got {vary!r}",
+                       err=True)
+            raise typer.Exit(2) from None
+        if dynamic:
+            typer.echo("error: --variant: for the static experiment only (--dynamic has --tune)", err=True)
+            raise typer.Exit(2)
+    if dynamic:
+        _bench_dynamic(files, nodes, names, _seeds(seeds), tune, compress, drain, plot, as_json)
+        return
     docs = []
     runs = len(files) * len(names) * len(_seeds(seeds))
     done = [0]
@@ -152,7 +189,7 @@ def bench_placement(
             bar(done[0], runs, message)
 
         for f in files:
-            doc = bench(f, nodes, names, _seeds(seeds), progress=step)
+            doc = bench(f, nodes, names, _seeds(seeds), progress=step, vary=variant_)
             if published is not None:
                 doc["published"] = published_results(published, doc["workload"])
             docs.append(doc)
@@ -171,6 +208,60 @@ def bench_placement(
             typer.echo(f"  {name:<12}{r['alloc_130_mean']:>10.2f}{r['alloc_130_std']:>6.2f}"
                        f"{p.get('alloc_130_mean', float('nan')):>11.2f}{r['frag_80_mean']:>9.2f}"
                        f"{p.get('frag_80_mean', float('nan')):>11.2f}{r['seconds_per_seed']:>8.1f}")
+
+
+def _bench_dynamic(files: list[Path], nodes: Path, names: list[str], seeds: list[int], tune: float,
+                   compress: float, drain: str | None, plot: Path | None, as_json: bool) -> None:
+    from gpufleet.bench.dynamic import bench_dynamic, write_dynamic_plot
+    from gpufleet.shared.contract.spec import parse_duration_s
+
+    if "clustering" in names:
+        typer.echo("error: --policies: clustering keeps per-node tags that never forget a pod that left; "
+                   "it has no --dynamic form", err=True)
+        raise typer.Exit(2)
+    for flag, v in (("--tune", tune), ("--compress", compress)):
+        if not v > 0:
+            typer.echo(f"error: {flag}: must be above 0, got {v}", err=True)
+            raise typer.Exit(2)
+    drain_s = None
+    if drain is not None:
+        try:
+            drain_s = float(parse_duration_s(drain))
+        except ValueError as e:
+            typer.echo(f"error: --drain: {e}", err=True)
+            raise typer.Exit(2) from None
+    docs = []
+    runs = len(files) * len(names) * len(seeds)
+    done = [0]
+    with _steps_bar("dynamic placement runs") as bar:
+        def step(message: str) -> None:
+            done[0] += 1
+            bar(done[0], runs, message)
+
+        for f in files:
+            docs.append(bench_dynamic(f, nodes, names, seeds, tune=tune, compress=compress, drain_s=drain_s,
+                                      progress=step))
+    if plot is not None:
+        write_dynamic_plot(docs[0], plot)
+    if as_json:
+        _print_json(docs[0] if len(docs) == 1 else {"workloads": docs})
+        return
+    for doc in docs:
+        typer.echo(f"{doc['workload']} (dynamic): {doc['nodes']} nodes, {doc['gpus']} GPUs, {doc['pods']} pods "
+                   f"(trace {doc['trace_pods']}, tune {doc['tune']}), arrivals {doc['compress']:g}x closer: "
+                   f"window {doc['window_s'] / 3600:.2f} h + drain {doc['drain_s'] / 60:.1f} min, demand peak "
+                   f"{doc['demand_peak']:.2f}x / mean {doc['demand_mean']:.2f}x, seeds {doc['seeds'][0]}-{doc['seeds'][-1]}")
+        typer.echo(f"  {'policy':<15}{'wait mean':>10}{'p50':>7}{'p95':>8}{'GPU-wtd':>9}{'waited':>8}"
+                   f"{'never ran':>10}{'alloc %':>9}{'while waiting':>14}{'s/seed':>8}")
+        for name, r in doc["policies"].items():
+            typer.echo(f"  {name:<15}{r['wait_mean_s']:>9.1f}s{r['wait_p50_s']:>6.0f}s{r['wait_p95_s']:>7.0f}s"
+                       f"{r['wait_gpu_weighted_s']:>8.1f}s{r['waited']:>8.0f}{r['never_ran']:>10.1f}"
+                       f"{r['alloc_mean']:>9.2f}{r['alloc_while_waiting']:>14.2f}{r['seconds_per_seed']:>8.1f}")
+        typer.echo("  mean wait (never ran) by pod size:")
+        for name, r in doc["policies"].items():
+            sizes = sorted(r["by_size"].items(), key=lambda kv: (kv[0] != "cpu", kv[0] != "share",
+                                                                 int(kv[0].split()[0]) if kv[0][0].isdigit() else 0))
+            typer.echo(f"  {name:<15}" + "  ".join(f"{k} {v['wait_mean_s']:.0f}s ({v['never_ran']:g})" for k, v in sizes))
 
 
 @bench_app.command("history")

@@ -403,6 +403,25 @@ class BestFit(Plugin):
         return float(int(s)), None
 
 
+class LeastAllocated(Plugin):
+    """kube-scheduler's default scoring (NodeResourcesFit, strategy LeastAllocated) with the GPU
+    added to its resources: the mean over CPU, memory and GPU of the share left free after the
+    job, times 100 (spreads work over the emptiest nodes). The baseline a cluster gets from a
+    stock scheduler."""
+
+    name = "leastallocated"
+
+    def evaluate(self, n: Node, a: Ask, ctx: Context) -> tuple[float, Positions | None]:
+        parts = []
+        if n.cpu_total:
+            parts.append((n.cpu_left - a.cpu) / n.cpu_total)
+        if n.mem_total:
+            parts.append((n.mem_left - a.mem) / n.mem_total)
+        if n.left:
+            parts.append((sum(n.left) - a.gpu_milli_total) / (MILLI * len(n.left)))
+        return (float(int(100 * sum(parts) / len(parts))) if parts else 0.0), None
+
+
 class DotProd(Plugin):
     """The simulator's DotProd: 100 * (1 - <node free, ask> / 2) over [CPU / 128 cores, GPU / 8]."""
 
@@ -585,6 +604,7 @@ def profiles() -> dict[str, Profile]:
         "default": Profile("default", ((BestFit(), 1.0), (Topology(), 1.0), (GangLocality(), 1.0),
                                        (DataLocality(), 0.5)), chooser="auto"),
         "random": Profile("random", ((RandomScore(), 1.0),), chooser="random"),
+        "leastallocated": Profile("leastallocated", ((LeastAllocated(), 1.0),)),
         "dotprod": Profile("dotprod", ((DotProd(), 1.0),)),
         "clustering": Profile("clustering", ((GpuClustering(), 1.0),)),
         "packing": Profile("packing", ((GpuPacking(), 1.0),)),
