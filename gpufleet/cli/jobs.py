@@ -317,6 +317,8 @@ def explain(job_id: str, data_dir: DataDir = None, as_json: JsonOut = False) -> 
         return
     for s, e in doc.history:
         _echo_event(s, e, False)
+    for st in doc.staging:
+        typer.echo(st["text"])
     for it in doc.interruptions:
         typer.echo(it["text"])
     for p in doc.pending:

@@ -15,7 +15,7 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -87,12 +87,14 @@ class Explanation:
     history: list[tuple[int, Envelope]]  # (seq, event), in log order
     pending: list[dict[str, Any]]  # why it waits: {seq, kind, code, message, text, ...}
     interruptions: list[dict[str, Any]]  # each run that ended and how it went on: {..., text}
+    # how each run got its dataset / model onto its node (bytes and seconds, or cached): {..., text}
+    staging: list[dict[str, Any]] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
-        """`gpufleet explain --json`: {job_id, events, pending, interruptions}."""
+        """`gpufleet explain --json`: {job_id, events, pending, interruptions, staging}."""
         return {"job_id": self.job_id,
                 "events": [{"seq": s, **e.model_dump(mode="json", exclude_none=True)} for s, e in self.history],
-                "pending": self.pending, "interruptions": self.interruptions}
+                "pending": self.pending, "interruptions": self.interruptions, "staging": self.staging}
 
 
 CONNECT_DEADLINE_S = 6.0
@@ -461,7 +463,7 @@ class Fleet:
         """What `gpufleet explain JOB` says: the job's events (with the client commands that name
         it) in log order, why it waits (each statement with the seq of its event) and its
         interruptions; None when the log has nothing of the job."""
-        from gpufleet.shared.read.view import interruptions, pending_reasons
+        from gpufleet.shared.read.view import data_staging, interruptions, pending_reasons
 
         hist = await self.history(job_filter(job_id=job_id))
         hist += [(s, e) for s, e in await self._commands_of(job_id, hist) if e.job_id == job_id]
@@ -469,7 +471,7 @@ class Fleet:
         if not hist:
             return None
         return Explanation(job_id, hist, pending_reasons(hist),
-                           [{**it.__dict__, "text": it.line()} for it in interruptions(hist)])
+                           [{**it.__dict__, "text": it.line()} for it in interruptions(hist)], data_staging(hist))
 
     async def watch(self, subject: str = "fleet.>", from_start: bool = False,
                     until_terminal: str | None = None, since: float | None = None,

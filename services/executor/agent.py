@@ -7,20 +7,34 @@
   container labels) and so re-adopts what still runs instead of losing or duplicating it;
 - after a workload ended, the GPU cleanliness check: a process of the job still holding memory
   on one of its GPUs (NVML) marks that GPU unclean in `job.exited`, so it is not handed out
-  again until telemetry's occupancy check passes.
+  again until telemetry's occupancy check passes;
+- before a replica starts, its `dataset` / `model` staged into the node's cache (`staging.py`):
+  `job.data_staging` while the copy runs, `job.data_staged` (bytes, seconds, or cached) once it is
+  there, the local path as GPUFLEET_DATASET_DIR / GPUFLEET_MODEL_DIR; `node.datasets_cached`
+  whenever what the cache holds changed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from gpufleet.shared.contract.events import SYS_TENANT, Envelope, NodeHeartbeat, utc
+from gpufleet.shared.contract.events import (
+    SYS_TENANT,
+    Envelope,
+    JobDataStaged,
+    JobDataStaging,
+    NodeDatasetsCached,
+    NodeHeartbeat,
+    Reason,
+    utc,
+)
 from gpufleet.shared.contract.ids import derive_id
 from gpufleet.shared.node.checkpoints import CHECKPOINTED_TYPES, latest_good
 from gpufleet.shared.node.checkpoints import location as checkpoint_location
@@ -41,8 +55,10 @@ from .core import (
     reconcile,
     started_event,
 )
-from .drivers import Driver, DriverError, Workload
+from .datacache import DataNeed, data_needs, in_use
+from .drivers import Driver, DriverError, Launch, Workload
 from .logs import LogRequest, LogServer, LogText, sim_lines
+from .staging import PROGRESS_EVERY_S, DataStager
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +76,8 @@ class ExecutorAgent:
                  instance: str = "0", heartbeat_s: float = HEARTBEAT_S, reconcile_s: float = RECONCILE_S,
                  grace_s: float = 10.0, checkpoint_root: str | None = None, force_after_s: float = FORCE_AFTER_S,
                  clock: Callable[[], float] = time.time, batch: int = 256,
-                 runtime: ServiceRuntime[ExecutorState] | None = None, serve_logs: bool = True) -> None:
+                 runtime: ServiceRuntime[ExecutorState] | None = None, serve_logs: bool = True,
+                 data: DataStager | None = None, progress_every_s: float = PROGRESS_EVERY_S) -> None:
         self.core = core
         self.bus = bus
         self.driver = driver
@@ -81,6 +98,10 @@ class ExecutorAgent:
         self._forced: set[str] = set()
         self.beating = True  # tests turn heartbeats off to play a lost node
         self.heartbeats_sent = 0
+        self.data = data  # the node's dataset / model cache (driver nodes)
+        self.progress_every_s = progress_every_s
+        self._staging_said: dict[tuple[str, str], tuple[int, float]] = {}  # (key, name) -> (facts said, when)
+        self._cached_said: tuple[str, ...] | None = None  # what node.datasets_cached said last
         self.logs: LogServer | None = LogServer(
             bus, self.runtime.actor, lambda: self.core.hosted(self.state), self._log_text,
             lambda n: self.driver.name if self.driver is not None and n in self.core.driver_nodes else "sim",
@@ -100,6 +121,8 @@ class ExecutorAgent:
             except Exception as e:  # noqa: BLE001 - logs are a convenience: the node runs without them
                 log.error("the logs service did not start (%s): `gpufleet logs` cannot reach this node", e)
                 self.logs = None
+        if self.data is not None:
+            await asyncio.to_thread(self.data.scan)  # what the cache really holds (said once registered)
         if self.owns_runtime:
             await self.runtime.start()
         if self.driver is not None:
@@ -125,6 +148,8 @@ class ExecutorAgent:
             await asyncio.gather(*tasks, return_exceptions=True)
             if self.logs is not None:
                 await self.logs.stop()
+            if self.data is not None:
+                await self.data.close()
             if self.driver is not None:
                 await self.driver.close()
 
@@ -177,13 +202,28 @@ class ExecutorAgent:
         ctx = self.runtime.ctx()
         out: list[Envelope] = []
         cleanups: list[str] = []
+        if self.data is not None:  # what running and starting jobs use is never evicted
+            self.data.in_use = in_use([self.state.peek(w.job_id).spec for w in observed if w.running]
+                                      + [self.state.peek(a.launch.job_id).spec for a in actions if isinstance(a, Start)],
+                                      self.data.sources)
         for a in actions:
             try:
                 await self._act(a, ctx, now, out, cleanups)
             except Exception:  # noqa: BLE001 - the next round tries this one again
                 log.exception("%s: %s failed; retrying next round", _key_of(a), type(a).__name__)
+        if self.data is not None:
+            starting = {a.launch.key for a in actions if isinstance(a, Start)}
+            self.data.want_only(starting)  # a copy for a job cancelled meanwhile stops
+            for k in [k for k in self._staging_said if k[0] not in starting]:
+                del self._staging_said[k]
+            await self.data.trim()
+            out += self._cached_fact(ctx)
         if out:
-            await self.runtime.publish_local(out)  # published (and folded) before anything is removed
+            try:
+                await self.runtime.publish_local(out)  # published (and folded) before anything is removed
+            except Exception:
+                self._cached_said = None  # said again next round
+                raise
         for key in cleanups:
             try:
                 await self.driver.cleanup(key)
@@ -196,8 +236,11 @@ class ExecutorAgent:
     async def _act(self, a: Action, ctx: Ctx, now: float, out: list[Envelope], cleanups: list[str]) -> None:
         assert self.driver is not None
         if isinstance(a, Start):
+            launch = await self._staged(a, ctx, out) if self.data is not None else a.launch
+            if launch is None:
+                return  # its data is being copied (or could not be: its exit is in `out`)
             try:
-                w = await self.driver.start(a.launch)
+                w = await self.driver.start(launch)
             except DriverError as exc:
                 log.warning("%s: cannot start: %s", a.launch.key, exc.message)
                 never = Workload(a.launch.job_id, a.launch.replica, a.launch.attempt, a.launch.node_id, handle="",
@@ -224,6 +267,69 @@ class ExecutorAgent:
                 cleanups.append(a.workload.key)
         elif isinstance(a, Cleanup):
             cleanups.append(a.key)
+
+    # ------------------------------------------------------------ datasets and models
+
+    async def _staged(self, a: Start, ctx: Ctx, out: list[Envelope]) -> Launch | None:
+        """The launch with the local paths of its dataset / model once all are in the node's cache;
+        None while a copy runs, or when one failed (its exit is then in `out`, with why)."""
+        assert self.data is not None
+        cache, launch, d = self.data, a.launch, a.desired
+        needs = data_needs(self.state.peek(launch.job_id).spec, cache.sources)
+        ready: list[DataNeed] = []
+        waiting = False
+        for n in needs:
+            why = cache.failed.pop((launch.key, n.name), None)
+            if why is not None:
+                never = Workload(launch.job_id, launch.replica, launch.attempt, launch.node_id, handle="",
+                                 running=False, exit_code=EXIT_CANNOT_RUN, started_at=self.clock())
+                out.append(exited_event(ctx, ReportExit(never, "error", None, d), detail=Reason(
+                    code="data_staging_failed", field=n.field, message=f"{n.field} {n.uri}: cannot stage it: {why}")))
+                return None
+            if cache.has(n.name):
+                ready.append(n)
+            elif n.uri is not None:
+                waiting = True
+                c = cache.copies.get(n.name)
+                if c is None or launch.key not in c.waiters:
+                    c = cache.begin(n, launch.key)
+                said, at = self._staging_said.get((launch.key, n.name), (0, 0.0))
+                now = self.clock()
+                if said == 0 or now - at >= self.progress_every_s:
+                    out.append(ctx.emit(JobDataStaging(
+                        job_id=launch.job_id, node_id=launch.node_id, replica=launch.replica, attempt=launch.attempt,
+                        field=n.field, uri=n.uri, done_bytes=c.done_bytes, total_bytes=c.total_bytes,
+                        elapsed_s=round(max(0.0, now - c.started_at_s), 3)),
+                        tenant=d.tenant, cause_id=d.placed_event_id, key=f"staging:{launch.replica}:{n.field}:{said}"))
+                    self._staging_said[(launch.key, n.name)] = (said + 1, now)
+            # else: a bare name nobody configured a source for, not held here: it starts without it
+        if waiting:
+            return None
+        dirs = []
+        for n in ready:
+            copy = cache.staged.pop((launch.key, n.name), None)
+            path = str(cache.path_of(n.name))
+            entry = cache.cache.entries[n.name]
+            out.append(ctx.emit(JobDataStaged(
+                job_id=launch.job_id, node_id=launch.node_id, replica=launch.replica, attempt=launch.attempt,
+                field=n.field, name=n.name, uri=n.uri, path=path, cached=copy is None, size_bytes=entry.size_bytes,
+                copied_bytes=copy.copied_bytes if copy else 0, staging_s=copy.staging_s if copy else 0.0),
+                tenant=d.tenant, cause_id=d.placed_event_id, key=f"staged:{launch.replica}:{n.field}"))
+            cache.use(n.name)
+            dirs.append((n.field, path))
+            self._staging_said.pop((launch.key, n.name), None)
+        return replace(launch, data_dirs=tuple(dirs)) if dirs else launch
+
+    def _cached_fact(self, ctx: Ctx) -> list[Envelope]:
+        """`node.datasets_cached` for each driver node, when what the cache holds changed."""
+        assert self.data is not None
+        listing = self.data.listing()
+        if listing == self._cached_said:
+            return []
+        self._cached_said = listing
+        digest = hashlib.sha256("\n".join(listing).encode()).hexdigest()[:16]
+        return [ctx.emit(NodeDatasetsCached(node_id=n, datasets=listing), tenant=SYS_TENANT,
+                         key=f"datasets:{n}:{digest}") for n in sorted(self.core.driver_nodes)]
 
     async def _force_end(self, a: Stop, ctx: Ctx, now: float, out: list[Envelope]) -> None:
         """Stuck terminating: report the end the workload will not report itself (once)."""
@@ -320,6 +426,10 @@ def main(argv: list[str] | None = None) -> None:
                          "(default: <data dir>/checkpoints, which outlives the job)")
     ap.add_argument("--heartbeat-s", type=float, default=HEARTBEAT_S)
     ap.add_argument("--grace-s", type=float, default=10.0, help="SIGTERM, then this long, then SIGKILL")
+    ap.add_argument("--dataset-cache-dir", default=os.environ.get("GPUFLEET_DATASET_CACHE_DIR"),
+                    help="the node's dataset / model cache (default: datasetCache.dir, else <data dir>/datasets/<node>)")
+    ap.add_argument("--dataset-cache-size", default=os.environ.get("GPUFLEET_DATASET_CACHE_SIZE"),
+                    help="its size, like 500Gi (default: datasetCache.size, 100Gi)")
     ap.add_argument("--docker-url", default=os.environ.get("DOCKER_HOST"))
     ap.add_argument("--docker-user", default="65534:65534", help="uid:gid containers run as (never root)")
     ap.add_argument("--pull", choices=("never", "if-not-present", "always"), default="if-not-present")
@@ -328,6 +438,7 @@ def main(argv: list[str] | None = None) -> None:
     url = args.nats_url or resolve_nats_url(args.data_dir)
     driver: Driver | None = None
     gpu: GpuBackend | None = None
+    data: DataStager | None = None
     sim_pools = False
     if args.driver == "sim":
         nodes = sim_fleet(args.sim_nodes, args.node_prefix, args.sim_mix)
@@ -344,16 +455,20 @@ def main(argv: list[str] | None = None) -> None:
         mesh_dir = data_dir(args.data_dir)
         work = Path(args.work_dir) if args.work_dir else mesh_dir / "executor" / node_id
         args.checkpoint_root = args.checkpoint_root or str(mesh_dir / "checkpoints")
+        from gpufleet.shared.contract.clusterconfig import load_config
+        from gpufleet.shared.contract.spec import parse_memory_mib
+
+        config = load_config(args.config)
+        cache = config.dataset_cache
+        size_mib = parse_memory_mib(args.dataset_cache_size) if args.dataset_cache_size else cache.size_mib
+        data = DataStager(args.dataset_cache_dir or cache.dir or mesh_dir / "datasets" / node_id,
+                          size_mib << 20, cache.sources)
         if args.driver == "process":
             from .process_driver import ProcessDriver
 
             driver = ProcessDriver(node_id, work, checkpoint_root=args.checkpoint_root)
         else:
-            from gpufleet.shared.contract.clusterconfig import load_config
-
             from .docker_driver import DockerDriver
-
-            config = load_config(args.config)
 
             def allowed(tenant: str, image: str) -> bool:
                 policy = config.policy(tenant)
@@ -366,7 +481,7 @@ def main(argv: list[str] | None = None) -> None:
         bus = await Bus.connect(url, name=f"gpufleet-executor-{args.instance}")
         agent = ExecutorAgent(ExecutorCore(nodes, sim_pools=sim_pools), bus, driver, gpu, instance=args.instance,
                               heartbeat_s=args.heartbeat_s, grace_s=args.grace_s,
-                              checkpoint_root=args.checkpoint_root, batch=args.batch)
+                              checkpoint_root=args.checkpoint_root, batch=args.batch, data=data)
         _stop_on_signals(agent.stop)
         try:
             await agent.start()

@@ -37,6 +37,7 @@ from gpufleet.shared.contract.events import (
     NodeProvisionRequested,
     NodeRegistered,
     NodeRemovalRequested,
+    Reason,
     ReplicaAllocation,
     resumed_attempt,
     utc,
@@ -709,7 +710,7 @@ def started_event(ctx: Ctx, w: Workload, d: Desired, driver: str) -> Envelope:
 
 
 def exited_event(ctx: Ctx, a: ReportExit, unclean: tuple[int, ...] = (),
-                 checkpoint: tuple[str, int, float] | None = None) -> Envelope:
+                 checkpoint: tuple[str, int, float] | None = None, detail: Reason | None = None) -> Envelope:
     w = a.workload
     code = w.exit_code if w.exit_code is not None else EXIT_KILLED
     if a.reason == "timeout":
@@ -721,7 +722,8 @@ def exited_event(ctx: Ctx, a: ReportExit, unclean: tuple[int, ...] = (),
                         runtime_s=round(max(0.0, ctx.now.timestamp() - started), 3), attempt=w.attempt,
                         unclean_gpus=unclean, checkpoint_uri=checkpoint[0] if checkpoint else None,
                         checkpoint_step=checkpoint[1] if checkpoint else None,
-                        checkpoint_saved_at=utc(checkpoint[2]) if checkpoint and checkpoint[2] else None)
+                        checkpoint_saved_at=utc(checkpoint[2]) if checkpoint and checkpoint[2] else None,
+                        detail=detail)
     if a.run is None and a.desired is not None:  # never started: the exit takes the start's slot
         return ctx.emit(payload, tenant=tenant, cause_id=cause, key=f"start:{w.replica}")
     return ctx.emit(payload, tenant=tenant, cause_id=cause, key=f"exit:{w.attempt}")

@@ -20,10 +20,10 @@ are reaped), the checkpoint dir bind-mounted at the same path, and exactly the a
 an NVIDIA device request.
 
 A container never sees a credential (issue 14): its environment is the job's (`Launch.job_env`:
-the spec's env and the GPUFLEET_* variables), nothing of the executor's, and its only mount is
-the job's checkpoint dir, refused where it would show the container anything of the mesh's
-(`mount_conflict`: the data dir or a directory above it, anything in creds/ or in the driver's
-own state and logs).
+the spec's env and the GPUFLEET_* variables), nothing of the executor's, and its only mounts are
+the job's checkpoint dir and, read-only, its staged dataset / model, each refused where it would
+show the container anything of the mesh's (`mount_conflict`: the data dir or a directory above
+it, anything in creds/ or in the driver's own state and logs).
 """
 
 from __future__ import annotations
@@ -145,6 +145,15 @@ def container_config(
                 f"job {launch.job_id}: checkpoint_dir {ckpt!r} is not mounted: it would show the container "
                 f"{conflict}, which is the mesh's")
         host["Binds"] = [f"{ckpt}:{ckpt}:rw"]
+    for what, path in launch.data_dirs:  # its staged dataset / model, read-only at the same path
+        if not os.path.isabs(path) or ":" in path:
+            raise DriverError("bad_data_dir", f"job {launch.job_id}: the {what} dir must be an absolute path "
+                              f"without ':', got {path!r}")
+        conflict = mount_conflict(path, protected, private)
+        if conflict is not None:
+            raise DriverError("data_dir_not_allowed", f"job {launch.job_id}: the {what} dir {path!r} is not "
+                              f"mounted: it would show the container {conflict}, which is the mesh's")
+        host.setdefault("Binds", []).append(f"{path}:{path}:ro")
     if launch.gpu_uuids:
         host["DeviceRequests"] = [
             {"Driver": "nvidia", "DeviceIDs": list(launch.gpu_uuids), "Capabilities": [["gpu"]]}]

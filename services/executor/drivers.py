@@ -43,6 +43,9 @@ class Launch:
     max_runtime_s: float = 86400.0
     checkpoint_dir: str | None = None
     placed_event_id: str = ""  # ties the workload to its allocation (a label / pid-file field)
+    # the local copies of its dataset / model, as ("dataset" | "model", path on the node): the agent
+    # fills them in once staged (services/executor/staging.py); read-only mounts for a container
+    data_dirs: tuple[tuple[str, str], ...] = ()
 
     @property
     def key(self) -> str:
@@ -64,6 +67,8 @@ class Launch:
         }
         if self.checkpoint_dir:
             out["GPUFLEET_CHECKPOINT_DIR"] = self.checkpoint_dir
+        for what, path in self.data_dirs:
+            out[f"GPUFLEET_{what.upper()}_DIR"] = path  # GPUFLEET_DATASET_DIR, GPUFLEET_MODEL_DIR
         return out
 
 

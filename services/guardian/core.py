@@ -317,6 +317,8 @@ class GuardianCore(BaseCore[GuardianState]):
             return [ctx.emit(JobPreempted(job_id=p.job_id, reason=Reason(
                 code="preempted", message=f"replica {p.replica} on {p.node_id} stopped to give its quota back")),
                 key="end")]
+        if p.exit_code != 0 and p.detail is not None:  # it could not start (its dataset could not be staged)
+            return [ctx.emit(JobFailed(job_id=p.job_id, reason=p.detail, exit_code=p.exit_code), key="end")]
         if p.exit_code != 0:
             code = "timeout" if p.reason == "timeout" else "exit_code"
             message = (f"ran past its max runtime ({p.runtime_s:.0f}s)" if p.reason == "timeout"

@@ -185,6 +185,28 @@ class PlacementConfig(BaseModel):
     reservations: int = Field(default=1, ge=1, le=64)
 
 
+class DatasetCacheConfig(BaseModel):
+    """Each driver node's cache of datasets and models (services/executor/staging.py, docs/config.md)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
+
+    size_mib: MemoryMiB = Field(default=100 * 1024, alias="size", ge=1)  # kept within this, LRU
+    dir: str | None = Field(default=None, max_length=4096)  # default: <data dir>/datasets/<node>
+    # bare dataset / model names -> the URI each is staged from (a bare name not here is used only
+    # where a node already holds it)
+    sources: dict[str, str] = Field(default_factory=dict, max_length=10_000)
+
+    @field_validator("sources")
+    @classmethod
+    def _uris(cls, v: dict[str, str]) -> dict[str, str]:
+        for name, uri in v.items():
+            if "://" in name or not name or len(name) > 256:
+                raise ValueError(f"{name!r}: a source is named by a bare dataset name (no scheme, at most 256 characters)")
+            if "://" not in uri:
+                raise ValueError(f"{name}: {uri!r} is not a URI (file:///path, or an object store's)")
+        return v
+
+
 def _money(v: Any) -> Any:
     """A price or an amount: a decimal string or number >= 0 (a float goes through its shortest
     repr, so `4.1` is 4.1, not 4.0999999999999996447...)."""
@@ -361,6 +383,7 @@ class ClusterConfig(BaseModel):
     prices: PriceTable = LIST_PRICES  # (no `prices:` block: public list prices; see LIST_PRICES)
     budgets: BudgetsConfig = BudgetsConfig()
     node_pools: dict[str, NodePoolConfig] = Field(default_factory=dict, alias="nodePools")
+    dataset_cache: DatasetCacheConfig = Field(default_factory=lambda: DatasetCacheConfig(), alias="datasetCache")
 
     def policy(self, tenant: str) -> TenantPolicy | None:
         """The tenant's policy; None for a tenant the cluster does not know."""

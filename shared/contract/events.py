@@ -177,6 +177,39 @@ class JobStarted(_JobPayload):
     container_id: str | None = None  # docker driver
 
 
+class JobDataStaging(_JobPayload):
+    """The executor is copying the job's dataset (or model) into its node's local cache; the replica
+    starts once every copy it needs is there. Said when the copy starts, then every 10 s or so."""
+
+    type: Literal["job.data_staging"] = "job.data_staging"
+    node_id: str
+    replica: int = 0
+    attempt: int = 1
+    field: Literal["dataset", "model"] = "dataset"
+    uri: str  # the source the copy reads
+    done_bytes: int = 0
+    total_bytes: int | None = None  # None: not known yet
+    elapsed_s: float = 0.0
+
+
+class JobDataStaged(_JobPayload):
+    """The job's dataset (or model) is in its node's local cache, at `path`: copied for it now
+    (`copied_bytes` in `staging_s`), or found there already (`cached`: nothing copied)."""
+
+    type: Literal["job.data_staged"] = "job.data_staged"
+    node_id: str
+    replica: int = 0
+    attempt: int = 1
+    field: Literal["dataset", "model"] = "dataset"
+    name: str  # as the spec names it (what node.datasets_cached lists)
+    uri: str | None = None  # the source it was copied from (None: a bare name the node held)
+    path: str  # where the workload finds it on the node (GPUFLEET_DATASET_DIR / GPUFLEET_MODEL_DIR)
+    cached: bool = False
+    size_bytes: int = 0
+    copied_bytes: int = 0
+    staging_s: float = 0.0
+
+
 class JobHeartbeat(_JobPayload):
     """The job is alive (and how far it got)."""
 
@@ -281,6 +314,9 @@ class JobExited(_JobPayload):
     checkpoint_uri: str | None = None
     checkpoint_step: int | None = None
     checkpoint_saved_at: datetime | None = None
+    # why a replica that never started could not (its dataset could not be staged: code
+    # data_staging_failed, field dataset | model): the job fails with this reason
+    detail: Reason | None = None
 
 
 class JobSucceeded(_JobPayload):
@@ -430,7 +466,8 @@ class NodeUncordoned(_NodePayload):
 
 
 class NodeDatasetsCached(_NodePayload):
-    """The datasets in the node's local cache, as the executor last saw them (a data-locality fact)."""
+    """The datasets (and models) in the node's local cache, as the executor last saw them on disk
+    (a data-locality fact): each named as job specs name it. Said at start and on every change."""
 
     type: Literal["node.datasets_cached"] = "node.datasets_cached"
     datasets: tuple[str, ...]
@@ -581,7 +618,7 @@ Payload = Annotated[
     Union[  # noqa: UP007 - a discriminated union reads clearer spelled out
         SubmitRequested, CancelRequestedCmd,
         JobSubmitted, JobAdmitted, JobRejected, JobQueued, JobQuotaReserved, JobUnschedulable, JobPlaced,
-        JobStarted, JobHeartbeat, JobCheckpointSaved, JobCheckpointVerified, JobCheckpointInvalid,
+        JobDataStaging, JobDataStaged, JobStarted, JobHeartbeat, JobCheckpointSaved, JobCheckpointVerified, JobCheckpointInvalid,
         JobCheckpointOverdue, JobPreemptionRequested, JobPreempted,
         JobRequestRefused, JobCancelRequested, JobExited, JobSucceeded, JobFailed, JobCancelled, JobResumeRequested,
         JobIdleDetected, JobIdleEnded, JobGpuStarved, JobBackfillReserved,

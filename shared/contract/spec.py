@@ -366,7 +366,10 @@ class JobSpec(_Spec):
     checkpoint: CheckpointSpec | None = None
     node_selector: dict[str, str] = Field(default_factory=dict, alias="nodeSelector")  # node labels required
     tolerations: tuple[str, ...] = ()  # node taints tolerated
-    dataset: str | None = Field(default=None, max_length=256)  # prefers nodes with it in their local cache
+    # a source URI (file://, or an object store's) the executor stages into its node's cache before
+    # the job starts, or a bare name the node may hold; the placer prefers nodes that hold it
+    dataset: str | None = Field(default=None, max_length=256)
+    model: str | None = Field(default=None, max_length=256)  # the same, for the job's model (weights)
     topology: TopologySpec | None = None  # a gang's replicas within one leaf / rack / spine (required, preferred)
     sim: SimSpec = SimSpec()
     # type: inference only: the job is a service whose replicas the autoscaler runs as jobs of their own
@@ -493,7 +496,7 @@ class FrozenMap(dict):  # type: ignore[type-arg]
 # the plain values jobs of a backlog repeat (a job's name is its own): one copy of each. A JobSpec's
 # __dict__ past 21 fields costs 832 bytes instead of 464 (CPython's dict sizes), so what the
 # parts repeat is what keeps a pending job's spec small (tests/test_retention.py).
-_PLAIN_SHARED = ("tenant", "queue", "type", "priority_class", "restart_policy", "image", "dataset",
+_PLAIN_SHARED = ("tenant", "queue", "type", "priority_class", "restart_policy", "image", "dataset", "model",
                  "max_runtime_s", "retry_backoff_s")  # strings and floats: never equal across kinds
 _PLAIN_VALUES: dict[Any, Any] = {}
 _MAPS_SHARED = ("env", "node_selector")

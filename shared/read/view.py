@@ -16,6 +16,8 @@ from gpufleet.shared.contract.events import (
     JobCancelled,
     JobCancelRequested,
     JobCheckpointVerified,
+    JobDataStaged,
+    JobDataStaging,
     JobExited,
     JobFailed,
     JobPlaced,
@@ -204,6 +206,11 @@ def apply(view: ClusterView, env: Envelope, seq: int) -> tuple[set[str], set[str
                     node.running_jobs.append(job_id)
                 node.last_seq = seq
                 nodes_touched.add(node_id)
+    elif isinstance(p, JobDataStaging):  # placed, its data being copied to its node: not started yet
+        job.reason = f"staging {p.field} {p.uri} on {p.node_id}: {_bytes(p.done_bytes)}" + (
+            f" of {_bytes(p.total_bytes)}" if p.total_bytes is not None else "")
+    elif isinstance(p, JobDataStaged):
+        job.reason = f"{p.field} {p.name} on {p.node_id}: {_staged_text(p)}"
     elif t == "job.started":
         if job.status not in TERMINAL_STATUSES:
             job.status = "running"
@@ -291,6 +298,44 @@ def interruptions(history: list[tuple[int, Envelope]]) -> list[Interruption]:
                 out[-1].next_node = ",".join(sorted({a.node_id for a in allocs}))
                 out[-1].next_seq = seq
     return out
+
+
+def _bytes(n: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
+def _staged_text(p: JobDataStaged) -> str:
+    if p.cached:
+        return f"cached ({_bytes(p.size_bytes)}), no copy"
+    return f"staged from {p.uri}: {_bytes(p.copied_bytes)} copied in {p.staging_s:.2f} s"
+
+
+def data_staging(history: list[tuple[int, Envelope]]) -> list[dict[str, Any]]:
+    """For `explain`: how each run got its dataset / model onto its node (copied: bytes and seconds,
+    or cached, no copy), and a copy still under way. One line per (attempt, replica, field)."""
+    done: dict[tuple[int, int, str], dict[str, Any]] = {}
+    going: dict[tuple[int, int, str], dict[str, Any]] = {}
+    for seq, env in history:
+        p = env.payload
+        if isinstance(p, JobDataStaged):
+            k = (p.attempt, p.replica, p.field)
+            going.pop(k, None)
+            done[k] = {"seq": seq, "attempt": p.attempt, "replica": p.replica, "node_id": p.node_id,
+                       "field": p.field, "name": p.name, "uri": p.uri, "cached": p.cached,
+                       "size_bytes": p.size_bytes, "copied_bytes": p.copied_bytes, "staging_s": p.staging_s,
+                       "text": f"{p.field} {p.name} on {p.node_id} (run {p.attempt}, replica {p.replica}): "
+                               f"{_staged_text(p)} (seq {seq})"}
+        elif isinstance(p, JobDataStaging) and (p.attempt, p.replica, p.field) not in done:
+            total = f" of {_bytes(p.total_bytes)}" if p.total_bytes is not None else ""
+            going[(p.attempt, p.replica, p.field)] = {
+                "seq": seq, "attempt": p.attempt, "replica": p.replica, "node_id": p.node_id, "field": p.field,
+                "uri": p.uri, "done_bytes": p.done_bytes, "total_bytes": p.total_bytes, "elapsed_s": p.elapsed_s,
+                "text": f"{p.field} {p.uri} on {p.node_id} (run {p.attempt}, replica {p.replica}): staging, "
+                        f"{_bytes(p.done_bytes)}{total} after {p.elapsed_s:.1f} s (seq {seq})"}
+    return [v for _, v in sorted({**done, **going}.items())]
 
 
 def pending_reasons(hist: list[tuple[int, Any]]) -> list[dict[str, Any]]:

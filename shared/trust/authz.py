@@ -81,6 +81,8 @@ OWNERS: dict[str, frozenset[str]] = {
     "job.checkpoint_verified": frozenset({"guardian"}),
     "job.checkpoint_invalid": frozenset({"guardian"}),
     "job.checkpoint_overdue": frozenset({"guardian"}),
+    "job.data_staging": frozenset({"executor"}),
+    "job.data_staged": frozenset({"executor"}),
     "job.started": frozenset({"executor"}),
     "job.heartbeat": frozenset({"executor"}),
     # telemetry reports the exits of the replicas of a node it declared lost
