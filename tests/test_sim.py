@@ -74,7 +74,8 @@ def test_what_if_runs_the_recorded_workload_under_another_config() -> None:
     doc = yaml.safe_load((EXAMPLES / "seed-story.yaml").read_text())
     config = parse_config(doc["config"])
     same = what_if(history, config, config)
-    assert same["delta"] == {"wait_p50_s": 0, "wait_p95_s": 0, "gpu_allocation_pct": 0, "preemptions": 0}
+    assert same["delta"] == {"wait_mean_s": 0, "wait_p50_s": 0, "wait_p95_s": 0, "never_ran": 0,
+                             "gpu_allocation_pct": 0, "preemptions": 0}
     assert same["finished_earlier"] == same["finished_later"] == 0 and same["jobs_compared"] == 33
     # the recorded run, replayed, waits as the recorded one did (the run times are the recorded ones)
     assert abs(same["recorded"]["wait_p50_s"] - recorded.report()["wait_p50_s"]) <= 2

@@ -79,12 +79,21 @@ def _what_if(data_dir: str | None, path: Path, as_json: bool) -> None:
     if as_json:
         _print_json(doc)
         return
-    a, b = doc["recorded"], doc["what_if"]
-    typer.echo(f"{doc['jobs_compared']} jobs, the recorded workload run twice through the cores (simulated):")
-    typer.echo(f"{'':22}{'recorded config':>18}{'what-if':>14}")
-    for key, label in (("wait_p50_s", "wait p50 (s)"), ("wait_p95_s", "wait p95 (s)"),
+    logged, a, b = doc["logged"], doc["recorded"], doc["what_if"]
+    typer.echo(f"{doc['jobs_compared']} jobs, the recorded workload run twice through the cores (simulated), "
+               "beside the log as it happened:")
+    typer.echo(f"{'':22}{'as logged':>12}{'recorded config':>18}{'what-if':>14}")
+    for key, label in (("wait_mean_s", "wait mean (s)"), ("wait_p50_s", "wait p50 (s)"),
+                       ("wait_p95_s", "wait p95 (s)"), ("never_ran", "never ran"),
                        ("gpu_allocation_pct", "GPU allocation (%)"), ("preemptions", "preemptions")):
-        typer.echo(f"{label:22}{a[key]!s:>18}{b[key]!s:>14}")
+        typer.echo(f"{label:22}{logged[key]!s:>12}{a[key]!s:>18}{b[key]!s:>14}")
+    spark = " ▁▂▃▄▅▆▇█"
+
+    def line(curve: list[float]) -> str:
+        return "".join(spark[min(8, round(v / 100 * 8))] for v in curve)
+
+    typer.echo(f"{'GPU allocation, over time':26}as logged {line(logged['gpu_allocation_curve'])}  "
+               f"recorded {line(a['gpu_allocation_curve'])}  what-if {line(b['gpu_allocation_curve'])}")
     typer.echo(f"finished earlier: {doc['finished_earlier']}, later: {doc['finished_later']}; "
                f"would have failed: {', '.join(doc['would_have_failed']) or 'none'}")
 

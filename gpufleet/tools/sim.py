@@ -49,7 +49,7 @@ import hashlib
 import json
 import random
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -502,57 +502,12 @@ class Simulation:
         return b"".join(e.to_json() + b"\n" for e in self.log)
 
     def report(self) -> dict[str, Any]:
-        first_submit: dict[str, float] = {}
-        first_place: dict[str, float] = {}
-        status: dict[str, str] = {}
-        alloc_gpu_s = 0.0
-        running_gpus: dict[tuple[str, int], tuple[float, int]] = {}
-        for e in self.log:
-            t = e.occurred_at.timestamp()
-            j = e.job_id
-            if j is None:
-                continue
-            if e.type == "job.submitted":
-                first_submit.setdefault(j, t)
-                status[j] = "pending"
-            elif e.type == "job.placed":
-                first_place.setdefault(j, t)
-                status[j] = "running"
-                for a in getattr(e.payload, "allocations", ()):
-                    running_gpus[(j, a.replica)] = (t, len(a.gpu_indices))
-            elif e.type == "job.exited":
-                start = running_gpus.pop((j, getattr(e.payload, "replica", 0)), None)
-                if start is not None:
-                    alloc_gpu_s += (t - start[0]) * start[1]
-            elif e.type in RUN_ENDED_JOB_TYPES:
-                status[j] = e.type.removeprefix("job.")
-        waits = sorted(first_place[j] - first_submit[j] for j in first_place if j in first_submit)
-        span = max(1.0, self.now - EPOCH)
-        # GPU-seconds the cluster had: each node from its registration to its removal (pool nodes
-        # come and go) or the end
-        up: dict[str, tuple[float, int]] = {}
-        capacity_gpu_s = 0.0
-        for e in self.log:
-            p = e.payload
-            if isinstance(p, NodeRegistered) and p.node_id not in up:
-                up[p.node_id] = (e.occurred_at.timestamp(), len([g for g in p.inventory.gpus if not g.mig_enabled]))
-            elif e.type == "node.deregistered" and e.node_id in up:
-                since, n = up.pop(e.node_id)
-                capacity_gpu_s += (e.occurred_at.timestamp() - since) * n
-        capacity_gpu_s += sum((self.now - since) * n for since, n in up.values())
-        by_status: dict[str, int] = {}
-        for s in status.values():
-            by_status[s] = by_status.get(s, 0) + 1
+        figures = workload_figures(self.log, EPOCH, self.now)
         audited = audit(list(enumerate(self.log, start=1)), self.sc.config, pending_grace_s=self.rules.lease_s)
         return {
-            "seed": self.sc.seed, "events": len(self.log), "sim_seconds": round(span, 3),
+            "seed": self.sc.seed, "events": len(self.log), "sim_seconds": round(max(1.0, self.now - EPOCH), 3),
             "log_sha256": hashlib.sha256(self.log_bytes()).hexdigest(),
-            "jobs": by_status,
-            "wait_p50_s": round(statistics.median(waits), 3) if waits else None,
-            "wait_p95_s": round(waits[min(len(waits) - 1, int(0.95 * len(waits)))], 3) if waits else None,
-            "gpu_allocation_pct": round(100 * alloc_gpu_s / capacity_gpu_s, 2) if capacity_gpu_s else 0.0,
-            "gpu_hours_available": round(capacity_gpu_s / 3600, 2),
-            "preemptions": sum(1 for e in self.log if e.type == "job.preemption_requested"),
+            **figures,
             "resumes": sum(1 for e in self.log if e.type == "job.resume_requested"),
             "nodes_lost": sum(1 for e in self.log if e.type == "node.lost"),
             "nodes_provisioned": sum(1 for e in self.log if e.type == "node.provision_requested"),
@@ -562,6 +517,81 @@ class Simulation:
             "chaos": dict(self.chaos_faults),
             "audit": {"ok": audited.ok, "violations": [v.__dict__ for v in audited.violations[:20]]},
         }
+
+
+CURVE_SLICES = 20
+
+
+def workload_figures(log: Sequence[Envelope], start: float, end: float) -> dict[str, Any]:
+    """What the workload got, from a log (a simulated one, or a real mesh's history): jobs by
+    status, the wait from submit to first placement (mean, p50, p95), the jobs that never ran,
+    the GPU allocation over [start, end] (every replica from its placement to its exit, or the
+    end) against the GPUs the registered nodes had, the same per twentieth of the span (the
+    curve), and the preemptions. The dynamic placement benchmark's figures."""
+    first_submit: dict[str, float] = {}
+    first_place: dict[str, float] = {}
+    status: dict[str, str] = {}
+    held: list[tuple[float, float, int]] = []  # (from, to, GPUs): a replica's allocation
+    running_gpus: dict[tuple[str, int], tuple[float, int]] = {}
+    up: dict[str, tuple[float, int]] = {}
+    nodes_up: list[tuple[float, float, int]] = []  # (from, to, GPUs): a node's life
+    for e in log:
+        t = e.occurred_at.timestamp()
+        p = e.payload
+        if isinstance(p, NodeRegistered) and p.node_id not in up:
+            up[p.node_id] = (t, len([g for g in p.inventory.gpus if not g.mig_enabled]))
+        elif e.type == "node.deregistered" and e.node_id in up:
+            since, n = up.pop(e.node_id)
+            nodes_up.append((since, t, n))
+        j = e.job_id
+        if j is None:
+            continue
+        if e.type == "job.submitted":
+            first_submit.setdefault(j, t)
+            status[j] = "pending"
+        elif e.type == "job.placed":
+            first_place.setdefault(j, t)
+            status[j] = "running"
+            for a in getattr(p, "allocations", ()):
+                running_gpus[(j, a.replica)] = (t, len(a.gpu_indices))
+        elif e.type == "job.exited":
+            began = running_gpus.pop((j, getattr(p, "replica", 0)), None)
+            if began is not None:
+                held.append((began[0], t, began[1]))
+        elif e.type in RUN_ENDED_JOB_TYPES:
+            status[j] = e.type.removeprefix("job.")
+    held += [(since, end, n) for since, n in running_gpus.values()]
+    nodes_up += [(since, end, n) for since, n in up.values()]
+    waits = sorted(first_place[j] - first_submit[j] for j in first_place if j in first_submit)
+    by_status: dict[str, int] = {}
+    for st in status.values():
+        by_status[st] = by_status.get(st, 0) + 1
+    span = max(1e-9, end - start)
+    width = span / CURVE_SLICES
+
+    def per_slice(intervals: list[tuple[float, float, int]]) -> list[float]:
+        out = [0.0] * CURVE_SLICES
+        for lo, hi, n in intervals:
+            lo, hi = max(lo, start), min(hi, end)
+            k = int((lo - start) / width) if hi > lo else CURVE_SLICES
+            while k < CURVE_SLICES and hi > lo:
+                edge = min(hi, start + (k + 1) * width)
+                out[k] += (edge - lo) * n
+                lo, k = edge, k + 1
+        return out
+
+    alloc, cap = per_slice(held), per_slice(nodes_up)
+    return {
+        "jobs": by_status,
+        "wait_mean_s": round(statistics.mean(waits), 3) if waits else None,
+        "wait_p50_s": round(statistics.median(waits), 3) if waits else None,
+        "wait_p95_s": round(waits[min(len(waits) - 1, int(0.95 * len(waits)))], 3) if waits else None,
+        "never_ran": sum(1 for j in first_submit if j not in first_place),
+        "gpu_allocation_pct": round(100 * sum(alloc) / sum(cap), 2) if sum(cap) else 0.0,
+        "gpu_allocation_curve": [round(100 * a / c, 1) if c else 0.0 for a, c in zip(alloc, cap, strict=True)],
+        "gpu_hours_available": round(sum(cap) / 3600, 2),
+        "preemptions": sum(1 for e in log if e.type == "job.preemption_requested"),
+    }
 
 
 def run_file(path: str | Path, seed: int | None = None,
@@ -670,7 +700,9 @@ def what_if(history: list[tuple[int, Envelope]], base: ClusterConfig, other: Clu
             other_nodes: dict[str, NodeInventory] | None = None,
             progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
     """The recorded workload under the recorded config and under `other` (and, if given, on
-    another cluster: `other_nodes`), side by side; `progress(done, of)` over both runs' submits."""
+    another cluster: `other_nodes`), side by side, beside the same figures read off the log itself
+    (`logged`: what really happened, against which the recorded config's run can be judged);
+    `progress(done, of)` over both runs' submits."""
     runs = {}
     ends: dict[str, dict[str, tuple[str, float]]] = {}
     for i, (name, cfg, nodes) in enumerate((("recorded", base, None), ("what_if", other, other_nodes))):
@@ -689,8 +721,12 @@ def what_if(history: list[tuple[int, Envelope]], base: ClusterConfig, other: Clu
     def delta(k: str) -> float | None:
         return round(b[k] - a[k], 3) if a.get(k) is not None and b.get(k) is not None else None
 
-    return {"recorded": a, "what_if": b,
-            "delta": {k: delta(k) for k in ("wait_p50_s", "wait_p95_s", "gpu_allocation_pct", "preemptions")},
+    envs = [e for _, e in history]
+    logged = workload_figures(envs, min(e.occurred_at.timestamp() for e in envs),
+                              max(e.occurred_at.timestamp() for e in envs))
+    return {"logged": logged, "recorded": a, "what_if": b,
+            "delta": {k: delta(k) for k in ("wait_mean_s", "wait_p50_s", "wait_p95_s", "never_ran",
+                                            "gpu_allocation_pct", "preemptions")},
             "finished_earlier": len(earlier), "finished_later": len(later),
             "would_have_failed": failed, "jobs_compared": len(common)}
 
