@@ -156,3 +156,40 @@ async def test_a_job_cancelled_while_staging_stops_the_copy(bus: Bus, nats_url: 
         slow.release.set()
     assert not await events_of(bus, job.job_id or "", "job.started")
     assert not await events_of(bus, job.job_id or "", "job.data_staged")
+
+
+async def test_the_placer_sends_the_next_job_to_the_node_that_holds_its_dataset(
+        bus: Bus, nats_url: str, tmp_path: Path, job_dir: Path) -> None:  # noqa: F811
+    """Two identical, empty process nodes, and a dataset only proc-b holds (a job pinned there staged
+    it): the next job on that dataset goes to proc-b, by what proc-b said in node.datasets_cached,
+    where the tie-break alone sends a job to proc-a (the node changed least recently), as the job
+    without a dataset after it shows. (With the DataLocality plugin scoring 0 this test fails.)"""
+    src = job_dir / "imagenet"
+    src.mkdir()
+    (src / "train.tar").write_bytes(b"z" * MiB)
+    uri = src.as_uri()
+
+    def node_agent(node: str) -> Any:
+        inv = process_node().model_copy(update={"labels": {"host": node}})
+        return agent_running(nats_url, f"executor-{node}", lambda bus: ExecutorAgent(
+            ExecutorCore({node: inv}), bus, ProcessDriver(node, tmp_path / node), instance=node, reconcile_s=0.1,
+            heartbeat_s=1.0, data=DataStager(job_dir / f"cache-{node}", 64 * MiB)), creds=service_creds("executor"))
+
+    warm = submit_cmd(spec(["true"], gpu=0, dataset=uri, nodeSelector={"host": "proc-b"}))
+    plain = submit_cmd(spec(["true"], gpu=0))
+    local = submit_cmd(spec(["true"], gpu=0, dataset=uri))
+    async with running(nats_url, control_cores()) as rts, node_agent("proc-a"), node_agent("proc-b"):
+        await bus.publish(warm)
+        await until_status(bus, warm.job_id or "", "succeeded")
+        placer = next(rt for rt in rts if rt.core.name == "placer")
+        await wait_until(lambda: uri in placer.state.nodes["proc-b"].datasets)
+        for job in (local, plain):
+            await bus.publish(job)
+            await until_status(bus, job.job_id or "", "succeeded")
+
+    def node_of(placed: list[Any]) -> str:
+        return str(placed[0].payload.allocations[0].node_id)
+    assert node_of(await events_of(bus, local.job_id or "", "job.placed")) == "proc-b"
+    assert node_of(await events_of(bus, plain.job_id or "", "job.placed")) == "proc-a"
+    staged = (await events_of(bus, local.job_id or "", "job.data_staged"))[0].payload
+    assert staged.cached and staged.node_id == "proc-b"

@@ -76,6 +76,18 @@ def test_config_cpu_only_job_gets_no_gpu_at_all() -> None:
     assert c["User"] == "65534:65534"
 
 
+def test_config_mounts_the_staged_dataset_and_model_read_only() -> None:
+    c = container_config(launch(checkpoint_dir="/data/ckpt/job-1",
+                                data_dirs=(("dataset", "/cache/ab12/data"), ("model", "/cache/cd34/data"))))
+    assert c["HostConfig"]["Binds"] == ["/data/ckpt/job-1:/data/ckpt/job-1:rw", "/cache/ab12/data:/cache/ab12/data:ro",
+                                        "/cache/cd34/data:/cache/cd34/data:ro"]
+    env = dict(e.split("=", 1) for e in c["Env"])
+    assert env["GPUFLEET_DATASET_DIR"] == "/cache/ab12/data" and env["GPUFLEET_MODEL_DIR"] == "/cache/cd34/data"
+    with pytest.raises(DriverError) as e:  # a cache dir that would show the container the mesh's data dir
+        container_config(launch(data_dirs=(("dataset", "/srv"),)), protected=("/srv/mesh",))
+    assert e.value.code == "data_dir_not_allowed" and "dataset" in e.value.message
+
+
 def test_config_empty_command_runs_the_images_own() -> None:
     assert "Cmd" not in container_config(launch(command=()))
 
@@ -87,6 +99,7 @@ def test_config_empty_command_runs_the_images_own() -> None:
     ({"cpu_milli": 0}, "65534:65534", "bad_resources", "cpu_milli"),
     ({"memory_mib": -1}, "65534:65534", "bad_resources", "memory_mib"),
     ({"checkpoint_dir": "relative/ckpt"}, "65534:65534", "bad_checkpoint_dir", "checkpoint_dir"),
+    ({"data_dirs": (("model", "rel/m"),)}, "65534:65534", "bad_data_dir", "model dir"),
 ])
 def test_config_refuses_with_the_field_named(kw: dict[str, Any], user: str, code: str, names: str) -> None:
     with pytest.raises(DriverError) as e:

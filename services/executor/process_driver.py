@@ -311,13 +311,14 @@ class ProcessDriver:
         who = self.run_as
         work = self._work_dir(d)
         ckpt = await asyncio.to_thread(self._checkpoint_dir, launch)
-        for path in (work, ckpt) if who.switch else ():
+        data = tuple(Path(p) for _, p in launch.data_dirs)
+        for path in (work, ckpt, *data) if who.switch else ():
             blocked = unsearchable(path, who) if path is not None else None
             if blocked is None:
                 continue
             _warn_once(f"reach:{blocked}", "%s: %s cannot reach %s (%s is not searchable for it): the "
-                       "workload cannot use that path (HOME, GPUFLEET_CHECKPOINT_DIR) by name",
-                       launch.key, who.name, path, blocked)
+                       "workload cannot use that path (HOME, GPUFLEET_CHECKPOINT_DIR, GPUFLEET_DATASET_DIR, "
+                       "GPUFLEET_MODEL_DIR) by name", launch.key, who.name, path, blocked)
             if path == ckpt and blocked == ckpt:
                 ckpt = None  # useless even as its working dir
         env = {**self.base_env, "HOME": str(work), "USER": who.name, "LOGNAME": who.name, **launch.job_env()}
