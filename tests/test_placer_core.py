@@ -373,6 +373,65 @@ def test_conservative_backfill_reserves_the_first_k_waiting_jobs_each_beside_tho
     assert x.node_id == "n3"  # g2, unreserved, now waits for x too
 
 
+def _ran(h: Harness[PlacerState], job: Any, job_id: str, node_id: str, gpus: int, runtime_s: float) -> None:
+    """A job of the past: placed on node_id and completed after runtime_s."""
+    from gpufleet.shared.contract.events import JobExited, JobSucceeded
+
+    h.given(submitted(job, job_id), quota_reserved(job, job_id), placed(job_id, (node_id, range(gpus))),
+            event(JobExited(job_id=job_id, node_id=node_id, exit_code=0, runtime_s=runtime_s)),
+            event(JobSucceeded(job_id=job_id)))
+
+
+def test_a_job_without_a_max_runtime_is_estimated_from_the_tenants_similar_runs() -> None:
+    """etl (8 GPUs, no maxRuntime) completed in 600 and 1,200 s: a third etl running on n1 is
+    expected to end 1,200 s after its placement, not 24 h; the head (3 x 8 GPUs) is reserved for
+    then and says so. A job whose similar runs took 60 s backfills on the free n3; one with no
+    history (24 h) waits, told why. Past its estimate, a job is expected at its limit."""
+    from gpufleet.services.placer.core import runtime_estimate
+
+    h = Harness(PlacerCore()).given(node("n1"), node("n2"), node("n3"))
+    etl, quick = make_job("etl").gpus(8), make_job("quick").gpus(4)
+    for i, (job, gpus, runtime) in enumerate(((etl, 8, 600.0), (etl, 8, 1200.0), (quick, 4, 60.0), (quick, 4, 45.0))):
+        _ran(h, job, f"past-{i}", "n1", gpus, runtime)
+    assert runtime_estimate(h.state, etl.spec()) == (1200.0, "the longest of 2 similar runs")
+    assert runtime_estimate(h.state, make_job("etl", tenant="beta").gpus(8).spec())[0] == 86400.0  # not beta's
+    assert runtime_estimate(h.state, make_job("etl").gpus(4).spec())[0] == 86400.0  # other GPUs: not similar
+    assert runtime_estimate(h.state, make_job("etl").gpus(8).max_runtime("2h").spec()) == (7200.0, "maxRuntime")
+
+    h.given(submitted(etl, "etl-3"), quota_reserved(etl, "etl-3"), placed("etl-3", ("n1", range(8)), at=T0))
+    short = make_job("svc").gpus(8).max_runtime("10m")
+    h.given(submitted(short, "svc"), quota_reserved(short, "svc"), placed("svc", ("n2", range(8)), at=T0))
+    out = place(h, make_job("big").gpus(8).replicas(3).max_runtime("5h"), "head")
+    (res,) = [e.payload for e in out if isinstance(e.payload, JobBackfillReserved)]
+    assert abs((res.estimated_start - (T0 + timedelta(seconds=1200))).total_seconds()) < 1
+    assert (res.after_job, res.after_from) == ("etl-3", "the longest of 2 similar runs")
+    assert (res.runtime_s, res.runtime_from) == (5 * 3600.0, "maxRuntime")
+
+    (q,) = allocs(place(h, quick, "quick-3"))  # expected to run 60 s: ends long before the head starts
+    assert q.node_id == "n3"
+    out = place(h, make_job("unknown").gpus(4), "unknown")
+    (why,) = [e.payload for e in out if isinstance(e.payload, JobUnschedulable)]
+    assert why.reasons[0].code == "backfill_reservation" and "the default limit" in why.reasons[0].message
+
+    # etl-3 runs past its estimate: now it is expected at its limit, and the head's start moves with it
+    late = T0.timestamp() + 1300
+    assert dict((j, e) for e, j in h.state.ending(late))["etl-3"] == T0.timestamp() + 86400
+    assert dict((j, e) for e, j in h.state.ending(T0.timestamp()))["etl-3"] == T0.timestamp() + 1200
+
+
+def test_the_runtimes_learned_are_bounded() -> None:
+    from gpufleet.services.placer.core import RUNTIME_KEYS, RUNTIME_RUNS
+
+    state = PlacerState()
+    for i in range(RUNTIME_KEYS + 10):
+        for k in range(RUNTIME_RUNS + 3):
+            state.learn_runtime(make_job(f"kind-{i}").gpus(1).spec(), float(k))
+    assert len(state.runtimes) == RUNTIME_KEYS
+    assert ("acme", "kind-0", 1) not in state.runtimes  # the least recently completed kinds went first
+    assert state.runtimes[("acme", f"kind-{RUNTIME_KEYS + 9}", 1)] == tuple(
+        float(k) for k in range(3, RUNTIME_RUNS + 3))  # the last RUNTIME_RUNS runs, newest last
+
+
 def _ended(job_id: str) -> Any:
     from gpufleet.shared.contract.events import JobCancelled
 

@@ -109,7 +109,7 @@ def _facts(spec: JobSpec) -> dict[str, Any]:
     r = spec.resources
     return {
         "name": spec.name, "tenant": spec.tenant, "queue": spec.queue, "type": spec.type, "priority": spec.priority,
-        "replicas": spec.replicas, "max_runtime_s": spec.max_runtime_s, "cpu_milli": r.cpu_milli,
+        "replicas": spec.replicas, "max_runtime_s": spec.runtime_limit_s, "cpu_milli": r.cpu_milli,
         "memory_mib": r.memory_mib, "gpu": r.gpu, "gpu_models": r.gpu_models, "gpu_memory_mib": r.gpu_memory_mib,
         "gpus_total": spec.gpus_total, "sim_duration_s": spec.sim.duration_s, "sim_exit_code": spec.sim.exit_code,
         "checkpoint_interval_s": spec.checkpoint.interval_s if spec.checkpoint else None, "command": spec.command,

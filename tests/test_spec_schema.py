@@ -31,7 +31,6 @@ from gpufleet.shared.contract.spec import (
     SimRun,
     SimSpec,
     parse_cpu_milli,
-    parse_duration_s,
     parse_memory_mib,
     parse_spec,
 )
@@ -186,7 +185,10 @@ def test_the_defaults_the_client_found_in_normalised_units() -> None:
     assert parse_cpu_milli(res["cpu"]) == Resources().cpu_milli == 1000
     assert parse_memory_mib(res["memory"]) == Resources().memory_mib == 1024
     assert parse_memory_mib(sim["gpuMemoryUsed"]) == SimSpec().gpu_mem_used_mib == 2048
-    assert parse_duration_s(SCHEMA["properties"]["maxRuntime"]["default"]) == JobSpec.model_fields["max_runtime_s"].default
+    # maxRuntime has no default on the wire (not given: the 24 h limit, and a learned estimate)
+    assert SCHEMA["properties"]["maxRuntime"]["default"] is None is JobSpec.model_fields["max_runtime_s"].default
+    assert JobSpec(name="x", tenant="t").runtime_limit_s == 86400.0
+    assert "24 h" in SCHEMA["properties"]["maxRuntime"]["description"]
     # the defaults of whole objects too (`resources`, `sim`): as a person writes them, and valid by the schema
     for key, model in (("resources", Resources), ("sim", SimSpec)):
         whole = SCHEMA["properties"][key]["default"]

@@ -354,9 +354,9 @@ class AdmissionCore(BaseCore[AdmissionState]):
             out.append(_r("checkpoint_ephemeral", f"checkpoint.path {why}: checkpoints there vanish with the "
                           "container (leave it out to get a persistent location)", "checkpoint.path"))
         limit = policy.checkpoint_required_after_s
-        if (limit is not None and spec.type in ("training", "finetune") and spec.max_runtime_s > limit
+        if (limit is not None and spec.type in ("training", "finetune") and spec.runtime_limit_s > limit
                 and spec.checkpoint is None):
-            out.append(_r("checkpoint_required", f"a {spec.type} job that may run {spec.max_runtime_s / 3600:.1f}h "
+            out.append(_r("checkpoint_required", f"a {spec.type} job that may run {spec.runtime_limit_s / 3600:.1f}h "
                           f"(over {limit / 3600:.1f}h) must set checkpoint", "checkpoint"))
         return out
 

@@ -220,7 +220,7 @@ def estimate(spec: JobSpec, config: ClusterConfig, *, duration_s: float | None =
     wait (`wait`: the model's answer and its parts, else `wait_s` and `wait_note`)."""
     if wait is not None:
         wait_s, wait_note = wait.wait_s, wait.note
-    seconds = Decimal(str(duration_s if duration_s is not None else spec.max_runtime_s))
+    seconds = Decimal(str(duration_s if duration_s is not None else spec.runtime_limit_s))
     models = gpu_models_for(spec, config, cluster_models)
     per_model = estimate_cost(spec, config.prices, seconds, models)
     costs = {m: total(ls) for m, ls in per_model.items()}

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from gpufleet.services.placer.core import PlacerCore, PlacerState, Plan, ask_of, with_flavor
+from gpufleet.services.placer.core import PlacerCore, PlacerState, Plan, ask_of, runtime_estimate, with_flavor
 from gpufleet.services.quota.core import QuotaCore, QuotaState, demand
 from gpufleet.shared.contract.events import ReplicaAllocation
 from gpufleet.shared.contract.spec import JobSpec
@@ -139,7 +139,7 @@ def expected_wait(placer: PlacerCore, pstate: PlacerState, quota: QuotaCore, qst
 
     # the clock: (time, order, job, its allocations, its quota, was it running now)
     ends: list[tuple[float, int, str, tuple[ReplicaAllocation, ...], tuple[str, dict[str, int]] | None, bool]] = []
-    for n, (end_s, job_id) in enumerate(pstate.ending()):
+    for n, (end_s, job_id) in enumerate(pstate.ending(now_s)):
         ends.append((max(now_s, end_s), n, job_id, pstate.jobs[job_id].allocations or (), qstate.held(job_id),
                      True))
     heapq.heapify(ends)
@@ -185,7 +185,7 @@ def expected_wait(placer: PlacerCore, pstate: PlacerState, quota: QuotaCore, qst
                 held = (job.queue, d)
             else:
                 held = qstate.held(job.job_id)
-            heapq.heappush(ends, (t + s.max_runtime_s, order, job.job_id, allocs, held, False))
+            heapq.heappush(ends, (t + runtime_estimate(pstate, s)[0], order, job.job_id, allocs, held, False))
             order += 1
         if not ends:
             w.note = "does not fit, even once every running and waiting job has ended"

@@ -344,7 +344,7 @@ class ExecutorCore(BaseCore[ExecutorState]):
             return state
         if isinstance(p, JobSubmitted):
             rec = state.job(job_id)
-            rec.sim, rec.max_runtime_s = p.spec.sim, p.spec.max_runtime_s
+            rec.sim, rec.max_runtime_s = p.spec.sim, p.spec.runtime_limit_s
             if self.driver_nodes:
                 rec.spec = p.spec
         elif isinstance(p, JobPlaced):
@@ -616,7 +616,7 @@ def launch_for(state: ExecutorState, job_id: str, d: Desired, node: NodeInventor
         command=spec.command if spec else (), image=spec.image if spec else None,
         env=env, gpu_indices=a.gpu_indices, gpu_uuids=gpu_uuids,
         cpu_milli=a.cpu_milli, memory_mib=a.memory_mib,
-        max_runtime_s=spec.max_runtime_s if spec else 86400.0, checkpoint_dir=ckpt,
+        max_runtime_s=spec.runtime_limit_s if spec else 86400.0, checkpoint_dir=ckpt,
         placed_event_id=d.placed_event_id,
     )
 
@@ -648,7 +648,7 @@ def reconcile(state: ExecutorState, nodes: dict[str, NodeInventory], observed: l
                 # (a preemption says how long the job has)
                 grace = dj.stop_grace if dj.stop_grace is not None else grace_s
                 actions.append(Stop(w.key, dj.stop_reason or "killed", grace))
-            elif rec.spec is not None and now - w.started_at >= rec.spec.max_runtime_s:
+            elif rec.spec is not None and now - w.started_at >= rec.spec.runtime_limit_s:
                 actions.append(Stop(w.key, "timeout", grace_s))
         else:
             ab = (dj.abandoned or {}).get(w.replica)
@@ -694,7 +694,7 @@ def exit_reason(state: ExecutorState, w: Workload, now: float) -> ExitReason:
     if w.stopped_by_us:
         if stop_reason is not None:
             return stop_reason
-        if spec is not None and now - w.started_at >= spec.max_runtime_s:
+        if spec is not None and now - w.started_at >= spec.runtime_limit_s:
             return "timeout"
         return "killed"
     if w.exit_code is None:

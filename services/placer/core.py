@@ -12,9 +12,10 @@ used GPU), tightest buckets first: a decision looks at a few buckets, not at eve
 
 Backfill: when one of the first `placement.reservations` waiting jobs (1: EASY; more:
 conservative) does not fit, it gets a reservation — the nodes it would use once enough running
-jobs end (placement time + max runtime), with the reservations ahead of it holding theirs, and
-that estimated start — and any other job is placed only where every reserved job still fits at
-its start, or if it ends (by its max runtime) before that start.
+jobs end (placement time + estimated run: the max runtime, or for a job without one the longest
+of the tenant's last similar completed runs, `runtime_estimate`), with the reservations ahead of
+it holding theirs, and that estimated start — and any other job is placed only where every
+reserved job still fits at its start, or if it ends (by its estimate) before that start.
 """
 
 from __future__ import annotations
@@ -153,6 +154,9 @@ class PlacerState:
     quarantined: dict[str, dict[int, set[str]]] = field(default_factory=dict)
     lost: set[str] = field(default_factory=set)
     cordoned: set[str] = field(default_factory=set)
+    # (tenant, job name, GPUs a replica) -> the run times of its last completed runs, newest last:
+    # what a job without a maxRuntime is estimated by (bounded: RUNTIME_KEYS keys, RUNTIME_RUNS each)
+    runtimes: dict[tuple[str, str, int], tuple[float, ...]] = field(default_factory=dict)
     scratch: PlacerScratch = field(default_factory=lambda: PlacerScratch(), compare=False, repr=False)
 
     def job(self, job_id: str) -> PlacerJob:
@@ -217,9 +221,51 @@ class PlacerState:
             rec.allocations, rec.alloc_attempt, rec.ends_at = None, 0, 0.0
             self.placed.discard(job_id)
 
-    def ending(self) -> list[tuple[float, str]]:
-        """The jobs holding allocations, by when they end at the latest (their max runtime), then id."""
-        return sorted((self.jobs[j].ends_at, j) for j in self.placed)
+    def ending(self, now: float | None = None) -> list[tuple[float, str]]:
+        """The jobs holding allocations, by when they are estimated to end, then id: a job with a
+        maxRuntime at its limit; one without, at its placement plus the estimate from its similar
+        runs (`runtime_estimate`) — or at its limit once it has run past that estimate."""
+        out = []
+        for j in self.placed:
+            rec = self.jobs[j]
+            end = rec.ends_at
+            if rec.spec is not None and rec.spec.max_runtime_s is None:
+                est, _ = runtime_estimate(self, rec.spec)
+                learned = rec.ends_at - rec.spec.runtime_limit_s + est
+                if now is None or learned > now:
+                    end = learned
+            out.append((end, j))
+        out.sort()
+        return out
+
+    def learn_runtime(self, spec: JobSpec, runtime_s: float) -> None:
+        key = runtime_key(spec)
+        runs = self.runtimes.pop(key, ())
+        self.runtimes[key] = (*runs[-(RUNTIME_RUNS - 1):], runtime_s)
+        if len(self.runtimes) > RUNTIME_KEYS:
+            del self.runtimes[next(iter(self.runtimes))]  # the least recently run kind
+
+
+RUNTIME_RUNS = 5  # completed runs remembered per kind of job
+RUNTIME_KEYS = 4096  # kinds of job remembered (the least recently completed forgotten first)
+RUNTIME_MIN_RUNS = 2  # completed runs before an estimate is learned
+
+
+def runtime_key(spec: JobSpec) -> tuple[str, str, int]:
+    """Similar jobs: the tenant's jobs of the same name asking the same GPUs a replica."""
+    return (spec.tenant, spec.name or "", spec.resources.gpu)
+
+
+def runtime_estimate(state: PlacerState, spec: JobSpec) -> tuple[float, str]:
+    """How long a run of the job is expected to take, and from what: its `maxRuntime` where it has
+    one (a limit the executor enforces); else the longest of the tenant's last completed runs of
+    similar jobs (at least RUNTIME_MIN_RUNS of them), capped at the 24 h limit; else that limit."""
+    if spec.max_runtime_s is not None:
+        return spec.max_runtime_s, "maxRuntime"
+    runs = state.runtimes.get(runtime_key(spec), ())
+    if len(runs) >= RUNTIME_MIN_RUNS:
+        return min(spec.runtime_limit_s, max(runs)), f"the longest of {len(runs)} similar runs"
+    return spec.runtime_limit_s, "the default limit (no maxRuntime, too few similar runs)"
 
 
 # ---------------------------------------------------------------- node bookkeeping
@@ -385,7 +431,7 @@ class Plan:
 
 class PlacerCore(BaseCore[PlacerState]):
     name = "placer"
-    state_format = 2  # one record per job (`PlacerJob`) for the parallel maps keyed by job
+    state_format = 3  # 3: the run times of similar jobs (`runtimes`); 2: one record per job (`PlacerJob`) for the parallel maps keyed by job
     cas_subject = "fleet.evt.*.job.*.placed"
     subjects = (
         "fleet.evt.sys.node.*.*",
@@ -495,7 +541,7 @@ class PlacerCore(BaseCore[PlacerState]):
             state.unqueue(job_id)
             rec.unschedulable_said = None
             state.hold(job_id, rec, p.allocations, p.attempt,
-                       env.occurred_at.timestamp() + (rec.spec.max_runtime_s if rec.spec else 86400.0))
+                       env.occurred_at.timestamp() + (rec.spec.runtime_limit_s if rec.spec else 86400.0))
         elif isinstance(p, JobResumeRequested):
             rec0 = state.jobs.get(job_id)
             nxt = resumed_attempt(rec0.attempt if rec0 is not None else 1, p)
@@ -516,6 +562,8 @@ class PlacerCore(BaseCore[PlacerState]):
             rec0 = state.jobs.get(job_id)
             # the exit of another attempt than the one holding GPUs now (a late report from a node
             # that was lost) frees nothing, but its leftovers are still quarantined
+            if rec0 is not None and rec0.spec is not None and p.reason == "completed" and p.runtime_s > 0:
+                state.learn_runtime(rec0.spec, p.runtime_s)
             if rec0 is not None and (rec0.allocations is None or p.attempt == rec0.alloc_attempt):
                 state.release(job_id, rec0, tuple(a for a in rec0.allocations or () if a.replica != p.replica))
                 if (rec0.allocations is None and p.attempt < rec0.attempt and job_id not in state.ended
@@ -660,12 +708,13 @@ class PlacerCore(BaseCore[PlacerState]):
         """The first reservation (of another job) that `trial`, holding the job being tried, would
         delay: the job runs past its start and the reserved job no longer fits there then."""
         for i, res in enumerate(reserved):
-            if res.job_id != job_id and now + spec.max_runtime_s > res.start_s \
-                    and not self._fits_at_start(state, [r for r in reserved[:i] if r.job_id != job_id], res, trial):
+            if res.job_id != job_id and now + runtime_estimate(state, spec)[0] > res.start_s \
+                    and not self._fits_at_start(state, [r for r in reserved[:i] if r.job_id != job_id], res, trial, now):
                 return res
         return None
 
-    def _fits_at_start(self, state: PlacerState, ahead: list[Reservation], res: Reservation, trial: Plan) -> bool:
+    def _fits_at_start(self, state: PlacerState, ahead: list[Reservation], res: Reservation, trial: Plan,
+                       now: float) -> bool:
         """Whether the reserved job still fits at its estimated start with `trial` holding what it
         holds: the jobs that end by then give their GPUs back and the reserved jobs ahead of it
         that still run then hold theirs, as its estimate counted them. A reservation so holds the
@@ -675,13 +724,13 @@ class PlacerCore(BaseCore[PlacerState]):
         if head is None or head.spec is None:
             return False
         at_start = trial.fork()
-        for end_s, job_id in state.ending():
+        for end_s, job_id in state.ending(now):
             if end_s > res.start_s:
                 break
             at_start.give_back(state, state.jobs[job_id].allocations or ())
         for r in ahead:
             before = state.jobs.get(r.job_id)
-            if before is None or before.spec is None or r.start_s + before.spec.max_runtime_s <= res.start_s:
+            if before is None or before.spec is None or r.start_s + runtime_estimate(state, before.spec)[0] <= res.start_s:
                 continue
             if self.plan(state, before.spec, at_start, full_scan=True) is None:
                 return False
@@ -697,9 +746,10 @@ class PlacerCore(BaseCore[PlacerState]):
         """`job.unschedulable` for a job that fits now only where a reserved job needs room at its start."""
         # (the reservation's estimated start is not in the message: it moves as running jobs are
         # re-estimated, and each move would tell every held job again; `explain` shows it)
+        est, source = runtime_estimate(state, spec)
         reason = Reason(code="backfill_reservation", message=(
-            f"it fits now only on nodes held for {res.job_id} ({', '.join(res.nodes)}); with a max runtime "
-            f"of {spec.max_runtime_s:.0f} s it would delay that job's start (backfill)"))
+            f"it fits now only on nodes held for {res.job_id} ({', '.join(res.nodes)}); expected to run "
+            f"{est:.0f} s ({source}), it would delay that job's start (backfill)"))
         if state.jobs[job_id].unschedulable_said == reason.message:
             return []
         return [ctx.emit(JobUnschedulable(job_id=job_id, reasons=(reason,),
@@ -726,8 +776,13 @@ class PlacerCore(BaseCore[PlacerState]):
         start, nodes = est
         if res is not None and res.nodes == nodes and abs(res.start_s - start) < RESERVATION_SLACK_S:
             return []
-        return [ctx.emit(JobBackfillReserved(job_id=job_id, nodes=nodes, estimated_start=utc(start)),
-                         tenant=spec.tenant, key=f"reserve:{job_id}:{int(start)}:{','.join(nodes)}")]
+        runtime_s, runtime_from = runtime_estimate(state, spec)
+        after = next((j for end_s, j in state.ending(now) if abs(end_s - start) < 1e-6), None)
+        after_spec = state.jobs[after].spec if after is not None else None
+        return [ctx.emit(JobBackfillReserved(
+            job_id=job_id, nodes=nodes, estimated_start=utc(start), runtime_s=runtime_s, runtime_from=runtime_from,
+            after_job=after, after_from=runtime_estimate(state, after_spec)[1] if after_spec is not None else None,
+        ), tenant=spec.tenant, key=f"reserve:{job_id}:{int(start)}:{','.join(nodes)}")]
 
     def estimate(self, state: PlacerState, spec: JobSpec, now: float,
                  ahead: list[Reservation] | None = None) -> tuple[float, tuple[str, ...]] | None:
@@ -737,12 +792,12 @@ class PlacerCore(BaseCore[PlacerState]):
 
         The first time it fits is found by doubling then bisecting over the times something ends:
         a few plans, not one per running job."""
-        ending = state.ending()
+        ending = state.ending(now)
         held: list[tuple[float, float, JobSpec]] = []  # (start, end, spec) of the reserved jobs ahead
         for r in ahead or ():
             rec = state.jobs.get(r.job_id)
             if rec is not None and rec.spec is not None:
-                held.append((r.start_s, r.start_s + rec.spec.max_runtime_s, rec.spec))
+                held.append((r.start_s, r.start_s + runtime_estimate(state, rec.spec)[0], rec.spec))
         floor = max([now] + [h[0] for h in held])
         times = sorted({floor} | {e for e, _ in ending if e > floor} | {h[1] for h in held if h[1] > floor})
 

@@ -135,13 +135,22 @@ class JobUnschedulable(_JobPayload):
 
 class JobBackfillReserved(_JobPayload):
     """A job at the head of the line (the first `placement.reservations` waiting) cannot be placed
-    yet: it is to start on these nodes at the estimated start (running jobs' max runtimes, the
-    reserved jobs ahead of it at theirs), and other jobs run before it only where they do not
+    yet: it is to start on these nodes at the estimated start (running jobs' estimated ends: their
+    maxRuntime, or for a job without one its similar jobs' run times; the reserved jobs ahead of
+    it at theirs), and other jobs run before it only where they do not
     delay that start (backfill: EASY for one reservation, conservative for more)."""
 
     type: Literal["job.backfill_reserved"] = "job.backfill_reserved"
     nodes: tuple[str, ...]
     estimated_start: datetime
+    # the estimates it rests on: how long the job itself is expected to run and from what
+    # ("maxRuntime", "the longest of N similar runs" — the tenant's completed jobs of the same name
+    # and GPUs — or the default limit), and the running job whose estimated end the start waits
+    # for, with how that was estimated
+    runtime_s: float | None = None
+    runtime_from: str | None = None
+    after_job: str | None = None
+    after_from: str | None = None
 
 
 class ReplicaAllocation(_Payload):

@@ -418,7 +418,9 @@ def spec_schema() -> dict[str, Any]:
                 alts = [dict(number), {"type": "string", "pattern": pattern}]
                 if "anyOf" in prop and any(a.get("type") == "null" for a in prop["anyOf"]):
                     alts.append({"type": "null"})
-                prop = target["properties"][f.alias or name] = {**keep, "anyOf": alts, "description": desc}
+                extra = f.json_schema_extra if isinstance(f.json_schema_extra, dict) else {}
+                prop = target["properties"][f.alias or name] = {
+                    **keep, "anyOf": alts, "description": str(extra.get("description", desc))}
             if "default" in prop:  # in the user's units: the field's description says how it is written
                 prop["default"] = user_default = _user_default(m, {f.alias or name: prop["default"]})[f.alias or name]
                 _check_user_default(m, name, f, user_default)

@@ -65,6 +65,9 @@ _DUR_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*(ms|s|m|h|d)?\s*$")
 _DUR_UNITS = {"ms": 0.001, "s": 1.0, "": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
 
+
+DEFAULT_MAX_RUNTIME_S = 86400.0  # a run without maxRuntime is stopped after 24 h
+
 class _Canonical(int):
     """A quantity given under its canonical wire name (cpu_milli, memory_mib): already in the
     unit, so it is taken as it is (every process parses each job.submitted's spec)."""
@@ -353,7 +356,12 @@ class JobSpec(_Spec):
     priority_class: Annotated[str, _token("priorityClass")] | None = Field(default=None, alias="priorityClass")
     replicas: int = Field(default=1, ge=1, le=4096)
     resources: Resources = Resources()
-    max_runtime_s: DurationS = Field(default=86400.0, alias="maxRuntime", gt=0)
+    # the hard limit: the run is stopped (exit 124) past it. Not given: 24 h (`runtime_limit_s`),
+    # and the placer estimates the run from the tenant's similar jobs for backfill
+    max_runtime_s: DurationS | None = Field(default=None, alias="maxRuntime", gt=0, json_schema_extra={"description": (
+        "how long a run may last, a duration: seconds (90), or with a unit ('500ms', '90s', '30m', '2h', '1d'); "
+        "past it the run is stopped (exit 124). Not given: 24 h, and backfill estimates the run from the "
+        "tenant's last completed jobs of the same name and GPUs")})
     # how often the job is run again after its node was lost or its GPU failed under it
     max_retries: int = Field(default=3, alias="maxRetries", ge=0, le=100)
     # OnFailure: a replica that exits with an error runs again too (same budget), after a backoff
@@ -395,6 +403,11 @@ class JobSpec(_Spec):
         if v is not None and info.data.get("type") not in (None, "inference"):
             raise ValueError(f"only for type: inference (this job is {info.data.get('type')})")
         return v
+
+    @property
+    def runtime_limit_s(self) -> float:
+        """How long a run may last: `maxRuntime`, or 24 h where the spec gives none."""
+        return self.max_runtime_s if self.max_runtime_s is not None else DEFAULT_MAX_RUNTIME_S
 
     @model_validator(mode="after")
     def _compact(self) -> JobSpec:

@@ -362,10 +362,19 @@ def pending_reasons(hist: list[tuple[int, Any]]) -> list[dict[str, Any]]:
     if held and not any(e.type == "job.placed" for _, e in hist):
         seq, env = held[-1]
         p = env.payload
+        runtime_s, runtime_from = getattr(p, "runtime_s", None), getattr(p, "runtime_from", None)
+        after, after_from = getattr(p, "after_job", None), getattr(p, "after_from", None)
+        rests = ""
+        if after:
+            rests += f"; it starts when {after} ends ({after_from})"
+        if runtime_s is not None:
+            rests += f"; it is expected to run {runtime_s:.0f} s ({runtime_from})"
         out.append({"seq": seq, "kind": "backfill", "code": "backfill_reserved", "message": "",
                     "nodes": list(getattr(p, "nodes", ())), "estimated_start": str(getattr(p, "estimated_start", "")),
+                    "runtime_s": runtime_s, "runtime_from": runtime_from, "after_job": after, "after_from": after_from,
                     "text": f"backfill reservation (seq {seq}): nodes {', '.join(getattr(p, 'nodes', ()))} held for it "
-                            f"from {getattr(p, 'estimated_start', '?')}; smaller jobs run there only if they end before"})
+                            f"from {getattr(p, 'estimated_start', '?')}{rests}; smaller jobs run there only if "
+                            "they end before"})
     preempt = [(s, e) for s, e in hist if e.type == "job.preemption_requested"]
     if preempt and preempt[-1][0] > max((s for s, e in hist if e.type == "job.placed"), default=0):
         seq, env = preempt[-1]
