@@ -36,9 +36,21 @@ from .helpers import (  # noqa: F401
     submit_cmd,
     wait_until,
 )
-from .test_executor_process import NODE, control_cores, events_of, process_node, spec, until_status
+from .test_executor_process import NODE, events_of, process_node, spec, until_status
 
 MiB = 1 << 20
+
+
+def data_cores(root: Path) -> list[Any]:
+    """The control services, with the sources jobs may name: the test's own directory, the slow test store."""
+    from gpufleet.services.admission.core import AdmissionCore
+    from gpufleet.services.guardian.core import GuardianCore
+    from gpufleet.services.placer.core import PlacerCore
+    from gpufleet.services.quota.core import QuotaCore
+    from gpufleet.shared.contract.clusterconfig import parse_config
+
+    config = parse_config({"datasetCache": {"allowedSources": [f"{root.as_uri()}/*", "slowtest://*"]}})
+    return [AdmissionCore(config), QuotaCore(), PlacerCore(), GuardianCore()]
 
 
 def agent(url: str, data: Path, cache_dir: Path, capacity_bytes: int = 64 * MiB) -> Any:
@@ -66,7 +78,7 @@ async def test_second_job_on_a_dataset_starts_without_the_copy(bus: Bus, nats_ur
     first = submit_cmd(spec(reads, gpu=0, dataset=uri))
     second = submit_cmd(spec(reads, gpu=0, dataset=uri))
     missing = submit_cmd(spec(["true"], gpu=0, dataset=(job_dir / "no-such-dataset").as_uri()))
-    async with running(nats_url, control_cores()) as rts, agent(nats_url, tmp_path / "exec", job_dir / "cache"):
+    async with running(nats_url, data_cores(job_dir)) as rts, agent(nats_url, tmp_path / "exec", job_dir / "cache"):
         await bus.publish(first)
         await until_status(bus, first.job_id or "", "succeeded")
 
@@ -140,7 +152,7 @@ async def test_a_job_cancelled_while_staging_stops_the_copy(bus: Bus, nats_url: 
     register_source("slowtest", lambda: slow)
     job = submit_cmd(spec(["true"], gpu=0, dataset="slowtest://bucket/huge"))
     try:
-        async with running(nats_url, control_cores()), agent(nats_url, tmp_path / "exec", job_dir / "cache"):
+        async with running(nats_url, data_cores(job_dir)), agent(nats_url, tmp_path / "exec", job_dir / "cache"):
             await bus.publish(job)
 
             async def progressing() -> bool:  # a progress fact while it copies, with bytes done
@@ -178,7 +190,7 @@ async def test_the_placer_sends_the_next_job_to_the_node_that_holds_its_dataset(
     warm = submit_cmd(spec(["true"], gpu=0, dataset=uri, nodeSelector={"host": "proc-b"}))
     plain = submit_cmd(spec(["true"], gpu=0))
     local = submit_cmd(spec(["true"], gpu=0, dataset=uri))
-    async with running(nats_url, control_cores()) as rts, node_agent("proc-a"), node_agent("proc-b"):
+    async with running(nats_url, data_cores(job_dir)) as rts, node_agent("proc-a"), node_agent("proc-b"):
         await bus.publish(warm)
         await until_status(bus, warm.job_id or "", "succeeded")
         placer = next(rt for rt in rts if rt.core.name == "placer")

@@ -188,3 +188,42 @@ async def test_stager_reports_a_missing_source_and_stops_an_unwanted_copy(tmp_pa
     await asyncio.wait_for(c.task, 10)
     assert big not in st.listing() and not st.copies
     assert not [p for p in (tmp_path / "cache").iterdir()]  # nothing half-copied left behind
+
+
+# ---------------------------------------------------------------- which sources a job may name
+
+
+def test_a_job_names_only_the_sources_its_tenant_is_allowed() -> None:
+    from gpufleet.shared.contract.clusterconfig import parse_config, source_refusal
+
+    config = parse_config({"datasetCache": {"allowedSources": ["file:///data/public/*"]},
+                           "tenants": {"acme": {}, "beta": {"allowedDataSources": ["s3://beta-data/*"]}}})
+    allowed = config.data_sources_for("acme")
+    assert source_refusal("file:///data/public/c4-en", allowed) is None
+    assert "matches none" in (source_refusal("file:///etc/shadow", allowed) or "")
+    assert "'..'" in (source_refusal("file:///data/public/../../etc/shadow", allowed) or "")
+    assert "'..'" in (source_refusal("file:///data/public/%2e%2e/secret", allowed) or "")  # (escaped, too)
+    # a symlink under an allowed directory that points elsewhere: refused on the node
+    assert "resolves to" in (source_refusal("file:///data/public/link", allowed, real="file:///home/beta/x") or "")
+    assert config.data_sources_for("beta") == ("s3://beta-data/*",)  # its own list replaces the cluster's
+    assert source_refusal("file:///data/public/c4-en", config.data_sources_for("beta")) is not None
+    assert "allowedSources" in (source_refusal("file:///x", parse_config({}).data_sources_for("anyone")) or "")
+
+
+def test_admission_refuses_a_dataset_the_tenant_may_not_read_naming_the_field() -> None:
+    from gpufleet.services.admission.core import AdmissionCore
+    from gpufleet.shared.contract.clusterconfig import parse_config
+    from gpufleet.shared.contract.events import JobRejected
+
+    from .builders import Harness
+    from .helpers import submit_cmd
+
+    core = AdmissionCore(parse_config({"datasetCache": {"allowedSources": ["file:///data/public/*"]}}))
+    h = Harness(core)
+    spec = {"name": "p", "tenant": "acme", "type": "batch", "resources": {"gpu": 0}}
+    bad = h.when(submit_cmd({**spec, "dataset": "file:///etc/shadow", "model": "file:///data/public/m"}))
+    (rej,) = [e.payload for e in bad if isinstance(e.payload, JobRejected)]
+    assert [(r.code, r.field) for r in rej.reasons] == [("data_source_not_allowed", "dataset")]
+    assert "file:///etc/shadow" in rej.reasons[0].message
+    ok = h.when(submit_cmd({**spec, "dataset": "file:///data/public/c4-en", "model": "c4-bare-name"}))
+    assert not any(isinstance(e.payload, JobRejected) for e in ok)

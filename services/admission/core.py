@@ -17,7 +17,12 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from decimal import Decimal
 
-from gpufleet.shared.contract.clusterconfig import MAX_PAYLOAD_BYTES, ClusterConfig, TenantPolicy
+from gpufleet.shared.contract.clusterconfig import (
+    MAX_PAYLOAD_BYTES,
+    ClusterConfig,
+    TenantPolicy,
+    source_refusal,
+)
 from gpufleet.shared.contract.errors import SpecError
 from gpufleet.shared.contract.events import (
     SYS_TENANT,
@@ -348,6 +353,12 @@ class AdmissionCore(BaseCore[AdmissionState]):
         if spec.image is not None and not policy.image_allowed(spec.image):
             out.append(_r("image_not_allowed", f"image {spec.image!r} matches none of {spec.tenant}'s allowed images",
                           "image"))
+        for name in ("dataset", "model"):
+            uri = getattr(spec, name)
+            if uri and "://" in uri:
+                refused = source_refusal(uri, self.config.data_sources_for(spec.tenant))
+                if refused is not None:
+                    out.append(_r("data_source_not_allowed", f"{name} {uri}: {refused}", name))
         path = spec.checkpoint.path if spec.checkpoint else None
         why = ephemeral_reason(path) if path else None
         if why is not None and policy.ephemeral_checkpoints == "reject":

@@ -280,6 +280,8 @@ class ExecutorAgent:
         waiting = False
         for n in needs:
             why = cache.failed.pop((launch.key, n.name), None)
+            if why is None and "://" in n.name:  # the job's own URI: allowed for its tenant, on this node too
+                why = cache.refusal(d.tenant, n.name)
             if why is not None:
                 never = Workload(launch.job_id, launch.replica, launch.attempt, launch.node_id, handle="",
                                  running=False, exit_code=EXIT_CANNOT_RUN, started_at=self.clock())
@@ -461,8 +463,19 @@ def main(argv: list[str] | None = None) -> None:
         config = load_config(args.config)
         cache = config.dataset_cache
         size_mib = parse_memory_mib(args.dataset_cache_size) if args.dataset_cache_size else cache.size_mib
+        def source_allowed(tenant: str, uri: str) -> str | None:
+            import os
+            from urllib.parse import unquote, urlparse
+
+            from gpufleet.shared.contract.clusterconfig import source_refusal
+
+            real = None
+            if uri.startswith("file://"):  # where it really points, its symlinks followed
+                real = "file://" + os.path.realpath(unquote(urlparse(uri).path))
+            return source_refusal(uri, config.data_sources_for(tenant), real)
+
         data = DataStager(args.dataset_cache_dir or cache.dir or mesh_dir / "datasets" / node_id,
-                          size_mib << 20, cache.sources)
+                          size_mib << 20, cache.sources, allowed=source_allowed)
         if args.driver == "process":
             from .process_driver import ProcessDriver
 

@@ -64,9 +64,19 @@ class Staged:
 class DataStager:
     """The cache of one executor's driver node(s). `sources`: bare names -> the URI to stage them from."""
 
+    def refusal(self, tenant: str, uri: str) -> str | None:
+        """Why the tenant's job may not read `uri` (its own URI, not an operator's bare name)."""
+        if self.allowed is None:
+            return None
+        return self.allowed(tenant, uri)
+
     def __init__(self, cache_dir: str | os.PathLike[str], capacity_bytes: int = DEFAULT_CAPACITY_BYTES,
-                 sources: Mapping[str, str] | None = None, clock: Callable[[], float] = time.time) -> None:
+                 sources: Mapping[str, str] | None = None, clock: Callable[[], float] = time.time,
+                 allowed: Callable[[str, str], str | None] | None = None) -> None:
         self.dir = Path(cache_dir)
+        # (tenant, URI) -> why the tenant's job may not name that source (None: it may); checked
+        # on the node again, after admission, with file:// symlinks resolved. None: any source
+        self.allowed = allowed
         self.cache = DataCache(capacity_bytes)
         self.sources = dict(sources or {})
         self.clock = clock

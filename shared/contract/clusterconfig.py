@@ -39,10 +39,12 @@ Without a config file the mesh is open: every tenant gets the default policy (an
 from __future__ import annotations
 
 import fnmatch
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import unquote, urlparse
 
 import yaml
 from pydantic import (
@@ -102,6 +104,9 @@ class TenantPolicy(BaseModel):
     # fair sharing between the tenants of a cohort: a tenant's quota over this weight orders its
     # jobs after the queues' own shares (weight 3: three times the GPUs of a tenant of weight 1)
     fair_sharing: FairSharing = Field(default_factory=lambda: FairSharing(), alias="fairSharing")
+    # the dataset / model source URIs its jobs may name (glob patterns); None: the cluster's
+    # `datasetCache.allowedSources`
+    allowed_data_sources: tuple[str, ...] | None = Field(default=None, alias="allowedDataSources", max_length=1000)
 
     def image_allowed(self, image: str) -> bool:
         return self.allowed_images is None or any(fnmatch.fnmatchcase(image, p) for p in self.allowed_images)
@@ -185,6 +190,23 @@ class PlacementConfig(BaseModel):
     reservations: int = Field(default=1, ge=1, le=64)
 
 
+
+def source_refusal(uri: str, patterns: Sequence[str], real: str | None = None) -> str | None:
+    """Why a job may not name `uri` as its source (None: it may): it must match one of `patterns`
+    (glob, as allowedImages) and must not climb out of where it points with `..`; `real`, where
+    given (a file:// path with its symlinks resolved, on the node), must match too."""
+    path = unquote(urlparse(uri).path)
+    if any(part == ".." for part in path.split("/")):
+        return f"{uri!r} climbs out of its directory with '..'"
+    if not patterns:
+        return ("no source URI is allowed here (the cluster's datasetCache.allowedSources, or the tenant's "
+                "allowedDataSources, lists the ones jobs may name)")
+    for candidate, what in ((uri, "it"), (real, f"it resolves to {real!r}, which")):
+        if candidate is not None and not any(fnmatch.fnmatchcase(candidate, p) for p in patterns):
+            return f"{what} matches none of the allowed sources ({', '.join(patterns)})"
+    return None
+
+
 class DatasetCacheConfig(BaseModel):
     """Each driver node's cache of datasets and models (services/executor/staging.py, docs/config.md)."""
 
@@ -195,6 +217,11 @@ class DatasetCacheConfig(BaseModel):
     # bare dataset / model names -> the URI each is staged from (a bare name not here is used only
     # where a node already holds it)
     sources: dict[str, str] = Field(default_factory=dict, max_length=10_000)
+    # the source URIs a job may name itself (`dataset: file:///data/c4-en`), as glob patterns
+    # (`file:///data/public/*`, `s3://shared-datasets/*`); a tenant's `allowedDataSources` replaces
+    # them for its jobs. Default: none — the executor copies as itself, so a URI nobody allowed
+    # could read the node's own files or another tenant's data into a cache the job reads.
+    allowed_sources: tuple[str, ...] = Field(default=(), alias="allowedSources", max_length=1000)
 
     @field_validator("sources")
     @classmethod
@@ -384,6 +411,13 @@ class ClusterConfig(BaseModel):
     budgets: BudgetsConfig = BudgetsConfig()
     node_pools: dict[str, NodePoolConfig] = Field(default_factory=dict, alias="nodePools")
     dataset_cache: DatasetCacheConfig = Field(default_factory=lambda: DatasetCacheConfig(), alias="datasetCache")
+
+    def data_sources_for(self, tenant: str) -> tuple[str, ...]:
+        """The source URI patterns the tenant's jobs may name as their dataset or model."""
+        policy = self.policy(tenant)
+        if policy is not None and policy.allowed_data_sources is not None:
+            return policy.allowed_data_sources
+        return self.dataset_cache.allowed_sources
 
     def policy(self, tenant: str) -> TenantPolicy | None:
         """The tenant's policy; None for a tenant the cluster does not know."""

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Protocol
 from urllib.parse import unquote, urlparse
 
+from gpufleet.shared.contract.clusterconfig import source_refusal  # noqa: F401  (where sources are read)
 from gpufleet.shared.contract.errors import PermanentError, RetryableError
 
 CHUNK_BYTES = 1 << 20  # a copy looks at `cancelled` and reports progress once per chunk
