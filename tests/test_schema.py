@@ -47,6 +47,7 @@ from gpufleet.shared.contract.events import (
     JobQuotaReserved,
     JobRejected,
     JobRequestRefused,
+    JobResized,
     JobResumeRequested,
     JobScaled,
     JobStarted,
@@ -135,6 +136,8 @@ EXAMPLES: dict[str, Any] = {
     "job.resume_requested": JobResumeRequested(
         job_id=JOB, checkpoint_uri="file:///ckpt/resnet50/step-100", reason=OOM, lost_work_s=30.0,
     ),
+    "job.resized": JobResized(job_id=JOB, from_replicas=4, to_replicas=2, attempt=1, for_job="01J0000000000000000000000B",
+                              reason=Reason(code="shrink", message="4 -> 2 replicas: a job holding quota needs the room")),
     "job.idle_detected": JobIdleDetected(job_id=JOB, gpu_util_pct=1.5, idle_s=900.0),
     "job.idle_ended": JobIdleEnded(job_id=JOB, node_id=NODE, gpu_util_pct=64.0),
     "job.gpu_starved": JobGpuStarved(job_id=JOB, node_id=NODE, cause="cpu", gpu_util_pct=12.0,

@@ -16,6 +16,14 @@ leaves either the previous checkpoint or the new one, never half of one. The loc
 storage, never the container's own filesystem). The guardian watches it: every new good
 checkpoint becomes a `job.checkpoint_saved` event, and a resume after a failure names it.
 `keep` (default `GPUFLEET_CHECKPOINT_KEEP`, else 3) good checkpoints are kept.
+
+An elastic job (`replicas: {min, max, step}`) is resized by a restart from its checkpoint at the
+new world size: each checkpoint records the world size it was saved at (`Checkpoint.world_size`),
+`world_size()` is the one this run has, so the code re-shards its state when they differ:
+
+    start = checkpoint.resume()
+    if start and start.world_size != checkpoint.world_size():
+        ...  # e.g. the same global batch over world_size() replicas
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ from pathlib import Path
 
 from gpufleet.shared.node.checkpoints import MANIFEST, Checkpoint, latest_good, prune, sha256_file, verify
 
-__all__ = ["Checkpoint", "location", "resume", "save", "stop_requested"]
+__all__ = ["Checkpoint", "location", "rank", "resume", "save", "stop_requested", "world_size"]
 
 _stop = False
 _installed = False
@@ -51,6 +59,17 @@ def stop_requested() -> bool:
         signal.signal(signal.SIGTERM, on_term)
         _installed = True
     return _stop
+
+
+def world_size() -> int:
+    """The replicas of this run (`GPUFLEET_WORLD_SIZE`; 1 outside gpufleet): an elastic job's
+    size now, which a resize changes."""
+    return int(os.environ.get("GPUFLEET_WORLD_SIZE", "1"))
+
+
+def rank() -> int:
+    """This replica's index in the run, 0 .. world_size() - 1 (`GPUFLEET_REPLICA`)."""
+    return int(os.environ.get("GPUFLEET_REPLICA", "0"))
 
 
 def location(explicit: str | os.PathLike[str] | None = None) -> Path:
@@ -93,7 +112,7 @@ def save(step: int, files: Mapping[str, bytes] | Callable[[Path], None], where: 
             size += f.stat().st_size
     created = time.time()
     manifest = {"step": step, "created_at": created, "job_id": os.environ.get("GPUFLEET_JOB_ID"),
-                "attempt": os.environ.get("GPUFLEET_ATTEMPT"), "files": listed}
+                "attempt": os.environ.get("GPUFLEET_ATTEMPT"), "world_size": world_size(), "files": listed}
     body = json.dumps(manifest, sort_keys=True).encode()
     (tmp / MANIFEST).write_bytes(body)
     _fsync(tmp / MANIFEST)
@@ -109,7 +128,7 @@ def save(step: int, files: Mapping[str, bytes] | Callable[[Path], None], where: 
     _fsync_dir(root)
     keep = keep if keep is not None else int(os.environ.get("GPUFLEET_CHECKPOINT_KEEP", "3"))
     prune(root, keep)
-    return Checkpoint(step, final, size, hashlib.sha256(body).hexdigest(), created)
+    return Checkpoint(step, final, size, hashlib.sha256(body).hexdigest(), created, world_size())
 
 
 def resume(where: str | os.PathLike[str] | None = None) -> Checkpoint | None:

@@ -88,6 +88,7 @@ class Desired:
     attempt: int
     tenant: str
     placed_event_id: str
+    world_size: int = 1  # the replicas of its attempt (an elastic job's size now): GPUFLEET_WORLD_SIZE
 
 
 @dataclass
@@ -360,7 +361,7 @@ class ExecutorCore(BaseCore[ExecutorState]):
                 for a in p.allocations:
                     if a.node_id in self.driver_nodes and not self.is_lost(state, a.node_id):
                         state.set_desired(job_id, state.driver(job_id), a.replica,
-                                          Desired(a, p.attempt, env.tenant, env.event_id))
+                                          Desired(a, p.attempt, env.tenant, env.event_id, len(p.allocations)))
         elif isinstance(p, JobResumeRequested):
             nxt = resumed_attempt(state.peek(job_id).attempt, p)
             if nxt is None:  # a copy of an old resume: the run it started may be running now
@@ -617,7 +618,7 @@ def launch_for(state: ExecutorState, job_id: str, d: Desired, node: NodeInventor
         env=env, gpu_indices=a.gpu_indices, gpu_uuids=gpu_uuids,
         cpu_milli=a.cpu_milli, memory_mib=a.memory_mib,
         max_runtime_s=spec.runtime_limit_s if spec else 86400.0, checkpoint_dir=ckpt,
-        placed_event_id=d.placed_event_id,
+        placed_event_id=d.placed_event_id, world_size=d.world_size,
     )
 
 

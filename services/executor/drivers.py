@@ -43,6 +43,7 @@ class Launch:
     max_runtime_s: float = 86400.0
     checkpoint_dir: str | None = None
     placed_event_id: str = ""  # ties the workload to its allocation (a label / pid-file field)
+    world_size: int = 1  # the replicas of its attempt (GPUFLEET_WORLD_SIZE; an elastic job's size now)
     # the local copies of its dataset / model, as ("dataset" | "model", path on the node): the agent
     # fills them in once staged (services/executor/staging.py); read-only mounts for a container
     data_dirs: tuple[tuple[str, str], ...] = ()
@@ -59,6 +60,7 @@ class Launch:
             "GPUFLEET_JOB_ID": self.job_id,
             "GPUFLEET_TENANT": self.tenant,
             "GPUFLEET_REPLICA": str(self.replica),
+            "GPUFLEET_WORLD_SIZE": str(self.world_size),
             "GPUFLEET_ATTEMPT": str(self.attempt),
             "GPUFLEET_NODE_ID": self.node_id,
             # exactly the allocated GPUs; none at all for a CPU-only job

@@ -37,6 +37,7 @@ from gpufleet.shared.contract.events import (
     JobPlaced,
     JobPreempted,
     JobPreemptionRequested,
+    JobResized,
     JobResumeRequested,
     JobStarted,
     JobSubmitted,
@@ -53,7 +54,7 @@ from gpufleet.shared.runtime.loop import BaseCore, Ctx
 from gpufleet.shared.runtime.retention import EndedJobs
 
 # a resume for these spends none of the job's retries: the job did nothing wrong
-NOT_A_FAILURE = frozenset({"preempted", "node_drained", "requeued"})
+NOT_A_FAILURE = frozenset({"preempted", "node_drained", "requeued", "resized"})
 
 
 @dataclass(slots=True)
@@ -170,7 +171,7 @@ class GuardianCore(BaseCore[GuardianState]):
         "fleet.evt.*.job.*.checkpoint_invalid", "fleet.evt.*.job.*.checkpoint_overdue", "fleet.evt.*.job.*.placed",
         "fleet.evt.sys.node.*.gpu_unhealthy", "fleet.evt.sys.node.*.cordoned",
         "fleet.evt.*.job.*.idle_detected", "fleet.evt.*.job.*.idle_ended",
-        "fleet.evt.*.job.*.preemption_requested",
+        "fleet.evt.*.job.*.preemption_requested", "fleet.evt.*.job.*.resized",
     )
     tick_s = 1.0
 
@@ -193,6 +194,8 @@ class GuardianCore(BaseCore[GuardianState]):
             rec = state.job(job_id)
             rec.placed = (p.attempt, frozenset((a.node_id, g) for a in p.allocations for g in a.gpu_indices))
             rec.placed_on = frozenset(a.node_id for a in p.allocations)
+            if p.attempt == rec.attempt:
+                rec.replicas = len(p.allocations)  # (an elastic job's size now: its run ends when all of them exit)
         elif isinstance(p, JobSubmitted):
             rec = state.job(job_id)
             rec.replicas, rec.max_retries, rec.tenant = p.spec.replicas, p.spec.max_retries, env.tenant
@@ -286,6 +289,15 @@ class GuardianCore(BaseCore[GuardianState]):
             gpu = (p.node_id, p.gpu_index)
             return self._resume_placed(state, lambda r: r.placed is not None and gpu in r.placed[1], "gpu_unhealthy",
                                        f"GPU {p.gpu_index} of {p.node_id} failed under it ({p.reason})", ctx, "resume")
+        if isinstance(p, JobResized):
+            # an elastic job's new size: its run stops (the executor sends SIGTERM; a checkpointing
+            # job saves) and the next starts from its last checkpoint at `to_replicas`
+            rec0 = state.jobs.get(p.job_id)
+            if (rec0 is None or p.job_id in state.ended or rec0.attempt != p.attempt or rec0.placed is None
+                    or rec0.placed[0] != p.attempt):
+                return []  # (the run it resizes is over already)
+            return self._resume(state, p.job_id, "resized", f"resized ({p.reason.code}) {p.reason.message}", None, ctx,
+                                key=f"resized:{p.attempt}")
         if env.type != "job.exited" or env.job_id in state.ended:
             return []
         assert isinstance(p, JobExited)

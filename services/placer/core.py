@@ -37,6 +37,7 @@ from gpufleet.shared.contract.events import (
     JobPreempted,
     JobPreemptionRequested,
     JobQuotaReserved,
+    JobResized,
     JobResumeRequested,
     JobSubmitted,
     JobUnschedulable,
@@ -125,6 +126,13 @@ class PlacerJob:
     ends_at: float = 0.0
     placed_attempt: int = 0  # the last attempt placed: its run's end is the guardian's to say
     cancel_asked: str | None = None  # cancelled while its run was the guardian's: never placed again
+    # an elastic job: the size its next placement aims at (set by a resize; None: the largest that
+    # fits), the size a resize asked that is not yet in effect, and the nodes of the replicas a
+    # shrink keeps (tried first when it is placed again, so the room it left stays where the
+    # waiting job was planned)
+    target: int | None = None
+    resizing: int | None = None
+    keep_nodes: frozenset[str] | None = None
 
 
 @dataclass
@@ -157,6 +165,9 @@ class PlacerState:
     # (tenant, job name, GPUs a replica) -> the run times of its last completed runs, newest last:
     # what a job without a maxRuntime is estimated by (bounded: RUNTIME_KEYS keys, RUNTIME_RUNS each)
     runtimes: dict[tuple[str, str, int], tuple[float, ...]] = field(default_factory=dict)
+    # the elastic jobs holding allocations -> (their placement's event id, its log time): the jobs a
+    # shrink or a growth looks at (never the whole backlog)
+    elastic: dict[str, tuple[str, float]] = field(default_factory=dict)
     scratch: PlacerScratch = field(default_factory=lambda: PlacerScratch(), compare=False, repr=False)
 
     def job(self, job_id: str) -> PlacerJob:
@@ -220,6 +231,7 @@ class PlacerState:
         else:
             rec.allocations, rec.alloc_attempt, rec.ends_at = None, 0, 0.0
             self.placed.discard(job_id)
+            self.elastic.pop(job_id, None)
 
     def ending(self, now: float | None = None) -> list[tuple[float, str]]:
         """The jobs holding allocations, by when they are estimated to end, then id: a job with a
@@ -431,7 +443,7 @@ class Plan:
 
 class PlacerCore(BaseCore[PlacerState]):
     name = "placer"
-    state_format = 3  # 3: the run times of similar jobs (`runtimes`); 2: one record per job (`PlacerJob`) for the parallel maps keyed by job
+    state_format = 4  # 4: elastic jobs (`elastic`, PlacerJob.target/resizing/keep_nodes); 3: the run times of similar jobs (`runtimes`); 2: one record per job (`PlacerJob`) for the parallel maps keyed by job
     cas_subject = "fleet.evt.*.job.*.placed"
     subjects = (
         "fleet.evt.sys.node.*.*",
@@ -439,8 +451,9 @@ class PlacerCore(BaseCore[PlacerState]):
         "fleet.evt.*.job.*.unschedulable", "fleet.evt.*.job.*.exited", "fleet.evt.*.job.*.cancel_requested",
         "fleet.evt.*.job.*.preemption_requested", "fleet.evt.*.job.*.backfill_reserved",
         "fleet.evt.*.job.*.succeeded", "fleet.evt.*.job.*.failed", "fleet.evt.*.job.*.cancelled",
-        "fleet.evt.*.job.*.preempted", "fleet.evt.*.job.*.resume_requested",
+        "fleet.evt.*.job.*.preempted", "fleet.evt.*.job.*.resume_requested", "fleet.evt.*.job.*.resized",
     )
+    tick_s = 5.0  # elastic jobs grow into free capacity (only when some run below their max)
 
     def __init__(self, config: ClusterConfig | None = None) -> None:
         self.config = config or ClusterConfig()
@@ -542,6 +555,15 @@ class PlacerCore(BaseCore[PlacerState]):
             rec.unschedulable_said = None
             state.hold(job_id, rec, p.allocations, p.attempt,
                        env.occurred_at.timestamp() + (rec.spec.runtime_limit_s if rec.spec else 86400.0))
+            rec.target = rec.resizing = rec.keep_nodes = None
+            if rec.spec is not None and rec.spec.elastic is not None:
+                state.elastic[job_id] = (env.event_id, env.occurred_at.timestamp())
+        elif isinstance(p, JobResized):
+            rec0 = state.jobs.get(job_id)
+            if rec0 is not None and rec0.allocations is not None and rec0.alloc_attempt == p.attempt:
+                rec0.resizing = p.to_replicas
+                rec0.keep_nodes = frozenset(a.node_id for a in rec0.allocations if a.replica < p.to_replicas) \
+                    if p.to_replicas < p.from_replicas else None
         elif isinstance(p, JobResumeRequested):
             rec0 = state.jobs.get(job_id)
             nxt = resumed_attempt(rec0.attempt if rec0 is not None else 1, p)
@@ -549,6 +571,9 @@ class PlacerCore(BaseCore[PlacerState]):
                 return state
             rec = state.job(job_id)
             rec.attempt = nxt
+            if p.reason.code == "resized" and rec.resizing is not None:
+                rec.target = rec.resizing  # placed again at the size the resize asked
+            rec.resizing = None
             # after a preemption the job waits for quota again (job.quota_reserved makes it pending);
             # after a failure it kept its quota and is placed again as soon as its old run is gone
             if p.reason.code == "preempted":
@@ -569,6 +594,11 @@ class PlacerCore(BaseCore[PlacerState]):
                 if (rec0.allocations is None and p.attempt < rec0.attempt and job_id not in state.ended
                         and job_id not in state.pending and not rec0.requota):
                     state.queue(job_id)  # the last replica of a resumed job's old attempt is gone
+                    if rec0.target is not None:
+                        # a resized job is placed again first (a shrunk one on the nodes it kept: the
+                        # job it made room for was planned beside those replicas): the quota of its
+                        # min is still its own
+                        state.pending.move_to_end(job_id, last=False)
             if p.unclean_gpus:
                 self._quarantine(state, p.node_id, p.unclean_gpus, "unclean")
         return state
@@ -654,8 +684,7 @@ class PlacerCore(BaseCore[PlacerState]):
         if rec.cancel_asked is not None and rec.allocations is None:
             # asked to cancel while its run was ending (the guardian resumed it after): it ends here
             return [ctx.emit(JobCancelled(job_id=job_id, reason=rec.cancel_asked), tenant=spec.tenant, key="cancelled")]
-        trial = plan.fork()
-        allocs = self.plan(state, spec, trial)
+        trial, allocs, spec = self._sized_plan(state, rec, spec, plan)
         reserved = state.reserved() if self.placement.backfill else []
         if allocs is not None and reserved:
             # backfill: a job that runs past a reserved start must leave that job room at its start.
@@ -688,6 +717,10 @@ class PlacerCore(BaseCore[PlacerState]):
                 + (f" nor on nodes its pools may add ({', '.join(f'{n} up to {m}' for n, m, _ in self.pools)})"
                    if self.pools else "")))),
                 tenant=spec.tenant, key=f"never:{job_id}")]
+        if state.elastic:
+            room = self._make_room(state, job_id, spec, plan, ctx)
+            if room is not None:
+                return room  # elastic jobs give back replicas above their min (or are doing so) for it
         if self.placement.backfill and state.nodes:
             out += self._reserve(state, job_id, spec, ctx, now)
         if not say_unschedulable:
@@ -700,6 +733,105 @@ class PlacerCore(BaseCore[PlacerState]):
         return out + [ctx.emit(JobUnschedulable(
             job_id=job_id, reasons=tuple(reasons), filtered=filtered, nodes_total=len(state.nodes),
         ), tenant=spec.tenant, key=f"unsched:{job_id}:{len(state.nodes)}:{message}")]
+
+    # ------------------------------------------------------------ elastic jobs
+
+    def _sized_plan(self, state: PlacerState, rec: PlacerJob, spec: JobSpec, plan: Plan,
+                    ) -> tuple[Plan, tuple[ReplicaAllocation, ...] | None, JobSpec]:
+        """The job's replicas on a fork of `plan`, and the spec as placed. An elastic job: the
+        largest of its sizes up to its target (a resize's) that fits now, a shrunk one first on the
+        nodes it kept; none fits: the spec at its min (what it waits for)."""
+        if spec.elastic is None:
+            trial = plan.fork()
+            return trial, self.plan(state, spec, trial), spec
+        sizes = [n for n in reversed(spec.sizes) if rec.target is None or n <= rec.target]
+        if rec.keep_nodes is not None and sizes:
+            trial = plan.fork()
+            allocs = self._plan(state, spec.sized(sizes[0]), trial, within=rec.keep_nodes)
+            if allocs is not None:
+                return trial, allocs, spec.sized(sizes[0])
+        for n in sizes:
+            trial = plan.fork()
+            allocs = self.plan(state, spec.sized(n), trial)
+            if allocs is not None:
+                return trial, allocs, spec.sized(n)
+        return plan.fork(), None, spec
+
+    def _elastic_running(self, state: PlacerState) -> list[tuple[str, PlacerJob, JobSpec, int]]:
+        """The elastic jobs holding allocations: (id, record, spec, replicas now), lowest priority
+        first, then the most recently placed."""
+        out = []
+        for job_id, (_, at) in state.elastic.items():
+            rec = state.jobs.get(job_id)
+            if rec is not None and rec.spec is not None and rec.allocations:
+                out.append((rec.spec.priority, -at, job_id, rec))
+        out.sort(key=lambda x: (x[0], x[1], x[2]))
+        return [(j, r, r.spec, len(r.allocations or ())) for _, _, j, r in out if r.spec is not None]
+
+    def _make_room(self, state: PlacerState, job_id: str, spec: JobSpec, plan: Plan,
+                   ctx: Ctx) -> list[Envelope] | None:
+        """A job holding quota that does not fit: the fewest replicas above their min that elastic
+        jobs give back to make room for it (lowest priority first, then the most recently placed),
+        as `job.resized` (shrink) events; [] while resizes asked before already make room (it waits
+        for them); None when even every elastic job at its min leaves it no room (nothing is asked)."""
+        running = [r for r in self._elastic_running(state) if r[0] != job_id and r[3] > r[2].replicas]
+        if not running:
+            return None  # (no elastic job runs above its min: nothing to give back)
+        trial = plan.fork()
+        for other, rec, _, size in running:  # resizes already asked free what they drop
+            if other != job_id and rec.resizing is not None and rec.resizing < size:
+                trial.give_back(state, tuple(a for a in rec.allocations or () if a.replica >= rec.resizing))
+        if trial.nodes and self.plan(state, spec, trial.fork()) is not None:
+            return []
+        asked: list[tuple[str, PlacerJob, int, int]] = []
+        for other, rec, espec, size in running:
+            if other == job_id or rec.resizing is not None or size <= espec.replicas:
+                continue
+            smaller = [n for n in espec.sizes if n < size]  # ascending
+            fit_at = None
+            for n in reversed(smaller):  # the least it gives back first
+                attempt = trial.fork()
+                attempt.give_back(state, tuple(a for a in rec.allocations or () if a.replica >= n))
+                if self.plan(state, spec, attempt.fork()) is not None:
+                    fit_at = n
+                    break
+            n = fit_at if fit_at is not None else smaller[0]
+            trial.give_back(state, tuple(a for a in rec.allocations or () if a.replica >= n))
+            asked.append((other, rec, size, n))
+            if fit_at is not None:
+                return [ctx.emit(JobResized(
+                    job_id=o, from_replicas=frm, to_replicas=to, attempt=r.alloc_attempt, for_job=job_id,
+                    reason=Reason(code="shrink", message=(
+                        f"{frm} -> {to} replicas: {job_id} holds quota and needs the room of its replicas above "
+                        f"{to} (an elastic job's replicas above its min are best effort)"))),
+                    tenant=r.spec.tenant if r.spec else None, cause_id=state.elastic[o][0],
+                    key=f"resize:{r.alloc_attempt}") for o, r, frm, to in asked]
+        return None
+
+    def tick(self, state: PlacerState, ctx: Ctx) -> list[Envelope]:
+        """An elastic job below its max grows, one a tick, into capacity nothing waiting needs
+        (no job waits for nodes), once it ran `placement.elasticGrowAfter` at its size."""
+        if not state.elastic or state.pending:
+            return []
+        now = ctx.now.timestamp()
+        for job_id, rec, spec, size in reversed(self._elastic_running(state)):  # the highest priority first
+            placed_id, at = state.elastic[job_id]
+            if rec.resizing is not None or spec.elastic is None or size >= spec.elastic.max \
+                    or now - at < self.placement.elastic_grow_after_s:
+                continue
+            trial = Plan()
+            trial.give_back(state, rec.allocations or ())
+            for n in reversed(spec.sizes):
+                if n <= size:
+                    break
+                if self.plan(state, spec.sized(n), trial.fork()) is not None:
+                    return [ctx.emit(JobResized(
+                        job_id=job_id, from_replicas=size, to_replicas=n, attempt=rec.alloc_attempt,
+                        reason=Reason(code="grow", message=(
+                            f"{size} -> {n} replicas: free capacity no waiting job needs (after "
+                            f"{now - at:.0f} s at {size})"))),
+                        tenant=spec.tenant, cause_id=placed_id, key=f"resize:{rec.alloc_attempt}")]
+        return []
 
     # ------------------------------------------------------------ backfill
 

@@ -188,6 +188,10 @@ class PlacementConfig(BaseModel):
     # the first this many waiting jobs get a reservation each (1: EASY; more: conservative backfill,
     # as Slurm's bf_max_job_test); a job is placed early only where it delays none of them
     reservations: int = Field(default=1, ge=1, le=64)
+    # an elastic job (replicas: {min, max}) grows a step only after running this long at its size:
+    # each resize restarts it from its checkpoint, so growth into every brief gap would cost more
+    # than it gains
+    elastic_grow_after_s: DurationS = Field(default=120.0, alias="elasticGrowAfter", ge=0)
 
 
 

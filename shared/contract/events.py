@@ -361,6 +361,20 @@ class JobResumeRequested(_JobPayload):
     attempt: int | None = Field(default=None, ge=2)
 
 
+class JobResized(_JobPayload):
+    """An elastic job's world size changes (the placer's decision): its run `attempt` stops with a
+    checkpoint (SIGTERM, then its grace) and the guardian starts the next from that checkpoint at
+    `to_replicas`. code `grow`: capacity nothing waiting needs; `shrink`: a job holding quota
+    (`for_job`) needs the room of its replicas above its min."""
+
+    type: Literal["job.resized"] = "job.resized"
+    from_replicas: int = Field(ge=1)
+    to_replicas: int = Field(ge=1)
+    attempt: int = Field(ge=1)  # the run that stops
+    reason: Reason
+    for_job: str | None = None
+
+
 def resumed_attempt(current: int, p: JobResumeRequested) -> int | None:
     """The attempt a resume starts, given the current one; None when it is a copy of an old one."""
     if p.attempt is None:
@@ -630,6 +644,7 @@ Payload = Annotated[
         JobDataStaging, JobDataStaged, JobStarted, JobHeartbeat, JobCheckpointSaved, JobCheckpointVerified, JobCheckpointInvalid,
         JobCheckpointOverdue, JobPreemptionRequested, JobPreempted,
         JobRequestRefused, JobCancelRequested, JobExited, JobSucceeded, JobFailed, JobCancelled, JobResumeRequested,
+        JobResized,
         JobIdleDetected, JobIdleEnded, JobGpuStarved, JobBackfillReserved,
         NodeRegistered, NodeHeartbeat, NodeLost, NodeCordoned, NodeUncordoned, NodeGpuUnhealthy, NodeDatasetsCached,
         NodeGpuZombieDetected, NodeGpuCleared,

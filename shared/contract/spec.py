@@ -54,6 +54,7 @@ from gpufleet.shared.contract.ids import check_token
 
 JobType = Literal["training", "finetune", "batch", "inference", "interactive"]
 JOB_TYPES: tuple[JobType, ...] = ("training", "finetune", "batch", "inference", "interactive")
+CHECKPOINTED_JOB_TYPES = ("training", "finetune")  # (shared/node/checkpoints.py CHECKPOINTED_TYPES: the same)
 
 _MEM_UNITS = {
     "": 1 / (1024 * 1024), "k": 1000 / 1048576, "M": 1e6 / 1048576, "G": 1e9 / 1048576, "T": 1e12 / 1048576,
@@ -269,6 +270,46 @@ class TopologySpec(_Spec):
         return self
 
 
+class ElasticSpec(_Spec):
+    """An elastic training job's sizes: `replicas: {min: 2, max: 8, step: 2}` (the spec's
+    `replicas` is the min, the gang quota reserves; written back as `replicas: 2, elastic: {max: 8,
+    step: 2}`). The job starts as soon as `min` fits, at the largest size that fits then; it grows
+    a step or more into capacity nothing waiting needs, and gives back replicas above `min` (shrinks)
+    when a job holding quota needs their room, instead of being preempted whole. Each resize is a
+    `job.resized` event and a restart from the job's checkpoint at the new world size
+    (`GPUFLEET_WORLD_SIZE`). `step`: replicas added or removed at a time, or `pow2` (each size twice
+    the last: min, 2 min, 4 min ... max)."""
+
+    max: int = Field(ge=1, le=4096)
+    step: int | Literal["pow2"] = 1
+
+    @field_validator("max", mode="before")
+    @classmethod
+    def _whole(cls, v: Any) -> Any:
+        if isinstance(v, bool) or isinstance(v, str) or (isinstance(v, float) and v != int(v)):
+            raise ValueError("must be a whole number")
+        return v
+
+    @field_validator("step", mode="before")
+    @classmethod
+    def _a_step(cls, v: Any) -> Any:
+        if v == "pow2":
+            return v
+        if isinstance(v, bool) or isinstance(v, str) or (isinstance(v, float) and v != int(v)) or (
+                isinstance(v, int | float) and v < 1):
+            raise ValueError("a whole number of replicas >= 1, or 'pow2'")
+        return v
+
+    def sizes(self, least: int) -> tuple[int, ...]:
+        """The world sizes the job may run at, smallest first (`least`: the spec's replicas, its min)."""
+        out = [least]
+        while True:
+            nxt = out[-1] * 2 if self.step == "pow2" else out[-1] + int(self.step)
+            if nxt > self.max:
+                return tuple(out)
+            out.append(nxt)
+
+
 class SimRun(_Spec):
     """One run of a job on the sim driver (a what-if replays each run as it went)."""
 
@@ -346,6 +387,21 @@ class AutoscaleSpec(_Spec):
         return v
 
 
+def _replicas_schema(schema: dict[str, Any]) -> None:
+    """`replicas` as a client may write it: a number, or an elastic job's {min, max, step}."""
+    for k in ("type", "minimum", "maximum"):
+        schema.pop(k, None)
+    schema["description"] = ("replicas, all placed at once (> 1 is a gang); or an elastic training job's "
+                             "{min, max, step}: min is the gang, read back as replicas: min, elastic: {max, step}")
+    schema["anyOf"] = [
+        {"type": "integer", "minimum": 1, "maximum": 4096},
+        {"type": "object", "required": ["min", "max"], "additionalProperties": False, "properties": {
+            "min": {"type": "integer", "minimum": 1, "maximum": 4096},
+            "max": {"type": "integer", "minimum": 1, "maximum": 4096},
+            "step": {"anyOf": [{"type": "integer", "minimum": 1}, {"const": "pow2"}], "default": 1}}},
+    ]
+
+
 class JobSpec(_Spec):
     name: Annotated[str, _token("name")]
     tenant: Annotated[str, _token("tenant")]
@@ -354,7 +410,7 @@ class JobSpec(_Spec):
     priority: int = Field(default=0, ge=-1_000_000, le=1_000_000)
     # a named class from the cluster config (priorityClasses); admission turns it into `priority`
     priority_class: Annotated[str, _token("priorityClass")] | None = Field(default=None, alias="priorityClass")
-    replicas: int = Field(default=1, ge=1, le=4096)
+    replicas: int = Field(default=1, ge=1, le=4096, json_schema_extra=lambda s: _replicas_schema(s))
     resources: Resources = Resources()
     # the hard limit: the run is stopped (exit 124) past it. Not given: 24 h (`runtime_limit_s`),
     # and the placer estimates the run from the tenant's similar jobs for backfill
@@ -382,6 +438,43 @@ class JobSpec(_Spec):
     sim: SimSpec = SimSpec()
     # type: inference only: the job is a service whose replicas the autoscaler runs as jobs of their own
     autoscale: AutoscaleSpec | None = None
+    # training / finetune only: the sizes an elastic job may run at (`replicas: {min, max, step}`)
+    elastic: ElasticSpec | None = Field(default=None, json_schema_extra={"description": (
+        "an elastic training job's sizes (max, step: a number of replicas or 'pow2'); `replicas` is its "
+        "min. Written `replicas: {min: 2, max: 8, step: 2}` or `replicas: 2, elastic: {max: 8, step: 2}`")})
+
+    @model_validator(mode="before")
+    @classmethod
+    def _elastic_replicas(cls, data: Any) -> Any:
+        """`replicas: {min, max, step}`: the min is `replicas`, the rest `elastic`."""
+        if isinstance(data, dict) and isinstance(data.get("replicas"), dict):
+            r = dict(data["replicas"])
+            unknown = sorted(set(r) - {"min", "max", "step"})
+            if unknown:
+                raise ValueError(f"replicas: unknown field(s) {', '.join(unknown)} (min, max, step)")
+            if "min" not in r or "max" not in r:
+                raise ValueError("replicas: an elastic job gives min and max (and step)")
+            if data.get("elastic") is not None:
+                raise ValueError("replicas: give {min, max, step} or replicas and elastic, not both")
+            data = {**data, "replicas": r["min"], "elastic": {k: v for k, v in r.items() if k != "min"}}
+        return data
+
+    @field_validator("elastic")
+    @classmethod
+    def _elastic_fits(cls, v: ElasticSpec | None, info: ValidationInfo) -> ElasticSpec | None:
+        if v is None:
+            return v
+        if info.data.get("type") not in CHECKPOINTED_JOB_TYPES:
+            raise ValueError(f"only for type: training or finetune (this job is {info.data.get('type')}): "
+                             "a resize restarts the job from its checkpoint at the new size")
+        least = info.data.get("replicas")
+        if isinstance(least, int):
+            if v.max < least:
+                raise ValueError(f"max {v.max} is below min {least}")
+            if v.sizes(least)[-1] != v.max:
+                raise ValueError(f"max {v.max} is not a size of min {least} and step {v.step} "
+                                 f"(the sizes: {', '.join(map(str, v.sizes(least)))})")
+        return v
 
     @field_validator("replicas", "priority", mode="before")
     @classmethod
@@ -419,6 +512,15 @@ class JobSpec(_Spec):
     @property
     def gpus_total(self) -> int:
         return self.resources.gpu * self.replicas
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        """The world sizes it may run at, smallest first: `replicas` alone unless elastic."""
+        return self.elastic.sizes(self.replicas) if self.elastic is not None else (self.replicas,)
+
+    def sized(self, replicas: int) -> JobSpec:
+        """The spec as it runs at `replicas` (an elastic job's size now): a copy, not validated again."""
+        return self if replicas == self.replicas else self.model_copy(update={"replicas": replicas})
 
     @property
     def mig_total(self) -> dict[str, int]:

@@ -50,6 +50,7 @@ class Checkpoint:
     size_bytes: int
     sha256: str  # of the manifest: names the whole checkpoint
     created_at: float = 0.0
+    world_size: int | None = None  # the replicas of the run that saved it (None: not recorded)
 
     @property
     def uri(self) -> str:
@@ -189,7 +190,9 @@ def _verify(path: Path) -> tuple[Checkpoint | None, str]:
     created = float(manifest.get("created_at", 0.0))
     if not 0.0 <= created < 4e9:  # not a time this code can turn into a date
         created = 0.0
-    return Checkpoint(step, path, total, digest, created), ""
+    world = manifest.get("world_size")
+    world = world if isinstance(world, int) and not isinstance(world, bool) and world >= 1 else None
+    return Checkpoint(step, path, total, digest, created, world), ""
 
 
 def scan(location_dir: str | Path) -> list[Scanned]:

@@ -24,6 +24,7 @@ from gpufleet.shared.contract.events import (
     JobPreempted,
     JobQueued,
     JobRejected,
+    JobResized,
     JobResumeRequested,
     JobScaled,
     JobSubmitted,
@@ -193,6 +194,7 @@ def apply(view: ClusterView, env: Envelope, seq: int) -> tuple[set[str], set[str
         job.reason = "; ".join(r.message for r in p.reasons)
     elif isinstance(p, JobPlaced):
         job.status, job.reason = "placed", ""
+        job.replicas = len(p.allocations)  # (an elastic job: its size now)
         _release(view, job_id, seq, nodes_touched)
         held = view.allocations[job_id] = {
             a.replica: (a.node_id, len(a.gpu_indices)) for a in p.allocations
@@ -234,6 +236,8 @@ def apply(view: ClusterView, env: Envelope, seq: int) -> tuple[set[str], set[str
         job.reason = f"cancelling: {p.reason}"
     elif isinstance(p, JobResumeRequested):
         job.status, job.reason = "queued", p.reason.message
+    elif isinstance(p, JobResized):  # an elastic job: it stops with a checkpoint, then runs at its new size
+        job.reason = f"resizing {p.from_replicas} -> {p.to_replicas} replicas ({p.reason.code})"
     elif isinstance(p, JobScaled):  # an inference service: its replicas are jobs of their own
         job.status, job.replicas = "serving", p.to_replicas
         job.reason = f"{p.to_replicas} replica(s) ({p.reason.code}): {p.reason.message}"
@@ -260,6 +264,8 @@ class Interruption:
     next_node: str | None = None  # where the next run was placed, once it was
     next_seq: int | None = None
     resumed_from: str | None = None  # the checkpoint the next run really found good (its verification)
+    resized: str | None = None  # an elastic job's resize that ended the run: "4 -> 2 (shrink, for JOB)"
+    next_replicas: int | None = None  # the replicas of the next run, once placed
 
     def line(self) -> str:
         where = f"on {self.node_id}" if self.node_id else "before it started"
@@ -267,6 +273,8 @@ class Interruption:
         frm = f"from {uri}" if uri else "from the start"
         nxt = (f"run {self.attempt + 1} placed on {self.next_node} (seq {self.next_seq})" if self.next_node
                else f"run {self.attempt + 1} not placed yet")
+        if self.resized:
+            nxt = f"{self.resized} replicas; {nxt}" + (f" with {self.next_replicas}" if self.next_replicas else "")
         return (f"interrupted: run {self.attempt} {where} ended {self.reason} (seq {self.seq}); "
                 f"{self.resume_code}: {nxt}, {frm}, {self.lost_work_s:.1f} s of work lost (seq {self.resume_seq})")
 
@@ -275,9 +283,12 @@ def interruptions(history: list[tuple[int, Envelope]]) -> list[Interruption]:
     """Each interruption of a job's history: the run that ended, why, and where it resumed from."""
     out: list[Interruption] = []
     last_exit: dict[int, tuple[int, JobExited]] = {}
+    resized: dict[int, JobResized] = {}
     for seq, env in history:
         p = env.payload
-        if isinstance(p, JobExited):
+        if isinstance(p, JobResized):
+            resized.setdefault(p.attempt, p)
+        elif isinstance(p, JobExited):
             last_exit.setdefault(p.attempt, (seq, p))
             late = next((i for i in out if i.attempt == p.attempt and not i.node_id), None)
             if late is not None:  # the run was told to stop (a failing GPU) and ended after the resume
@@ -289,6 +300,10 @@ def interruptions(history: list[tuple[int, Envelope]]) -> list[Interruption]:
                 attempt=attempt, node_id=ex[1].node_id if ex else "", reason=ex[1].reason if ex else p.reason.code,
                 seq=ex[0] if ex else seq, resume_seq=seq, resume_code=p.reason.code,
                 checkpoint_uri=p.checkpoint_uri, lost_work_s=p.lost_work_s))
+            rz = resized.get(attempt)
+            if p.reason.code == "resized" and rz is not None:
+                out[-1].resized = f"{rz.from_replicas} -> {rz.to_replicas} ({rz.reason.code}" + (
+                    f", for {rz.for_job})" if rz.for_job else ")")
         elif isinstance(p, JobCheckpointVerified) and out and p.attempt == out[-1].attempt + 1:
             out[-1].resumed_from = p.latest_uri
         elif env.type == "job.placed" and out:
@@ -296,6 +311,7 @@ def interruptions(history: list[tuple[int, Envelope]]) -> list[Interruption]:
             if getattr(placed, "attempt", 1) == out[-1].attempt + 1 and out[-1].next_node is None:
                 allocs = getattr(placed, "allocations", ())
                 out[-1].next_node = ",".join(sorted({a.node_id for a in allocs}))
+                out[-1].next_replicas = len(allocs)
                 out[-1].next_seq = seq
     return out
 

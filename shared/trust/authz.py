@@ -71,6 +71,7 @@ OWNERS: dict[str, frozenset[str]] = {
     "job.placed": frozenset({"placer"}),
     "job.backfill_reserved": frozenset({"placer"}),
     "job.unschedulable": frozenset({"placer"}),
+    "job.resized": frozenset({"placer"}),
     # the placer ends a job it never placed (cancelled, never fits, preempted while waiting)
     "job.cancelled": frozenset({"placer", "guardian"}),
     "job.failed": frozenset({"placer", "guardian"}),
