@@ -285,3 +285,21 @@ async def test_a_training_script_is_shrunk_4_to_2_by_a_job_needing_room_and_grow
     runs_at = {a: [c for c in billing.state.charges if c.job_id == job.job_id and c.attempt == a] for a in (1, 2, 3)}
     assert max(c.ended_at for c in runs_at[1]) <= min(c.started_at for c in runs_at[2])
     assert max(c.ended_at for c in runs_at[2]) <= min(c.started_at for c in runs_at[3])
+
+
+def test_admission_holds_an_elastic_job_at_its_max_to_the_tenants_gpu_limit() -> None:
+    from gpufleet.services.admission.core import AdmissionCore
+    from gpufleet.shared.contract.events import JobRejected
+
+    from .helpers import submit_cmd
+
+    config = parse_config({"tenants": {"acme": {"maxGpusPerJob": 8}}})
+    h = Harness(AdmissionCore(config))
+    spec = {"name": "el", "tenant": "acme", "type": "training", "replicas": {"min": 2, "max": 4, "step": 2},
+            "resources": {"gpu": 4}}
+    (rejected,) = of(h.when(submit_cmd(spec)), JobRejected)
+    (reason,) = rejected.reasons
+    assert (reason.code, reason.field) == ("too_many_gpus", "elastic.max")
+    assert "16 GPUs (4 x 4 at its elastic max)" in reason.message
+    ok = h.when(submit_cmd({**spec, "replicas": {"min": 1, "max": 2}}))
+    assert "job.submitted" in [e.type for e in ok]

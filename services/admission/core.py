@@ -342,9 +342,11 @@ class AdmissionCore(BaseCore[AdmissionState]):
         if spec.type not in policy.allowed_job_types:
             out.append(_r("job_type_not_allowed", f"job type {spec.type!r} is not allowed for {spec.tenant} "
                           f"({', '.join(policy.allowed_job_types)})", "type"))
-        if spec.gpus_total > policy.max_gpus_per_job:
-            out.append(_r("too_many_gpus", f"{spec.gpus_total} GPUs ({spec.replicas} x {spec.resources.gpu}) is over "
-                          f"{spec.tenant}'s limit of {policy.max_gpus_per_job} per job", "resources.gpu"))
+        most = spec.sizes[-1]  # (an elastic job at its max: it may grow to it)
+        if spec.resources.gpu * most > policy.max_gpus_per_job:
+            out.append(_r("too_many_gpus", f"{spec.resources.gpu * most} GPUs ({most} x {spec.resources.gpu}"
+                          f"{' at its elastic max' if spec.elastic else ''}) is over {spec.tenant}'s limit of "
+                          f"{policy.max_gpus_per_job} per job", "elastic.max" if spec.elastic else "resources.gpu"))
         if policy.allowed_gpu_models:
             bad = [m for m in spec.resources.gpu_models if m not in policy.allowed_gpu_models]
             if bad:
