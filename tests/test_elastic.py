@@ -303,3 +303,16 @@ def test_admission_holds_an_elastic_job_at_its_max_to_the_tenants_gpu_limit() ->
     assert "16 GPUs (4 x 4 at its elastic max)" in reason.message
     ok = h.when(submit_cmd({**spec, "replicas": {"min": 1, "max": 2}}))
     assert "job.submitted" in [e.type for e in ok]
+
+
+def test_a_run_stopping_for_its_resize_is_not_asked_to_shrink_again() -> None:
+    h = Harness(PlacerCore()).given(dgx("d1"), dgx("d2"))
+    (p,) = of(place(h, elastic("el", min=1, max=4, step=1), "el"), JobPlaced)
+    assert of(place(h, make_job().gpus(4), "four"), JobResized)  # 4 -> 3 (folded at once)
+    h.given(event(JobResumeRequested(job_id="el", attempt=2, reason=Reason(code="resized", message="r"))))
+    ex = exited("el", p.allocations[0].node_id, replica=0, reason="killed", exit_code=143)
+    # its replicas exit one by one: meanwhile a second job needing room finds the stopping run counted
+    # as what it gives back, and nothing asks it to resize again
+    out = h.when(ex)
+    out += place(h, make_job("x").gpus(4), "x")
+    assert not of(out, JobResized)

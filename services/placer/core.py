@@ -758,12 +758,13 @@ class PlacerCore(BaseCore[PlacerState]):
         return plan.fork(), None, spec
 
     def _elastic_running(self, state: PlacerState) -> list[tuple[str, PlacerJob, JobSpec, int]]:
-        """The elastic jobs holding allocations: (id, record, spec, replicas now), lowest priority
-        first, then the most recently placed."""
+        """The elastic jobs holding allocations for their current run: (id, record, spec, replicas
+        now), lowest priority first, then the most recently placed. (A run being stopped for a
+        resume, its replicas exiting one by one, is not one: it is neither shrunk nor grown again.)"""
         out = []
         for job_id, (_, at) in state.elastic.items():
             rec = state.jobs.get(job_id)
-            if rec is not None and rec.spec is not None and rec.allocations:
+            if rec is not None and rec.spec is not None and rec.allocations and rec.attempt == rec.alloc_attempt:
                 out.append((rec.spec.priority, -at, job_id, rec))
         out.sort(key=lambda x: (x[0], x[1], x[2]))
         return [(j, r, r.spec, len(r.allocations or ())) for _, _, j, r in out if r.spec is not None]
@@ -778,6 +779,10 @@ class PlacerCore(BaseCore[PlacerState]):
         if not running:
             return None  # (no elastic job runs above its min: nothing to give back)
         trial = plan.fork()
+        for other in state.elastic:  # runs stopping for a resize free what the next run will not take
+            rec = state.jobs.get(other)
+            if rec is not None and rec.target is not None and rec.attempt != rec.alloc_attempt:
+                trial.give_back(state, tuple(a for a in rec.allocations or () if a.replica >= (rec.target or 0)))
         for other, rec, _, size in running:  # resizes already asked free what they drop
             if other != job_id and rec.resizing is not None and rec.resizing < size:
                 trial.give_back(state, tuple(a for a in rec.allocations or () if a.replica >= rec.resizing))
