@@ -42,6 +42,7 @@ from typing import Any
 from gpufleet.shared.contract.events import STREAM, parse_envelope
 from gpufleet.shared.read.view import TERMINAL_STATUSES, ClusterView, JobRow
 from gpufleet.shared.runtime.engine import refusal
+from gpufleet.shared.runtime.pull import stored_ms, stream_seq
 from gpufleet.shared.runtime.snapshots import SnapshotStore, take
 from gpufleet.tools.dashboard import Board
 
@@ -219,7 +220,7 @@ class ViewSnapshots:
 
 def fold_message(board: Board, msg: Any) -> None:
     """One message of the log into the board, by the engine's rules (shared/runtime/engine.py)."""
-    seq = int(msg.metadata.sequence.stream)
+    seq = stream_seq(msg)
     try:
         env = parse_envelope(msg.data)
     except Exception:  # noqa: BLE001 - dead-lettered by the services
@@ -239,8 +240,7 @@ async def fold_board(bus: Any, board: Board, until_seq: int | None = None, until
     last_ms = 0
     async for msgs in read_stream(bus, ("fleet.evt.>",), from_seq=board.view.seq + 1, until_seq=until_seq):
         for msg in msgs:
-            stored = msg.metadata.timestamp
-            ms = int(stored.timestamp() * 1000) if stored is not None else 0
+            ms = stored_ms(msg)
             if until_ms is not None and ms > until_ms:
                 return last_ms
             fold_message(board, msg)

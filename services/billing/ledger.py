@@ -54,6 +54,7 @@ from gpufleet.shared.contract.events import STREAM
 from gpufleet.shared.contract.subjects import consumer_filter
 from gpufleet.shared.runtime.bus import Bus, run_until_signal
 from gpufleet.shared.runtime.engine import Engine
+from gpufleet.shared.runtime.pull import stream_seq
 
 from .core import BillingCore, BillingState, Charge
 
@@ -171,13 +172,13 @@ class Ledger:
             self._held.extend(msgs)
             return
         for m in msgs:
-            self.fold(int(m.metadata.sequence.stream), m.data, m.subject, m.headers)
+            self.fold(stream_seq(m), m.data, m.subject, m.headers)
         self.stats.tapped += len(msgs)
         self._wake.set()
 
     async def _take_tap(self) -> None:
         """Its own reading reached the first message the tap holds: fold the rest from the tap."""
-        first = int(self._held[0].metadata.sequence.stream)
+        first = stream_seq(self._held[0])
         if self.read_seq < first:
             return
         await self._drop_tail()
@@ -185,7 +186,7 @@ class Ledger:
         self.stats.switches += 1
         held, self._held = self._held, deque()
         for m in held:  # (those its own reading folded already change nothing)
-            self.fold(int(m.metadata.sequence.stream), m.data, m.subject, m.headers)
+            self.fold(stream_seq(m), m.data, m.subject, m.headers)
         log.info("ledger %s: folded to seq %d on its own; folding its runtime's delivery from here",
                  self.name, self.read_seq)
 
@@ -302,7 +303,7 @@ class Ledger:
         elif len(self.pending) < self.max_pending:
             msgs = await self._fetch()
             for m in msgs:
-                self.fold(int(m.metadata.sequence.stream), m.data, m.subject, m.headers)
+                self.fold(stream_seq(m), m.data, m.subject, m.headers)
             n = len(msgs)
             if self._held:
                 await self._take_tap()

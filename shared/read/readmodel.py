@@ -37,6 +37,7 @@ from gpufleet.shared.read.view import ClusterView, JobRow, NodeRow, apply
 from gpufleet.shared.runtime.bus import Bus, run_until_signal
 from gpufleet.shared.runtime.engine import refusal
 from gpufleet.shared.runtime.loop import fetch_batch, open_durable
+from gpufleet.shared.runtime.pull import stream_seq
 
 log = logging.getLogger(__name__)
 
@@ -381,7 +382,7 @@ class Projector:
             await self._sleep_backoff()
             return 0
         with contextlib.suppress(Exception):  # a lost ack is redelivered and then acked as stale
-            await max(self._held, key=lambda m: m.metadata.sequence.stream).ack()
+            await max(self._held, key=stream_seq).ack()
         self._held = []
         self._backoff = self.min_backoff_s
         if self._down_since is not None:
@@ -399,7 +400,7 @@ class Projector:
         top = 0
         base = self.model.view.seq
         for msg in msgs:
-            seq = int(msg.metadata.sequence.stream)
+            seq = stream_seq(msg)
             top = max(top, seq)
             if seq <= base:
                 continue
@@ -412,7 +413,7 @@ class Projector:
             if refusal(env, msg.subject, msg.headers) is None:  # what no core folds, no row shows
                 items.append((seq, env))
         applied = await self.model.apply_batch(items, through_seq=top)
-        self.stats.stale += sum(1 for m in msgs if int(m.metadata.sequence.stream) <= base)
+        self.stats.stale += sum(1 for m in msgs if stream_seq(m) <= base)
         self.stats.applied += applied
         self.stats.batches += 1
         self.stats.offset = self.model.view.seq

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 from gpufleet.shared.contract.events import Envelope, parse_envelope
 from gpufleet.shared.contract.ids import is_ulid
 from gpufleet.shared.contract.subjects import SubjectFilter
+from gpufleet.shared.runtime.pull import stream_seq
 from gpufleet.shared.runtime.snapshots import Snapshot, take
 from gpufleet.shared.trust.authz import foreign_author
 
@@ -261,7 +262,7 @@ async def fold_engines(bus: Bus, engines: Sequence[Engine[Any]], until_seq: int 
         if len(engines) == 1:  # a service's refold: no bookkeeping of several
             one = engines[0]
             for msg in msgs:
-                seq = msg.metadata.sequence.stream
+                seq = stream_seq(msg)
                 try:
                     counts[0] += one.fold_message(msg.subject, msg.data, msg.headers, seq)
                 except Exception as exc:  # noqa: BLE001 - one bad event must not stop the fold
@@ -269,7 +270,7 @@ async def fold_engines(bus: Bus, engines: Sequence[Engine[Any]], until_seq: int 
                     _failed(one, seq, parse_envelope(msg.data), exc, on_error)  # (it parsed: the evolve failed)
             continue
         for msg in msgs:
-            seq = msg.metadata.sequence.stream
+            seq = stream_seq(msg)
             wanted = [i for i, e in enumerate(engines) if seq > e.seq]
             for i in [i for i in wanted if not engines[i].wants(msg.subject)]:
                 engines[i].passed(seq)

@@ -18,8 +18,10 @@ from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from gpufleet.shared.contract.events import STREAM
+from gpufleet.shared.runtime import pull
 from gpufleet.shared.runtime.archive import Archive, archive_dir
 from gpufleet.shared.runtime.bus import Bus
+from gpufleet.shared.runtime.pull import stream_seq
 
 READ_BATCH = 2048
 # who wants to hear how far a long read got: (the last sequence read, messages still pending);
@@ -76,7 +78,7 @@ async def read_stream(bus: Bus, subjects: Sequence[str] = ("fleet.>",), from_seq
         info = await js.add_consumer(stream, _read_config(name, subjects, from_seq, from_time))
     async for msgs in _drain(js, stream, name, info, until_seq):
         if archived_to:
-            msgs = [m for m in msgs if m.metadata.sequence.stream > archived_to]
+            msgs = [m for m in msgs if stream_seq(m) > archived_to]
             if not msgs:
                 continue
         yield msgs
@@ -117,7 +119,7 @@ async def _drain(js: Any, stream: str, name: str, info: Any, until_seq: int | No
             empty = 0
             while True:
                 try:
-                    msgs = await psub.fetch(READ_BATCH, timeout=2.0)
+                    msgs = await pull.fetch(psub, READ_BATCH, 2.0)
                 except (nats.errors.TimeoutError, TimeoutError):
                     msgs = []
                 if not msgs:
@@ -131,10 +133,10 @@ async def _drain(js: Any, stream: str, name: str, info: Any, until_seq: int | No
                 if (report := READ_PROGRESS.get()) is not None:
                     report(int(msgs[-1].metadata.sequence.stream), pending)
                 if until_seq is not None:
-                    kept = [m for m in msgs if m.metadata.sequence.stream <= until_seq]
+                    kept = [m for m in msgs if stream_seq(m) <= until_seq]
                     if kept:
                         yield kept
-                    if len(kept) < len(msgs) or (kept and kept[-1].metadata.sequence.stream >= until_seq):
+                    if len(kept) < len(msgs) or (kept and stream_seq(kept[-1]) >= until_seq):
                         return
                 else:
                     yield msgs

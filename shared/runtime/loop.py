@@ -49,9 +49,10 @@ from gpufleet.shared.contract.events import (
 )
 from gpufleet.shared.contract.ids import derive_id, is_token
 from gpufleet.shared.contract.subjects import consumer_filter
-from gpufleet.shared.runtime import otel
+from gpufleet.shared.runtime import otel, pull
 from gpufleet.shared.runtime.bus import Bus, Cas, while_unanswered
 from gpufleet.shared.runtime.engine import Engine, FoldStats, fold_engines, fold_tail, parse_logged, refusal
+from gpufleet.shared.runtime.pull import seqs, stream_seq
 from gpufleet.shared.runtime.snapshots import Snapshot, SnapshotStore
 
 log = logging.getLogger(__name__)
@@ -544,8 +545,7 @@ class ServiceRuntime(Generic[S]):
             if not self.engine.wants(msg.subject):
                 good.append(msg)  # not this service's business; acked with the batch
                 continue
-            md = msg.metadata
-            seq = md.sequence.stream
+            seq, _, delivered = seqs(msg)
             try:
                 env = parse_logged(seq, msg.data)  # (once per process: a group's members share it)
             except Exception as exc:  # noqa: BLE001 - any parse failure is a bad message
@@ -572,8 +572,8 @@ class ServiceRuntime(Generic[S]):
                         self._replies.append((reply, [e for e in said if e.type in _VERDICTS]))
                 bad.append(msg)
                 continue
-            if md.num_delivered > MAX_DELIVER:
-                outputs.append(self._dead_letter(msg, f"delivered {md.num_delivered} times"))
+            if delivered > MAX_DELIVER:
+                outputs.append(self._dead_letter(msg, f"delivered {delivered} times"))
                 bad.append(msg)
                 continue
             t0 = time.time_ns() if spans is not None else 0
@@ -665,9 +665,9 @@ class ServiceRuntime(Generic[S]):
                 otel.release(outputs)  # (after a failed publish the same ids are bound again)
             otel.count_published(self.core.name, outputs)
         if handled and self.group is None:
-            last = max(handled, key=lambda m: m.metadata.sequence.stream)
+            last = max(handled, key=stream_seq)
             await last.ack()
-            self.acked_seq = max(self.acked_seq, int(last.metadata.sequence.stream))
+            self.acked_seq = max(self.acked_seq, stream_seq(last))
         if dups and await self._others_version(dups):
             # the decision is in the log (the cause is decided), but in another version than the
             # one this state evolved: the state is rebuilt from the log, the log's version wins
@@ -747,7 +747,7 @@ async def every(stop: asyncio.Event, period_s: float, fn: Callable[[], Awaitable
 async def fetch_batch(psub: Any, batch: int, timeout_s: float) -> list[Msg]:
     """Up to `batch` messages, [] when none came in time or the connection is away."""
     try:
-        return list(await psub.fetch(batch, timeout=timeout_s))
+        return await pull.fetch(psub, batch, timeout_s)
     except (TimeoutError, nats.errors.TimeoutError):  # nats-py also raises a bare asyncio one
         return []
     except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError):
@@ -772,7 +772,7 @@ def check_deliveries(msgs: Sequence[Msg], delivered: int, durable: str) -> int:
     and recovery recreates the consumer at the ack floor.
     """
     for msg in msgs:
-        got = int(msg.metadata.sequence.consumer)
+        got = seqs(msg)[1]
         if got != delivered + 1:
             raise DeliveryGap(f"durable {durable} delivered #{got} after #{delivered} here: "
                               f"{got - delivered - 1} deliveries went elsewhere (another process, or a broken connection)")
@@ -972,9 +972,9 @@ class RuntimeGroup:
                 if isinstance(result, BaseException):
                     raise result
             if generation == self._generation:  # no member recreated the consumer meanwhile
-                last = max(msgs, key=lambda m: m.metadata.sequence.stream)
+                last = max(msgs, key=stream_seq)
                 await last.ack()
-                self.acked_seq = max(self.acked_seq, int(last.metadata.sequence.stream))
+                self.acked_seq = max(self.acked_seq, stream_seq(last))
         for rt in self.runtimes:
             await rt.tick_if_due()
             if not msgs:
