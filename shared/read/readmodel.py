@@ -37,7 +37,7 @@ from gpufleet.shared.read.view import ClusterView, JobRow, NodeRow, apply
 from gpufleet.shared.runtime.bus import Bus, run_until_signal
 from gpufleet.shared.runtime.engine import refusal
 from gpufleet.shared.runtime.loop import fetch_batch, open_durable
-from gpufleet.shared.runtime.pull import stream_seq
+from gpufleet.shared.runtime.pull import Linger, stream_seq
 
 log = logging.getLogger(__name__)
 
@@ -296,6 +296,9 @@ _PG_DOWN = (OSError, asyncio.TimeoutError, asyncpg.PostgresConnectionError, asyn
             asyncpg.exceptions.CrashShutdownError, asyncpg.exceptions.ConnectionDoesNotExistError)
 
 
+READ_LINGER_S = float(os.environ.get("GPUFLEET_READ_LINGER_MS", "25")) / 1000
+
+
 @dataclass
 class ProjectorStats:
     applied: int = 0  # events folded and committed
@@ -328,6 +331,9 @@ class Projector:
         self._held: list[Msg] = []  # fetched, not yet committed: never acked before PostgreSQL has them
         self._held_since = 0.0
         self._backoff = min_backoff_s
+        # a read model a few tens of ms behind costs nobody anything, and each of its commits is a
+        # PostgreSQL transaction: a trickle is gathered longer than in a service (shared/runtime/pull.py)
+        self._linger = Linger(READ_LINGER_S, batch // 4)
         self._down_since: float | None = None
         self._stop = asyncio.Event()
 
@@ -392,7 +398,10 @@ class Projector:
         return applied
 
     async def _fetch(self) -> list[Msg]:
-        return await fetch_batch(self._psub, self.batch, self.fetch_timeout_s)
+        await self._linger.before()
+        msgs = await fetch_batch(self._psub, self.batch, self.fetch_timeout_s)
+        self._linger.after(len(msgs))
+        return msgs
 
     async def _commit(self, msgs: Sequence[Msg]) -> int:
         assert self.model is not None

@@ -66,6 +66,13 @@ SNAPSHOT_EVENTS = int(os.environ.get("GPUFLEET_SNAPSHOT_EVENTS", "2000"))  # the
 SNAPSHOT_STORE_EVENTS = int(os.environ.get("GPUFLEET_SNAPSHOT_STORE_EVENTS", "20000"))  # and stored, for restarts
 SNAPSHOT_STORE_S = float(os.environ.get("GPUFLEET_SNAPSHOT_STORE_S", "60"))
 SNAPSHOT_MIN_S = float(os.environ.get("GPUFLEET_SNAPSHOT_MIN_S", "5"))
+# a fetch after one that took a few messages waits this long first (shared/runtime/pull.py `Linger`)
+LINGER_S = float(os.environ.get("GPUFLEET_LINGER_MS", "5")) / 1000
+LINGER_BELOW = 32
+
+
+def linger() -> pull.Linger:
+    return pull.Linger(LINGER_S, LINGER_BELOW)
 SNAPSHOT_CPU_SHARE = 0.02  # of the wall time, at most, spent taking rollback points
 # A client that wants its command's verdict at once names an inbox of its own in this header; once
 # the verdict is in the log, admission answers there too (docs/clients.md). Best effort: the log
@@ -231,6 +238,7 @@ class ServiceRuntime(Generic[S]):
     shared_durable: bool = False
     fence: Callable[[], bool] | None = None
     stats: RuntimeStats = field(default_factory=RuntimeStats)
+    _linger: pull.Linger = field(default_factory=linger, repr=False)
 
     def __post_init__(self) -> None:
         # the state and where it stands in the log, with the delivery rules (shared/runtime/engine.py)
@@ -455,7 +463,9 @@ class ServiceRuntime(Generic[S]):
         if self.fence is not None and not self.fence():
             self.stop()  # its lease is gone: it takes nothing more from the service's shared durable
             return 0
+        await self._linger.before()
         msgs = await fetch_batch(self._psub, self.batch, self.fetch_timeout_s)
+        self._linger.after(len(msgs))
         if msgs:
             self._delivered = check_deliveries(msgs, self._delivered, self.durable)
             _tap(self.taps, msgs)
@@ -908,6 +918,7 @@ class RuntimeGroup:
         self.durable = f"group-{names}" + (f"-{instance}" if instance != "0" else "")
         self.filter_subject = consumer_filter([p for c in cores for p in c.subjects])
         self.batch, self.fetch_timeout_s, self.ack_wait_s = batch, fetch_timeout_s, ack_wait_s
+        self._linger = linger()
         self.acked_seq = 0
         self._delivered = 0
         self._watch = ConsumerWatch(bus, lambda: self.durable)
@@ -957,7 +968,9 @@ class RuntimeGroup:
         await self.reopen()
 
     async def step(self) -> int:
+        await self._linger.before()
         msgs = await fetch_batch(self._psub, self.batch, self.fetch_timeout_s)
+        self._linger.after(len(msgs))
         if msgs:
             self._delivered = check_deliveries(msgs, self._delivered, self.durable)
             _tap(self.taps, msgs)
