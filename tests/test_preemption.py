@@ -103,18 +103,22 @@ def test_no_reclaim_beyond_the_nominal_and_no_preemption_loop() -> None:
         assert h.tick(T0 + timedelta(seconds=5 * (n + 1))) == []
 
 
-def test_with_a_backlog_the_cycle_runs_per_tick_not_per_event() -> None:
+def test_with_a_backlog_a_cycle_runs_every_few_admissions_and_at_each_tick() -> None:
     from gpufleet.services.quota.core import CYCLE_ON_EVENT_MAX
 
     h = quota({"a": {"nominal": {"gpu": 8}}})
     run(h, "holder", 8)
-    for i in range(CYCLE_ON_EVENT_MAX + 1):  # a backlog: each is told why once
-        run(h, f"w{i}", 8)
-    out = run(h, "late", 8)
-    assert out == []  # no cycle for this event: the backlog is past the threshold
-    out = h.tick(T0 + timedelta(seconds=1))
-    # the last of the backlog and the late one were admitted past the threshold: the tick tells them
-    assert [e.job_id for e in out if e.type == "job.queued"] == [f"w{CYCLE_ON_EVENT_MAX}", "late"]
-    out = h.when(preempted("holder"))  # a release with a backlog: also left to the tick
+    for i in range(CYCLE_ON_EVENT_MAX):  # up to the threshold: a cycle for each, each told why once
+        assert [e.job_id for e in run(h, f"w{i}", 8) if e.type == "job.queued"] == [f"w{i}"]
+    # past it (65-128 waiting): a cycle every second admission, which tells what came since the last
+    outs = [run(h, f"late{i}", 8) for i in range(8)]
+    cycled = [i for i, o in enumerate(outs) if o]
+    assert len(cycled) == 4 and all(b - a == 2 for a, b in zip(cycled, cycled[1:], strict=False))
+    told = [e.job_id for o in outs for e in o if e.type == "job.queued"]
+    untold = [f"late{i}" for i in range(cycled[-1] + 1, 8)]
+    assert told == [f"late{i}" for i in range(cycled[-1] + 1)]
+    out = h.tick(T0 + timedelta(seconds=1))  # the tick tells the rest
+    assert [e.job_id for e in out if e.type == "job.queued"] == untold
+    out = h.when(preempted("holder"))  # a release with a backlog: left to the tick
     assert out == []
     assert [e.job_id for e in h.tick(T0 + timedelta(seconds=2)) if e.type == "job.quota_reserved"] == ["w0"]

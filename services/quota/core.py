@@ -268,9 +268,14 @@ class QuotaCore(BaseCore[QuotaState]):
     def decide(self, state: QuotaState, env: Envelope, ctx: Ctx) -> list[Envelope]:
         resumed = isinstance(env.payload, JobResumeRequested) and env.payload.reason.code == "preempted"
         if env.type == "job.admitted" or resumed or env.type in ENDED_TYPES and env.job_id in state.ended:
-            # A cycle per event while few jobs wait (the usual case: quota at once); with a
-            # backlog, one cycle per tick, so a flood of events costs a cycle a second, not one each.
-            if len(state.pending) <= CYCLE_ON_EVENT_MAX:
+            # A cycle per event while few jobs wait (the usual case: quota at once). With a backlog
+            # of P, a cycle every P / CYCLE_ON_EVENT_MAX admissions (and one per tick): each costs
+            # O(P log P), so an event pays a bounded share of one, and a trickle that piled up past
+            # the threshold for a moment (a pause of the process) waits a few events, not the tick
+            # (with a cycle only per tick, 200 jobs/s offered waited 0.8 s at the median).
+            pending = len(state.pending)
+            if pending <= CYCLE_ON_EVENT_MAX or (
+                    env.type == "job.admitted" and state.admitted_n % -(-pending // CYCLE_ON_EVENT_MAX) == 0):
                 return self.cycle(state, ctx)
         return []
 
