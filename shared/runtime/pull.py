@@ -127,42 +127,39 @@ async def fetch(psub: Any, batch: int, timeout_s: float) -> list[Msg]:
     return msgs
 
 
+def _ack_tokens(msg: Any) -> list[str] | None:
+    """The tokens of a JetStream message's ack subject in its usual form
+    (`$JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>.<pending>`), split once; None for
+    the other forms (v2, with domain and account hash; an archived message) and where nats-py has
+    parsed its metadata already: those read `Msg.metadata`."""
+    if getattr(msg, "_metadata", None) is not None:
+        return None
+    reply: str | None = getattr(msg, "reply", None)
+    if reply and reply.startswith("$JS.ACK."):
+        t = reply.split(".")
+        if len(t) == 9:
+            return t
+    return None
+
+
 def seqs(msg: Any) -> tuple[int, int, int]:
-    """(stream sequence, consumer sequence, times delivered) of a JetStream message, from its ack
-    subject (`$JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>.<pending>`) with one
-    split; `Msg.metadata` for the other forms (v2, with domain and account hash; an archived
-    message) and where it is parsed already."""
-    md = getattr(msg, "_metadata", None)
-    if md is None:
-        reply = getattr(msg, "reply", None)
-        if reply and reply.startswith("$JS.ACK."):
-            t = reply.split(".")
-            if len(t) == 9:
-                return int(t[5]), int(t[6]), int(t[4])
-        md = msg.metadata  # (raises NotJSMessageError as nats-py does for what is not JetStream's)
-    return md.sequence.stream, getattr(md.sequence, "consumer", 0), md.num_delivered
+    """(stream sequence, consumer sequence, times delivered) of a JetStream message."""
+    t = _ack_tokens(msg)
+    if t is not None:
+        return int(t[5]), int(t[6]), int(t[4])
+    md = msg.metadata  # (raises NotJSMessageError as nats-py does for what is not JetStream's)
+    return int(md.sequence.stream), getattr(md.sequence, "consumer", 0), md.num_delivered
 
 
 def stream_seq(msg: Any) -> int:
-    md = getattr(msg, "_metadata", None)
-    if md is None:
-        reply = getattr(msg, "reply", None)
-        if reply and reply.startswith("$JS.ACK."):
-            t = reply.split(".")
-            if len(t) == 9:
-                return int(t[5])
-        md = msg.metadata
-    return int(md.sequence.stream)
+    return seqs(msg)[0]
 
 
 def stored_ms(msg: Any) -> int:
     """When the server stored the message, in ms since the epoch (0: not known)."""
-    if getattr(msg, "_metadata", None) is None:
-        reply = getattr(msg, "reply", None)
-        if reply and reply.startswith("$JS.ACK."):
-            t = reply.split(".")
-            if len(t) == 9:
-                return int(t[7]) // 1_000_000
+    t = _ack_tokens(msg)
+    if t is not None:
+        return int(t[7]) // 1_000_000
     ts = msg.metadata.timestamp
     return int(ts.timestamp() * 1000) if ts is not None else 0
 
