@@ -41,6 +41,7 @@ from typing import Any
 
 from gpufleet.shared.contract.events import STREAM, parse_envelope
 from gpufleet.shared.read.view import TERMINAL_STATUSES, ClusterView, JobRow
+from gpufleet.shared.runtime import gcpolicy
 from gpufleet.shared.runtime.engine import refusal
 from gpufleet.shared.runtime.pull import stored_ms, stream_seq
 from gpufleet.shared.runtime.snapshots import SnapshotStore, take
@@ -315,6 +316,7 @@ def main(argv: list[str] | None = None) -> None:
         return Looping(bus, lambda stop: keep(bus, key, stop, every=args.every))
 
     t0 = time.monotonic()
+    gcpolicy.install()
     asyncio.run(run_until_signal(args.nats_url, "gpufleet-view", worker))
     log.info("view: stopped after %.0f s", time.monotonic() - t0)
 

@@ -52,6 +52,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from gpufleet.shared.contract.clusterconfig import ClusterConfig, load_config
 from gpufleet.shared.contract.events import STREAM
 from gpufleet.shared.contract.subjects import consumer_filter
+from gpufleet.shared.runtime import gcpolicy
 from gpufleet.shared.runtime.bus import Bus, run_until_signal
 from gpufleet.shared.runtime.engine import Engine
 from gpufleet.shared.runtime.pull import stream_seq
@@ -500,6 +501,7 @@ def _cli() -> None:
     ap.add_argument("--name", default=DEFAULT_NAME)
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    gcpolicy.install()
     asyncio.run(main(args.nats, args.dsn, load_config(args.config), args.name))
 
 

@@ -39,6 +39,7 @@ from gpufleet.shared.contract.ids import derive_id
 from gpufleet.shared.node.checkpoints import CHECKPOINTED_TYPES, latest_good
 from gpufleet.shared.node.checkpoints import location as checkpoint_location
 from gpufleet.shared.node.gpu import GpuBackend
+from gpufleet.shared.runtime import gcpolicy
 from gpufleet.shared.runtime.bus import Bus
 from gpufleet.shared.runtime.loop import Ctx, ServiceRuntime, every
 
@@ -503,6 +504,7 @@ def main(argv: list[str] | None = None) -> None:
         finally:
             await bus.close()
 
+    gcpolicy.install()
     asyncio.run(run())
 
 

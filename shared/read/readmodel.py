@@ -34,6 +34,7 @@ from nats.aio.msg import Msg
 
 from gpufleet.shared.contract.events import STREAM, Envelope, parse_envelope
 from gpufleet.shared.read.view import ClusterView, JobRow, NodeRow, apply
+from gpufleet.shared.runtime import gcpolicy
 from gpufleet.shared.runtime.bus import Bus, run_until_signal
 from gpufleet.shared.runtime.engine import refusal
 from gpufleet.shared.runtime.loop import fetch_batch, open_durable
@@ -510,6 +511,7 @@ def _cli() -> None:
     parser.add_argument("--name", default=DEFAULT_NAME)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    gcpolicy.install()
     asyncio.run(main(args.nats, args.dsn, args.name))
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from gpufleet.shared.contract.config import resolve_nats_url
-from gpufleet.shared.runtime import otel
+from gpufleet.shared.runtime import gcpolicy, otel
 from gpufleet.shared.runtime.bus import Bus
 from gpufleet.shared.runtime.loop import Core, RuntimeGroup, ServiceRuntime
 
@@ -156,6 +156,7 @@ def serve(name: str, make_core: Callable[[argparse.Namespace], Core[Any]],
     except ImportError:  # pragma: no cover - uvloop is a dependency; plain asyncio still works
         pass
     try:
+        gcpolicy.install()
         if not asyncio.run(run_core(core, url, args.instance, args.batch, lease=args.lease)):
             raise SystemExit(3)  # the lease was lost: started again, it waits as a standby
     finally:
@@ -212,6 +213,7 @@ def main(argv: list[str] | None = None) -> None:
     except ImportError:  # pragma: no cover
         pass
     try:
+        gcpolicy.install()
         asyncio.run(run_group(cores, url, args.instance, args.batch))
     finally:
         otel.shutdown()
