@@ -240,3 +240,73 @@ def test_a_view_snapshot_at_any_point_plus_the_tail_is_the_full_fold(seed: int, 
     assert live(lean) == live(full), f"live point at {k} of {len(log)} + tail != full fold"
     assert {**segment, **lean.view.jobs} == full.view.jobs, "the put-away rows + the tail's rows != every row"
     assert lean.counts == full.counts
+
+
+async def test_a_slow_point_is_pickled_by_a_forked_child_as_the_state_was_at_the_fork(
+        bus: Bus, nats_url: str, realm: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A state that pickles slowly is pickled by a forked child while the loop goes on: the point
+    is the state at the fork (not what the loop folded meanwhile), is used for a rollback exactly
+    as one taken in the loop, and is stored when due; the child's CPU counts against the budget."""
+    from gpufleet.shared.runtime import loop
+
+    monkeypatch.setattr(loop, "FORK_FROM_S", 0.0)  # every point of this small state through a child
+    monkeypatch.setenv("GPUFLEET_POINT_FORK", "1")
+    creds = realm.creds_path("svc-admission")
+    await bus.publish_batch([submit_cmd(make_job(f"f{i}").dict(), f"f{i}") for i in range(30)])
+    rt = await _runtime(nats_url, creds)
+    try:
+        await _drain(rt, bus)
+        at_fork_seq, at_fork_jobs = rt.applied_seq, set(rt.state.jobs)
+        rt._snap_cost_s = 1.0  # as a large state's last point cost
+        rt._take_snapshot(background=True, store_always=True)
+        task = rt._point_task
+        assert task is not None, "the point was taken in the loop, not by a child"
+        # the loop goes on while the child pickles: more jobs folded
+        await bus.publish_batch([submit_cmd(make_job(f"g{i}").dict(), f"g{i}") for i in range(5)])
+        await _drain(rt, bus)
+        await task
+        assert rt._point_task is None
+        snap = rt._snap
+        assert snap is not None and snap.seq == at_fork_seq < rt.applied_seq
+        assert set(snap.state().jobs) == at_fork_jobs  # the state at the fork, not the later one
+        assert 0 < rt._snap_cost_s < 1.0  # the child's CPU (and the fork), not the stale figure
+        await wait_until(lambda: rt._save_task is not None and rt._save_task.done(), timeout_s=10)
+        assert rt._stored_seq == at_fork_seq  # stored: idle's point is stored whenever newer
+
+        # a rollback restores it and folds the tail: the same state as a full fold
+        before = rt.state
+        await rt.refold()
+        assert rt.last_fold.from_seq == at_fork_seq and rt.last_fold.events > 0
+        assert rt.state == before
+        full = await _runtime(nats_url, None)
+        await full._refold(full=True)
+        assert full.state == rt.state
+        await full.bus.close()
+    finally:
+        await rt.bus.close()
+
+
+async def test_a_failed_child_leaves_the_older_point_and_the_next_is_taken_in_the_loop(
+        bus: Bus, nats_url: str, realm: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpufleet.shared.runtime import loop
+
+    monkeypatch.setattr(loop, "FORK_FROM_S", 0.5)  # a point that cost 1 s goes to a child
+    creds = realm.creds_path("svc-admission")
+    await bus.publish_batch([submit_cmd(make_job(f"h{i}").dict(), f"h{i}") for i in range(5)])
+    rt = await _runtime(nats_url, creds)
+    try:
+        await _drain(rt, bus)
+        older = rt._snap
+        assert older is not None
+        rt.engine.state.jobs["poison"] = lambda: None  # type: ignore[assignment]  # a lambda does not pickle
+        rt._snap_cost_s = 1.0
+        rt._take_snapshot(background=True)
+        assert rt._point_task is not None
+        await rt._point_task
+        assert rt._snap is older  # the child failed: the older point stays
+        assert rt._snap_cost_s == 0.0  # so the next one is taken in the loop, where a failure shows
+        del rt.engine.state.jobs["poison"]
+        rt._take_snapshot(background=True)
+        assert rt._point_task is None and rt._snap is not older and rt._snap.seq == rt.applied_seq
+    finally:
+        await rt.bus.close()

@@ -295,7 +295,8 @@ def run_layout(sim_nodes: int, jobs: int, postgres: bool, layout: str,
             before: dict[str, float] = {}
 
             def cpu_now() -> dict[str, float]:
-                now = {name: _cpu_s(pid) for name, pid in pids.items()}
+                # (with their children: a large rollback point is pickled by a forked child)
+                now = {name: _cpu_s(pid, children=not name.startswith("nats-server")) for name, pid in pids.items()}
                 if pg_pid:  # PostgreSQL: the postmaster and its backends (the read model's writes)
                     now["postgres"] = _cpu_s(pg_pid, children=True)
                 return now

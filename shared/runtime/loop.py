@@ -53,7 +53,7 @@ from gpufleet.shared.runtime import otel, pull
 from gpufleet.shared.runtime.bus import Bus, Cas, while_unanswered
 from gpufleet.shared.runtime.engine import Engine, FoldStats, fold_engines, fold_tail, parse_logged, refusal
 from gpufleet.shared.runtime.pull import seqs, stream_seq
-from gpufleet.shared.runtime.snapshots import Snapshot, SnapshotStore
+from gpufleet.shared.runtime.snapshots import FORK_FROM_S, ForkedPoint, Snapshot, SnapshotStore, point_fork
 
 log = logging.getLogger(__name__)
 
@@ -255,6 +255,7 @@ class ServiceRuntime(Generic[S]):
         self._stored_seq = 0
         self._stored_at = time.monotonic()
         self._save_task: asyncio.Task[None] | None = None
+        self._point_task: asyncio.Task[None] | None = None  # a point being pickled by a forked child
         self._stream_created = ""
         self.last_fold = FoldStats()
         self._decided_cas_seq: int | None = None  # what the batch's first capacity decision saw
@@ -354,20 +355,57 @@ class ServiceRuntime(Generic[S]):
             self._snap = snap
         return snap
 
-    def _take_snapshot(self, store: bool = True) -> None:
+    def _take_snapshot(self, store: bool = True, *, background: bool = False, store_always: bool = False) -> None:
         """Keep the state as the last committed point (after a successful commit: every output it
-        holds is in the log); store it when enough has happened since the stored one."""
+        holds is in the log); store it when enough has happened since the stored one (or, with
+        `store_always`, whenever it is newer). With `background` a state that pickles slowly is
+        pickled by a forked child while the loop goes on (shared/runtime/snapshots.py
+        `ForkedPoint`); the point is kept, and stored, once the child is done."""
         if self._dirty or not self._stream_created:
             return
+        if self._point_task is not None:
+            return  # one child at a time: the next commit tries again
+        if background and self._snap_cost_s >= FORK_FROM_S and point_fork():
+            try:
+                child = ForkedPoint(self.core, self.engine.state, self.engine.seq, self.engine.last_cas_seq,
+                                    self.engine.own, self._stream_created)
+            except OSError as exc:  # no fork now (memory, process limit): this once in the loop
+                log.warning("%s: cannot fork to take its point (%s); taking it here", self.actor, exc)
+            else:
+                self._snap_at = time.monotonic()
+                self._since_snap = 0
+                self._point_task = asyncio.create_task(self._forked_point(child, store, store_always))
+                return
         t0 = time.perf_counter()
-        self._snap = self.engine.point(self._stream_created)
-        self._snap_cost_s = time.perf_counter() - t0
+        snap = self.engine.point(self._stream_created)
         self._snap_at = time.monotonic()
         self._since_snap = 0
-        due = (self.applied_seq - self._stored_seq >= SNAPSHOT_STORE_EVENTS
-               or (self.applied_seq > self._stored_seq and time.monotonic() - self._stored_at >= SNAPSHOT_STORE_S))
+        self._have_point(snap, time.perf_counter() - t0, store, store_always)
+
+    async def _forked_point(self, child: ForkedPoint, store: bool, store_always: bool) -> None:
+        try:
+            snap, cost_s = await child.result()
+        except Exception as exc:  # noqa: BLE001 - the older point stays; the next is taken in the loop
+            log.warning("%s: its point at seq %d was not taken (%s)", self.actor, child.seq, exc)
+            self._snap_cost_s = 0.0
+            return
+        finally:
+            self._point_task = None
+        if snap.stream_created != self._stream_created or (self._snap is not None and self._snap.seq > snap.seq):
+            return  # another log by now, or a newer point was taken meanwhile
+        self._have_point(snap, cost_s, store, store_always)
+
+    def _have_point(self, snap: Snapshot, cost_s: float, store: bool, store_always: bool) -> None:
+        self._snap = snap
+        self._snap_cost_s = cost_s
+        if store_always:
+            if snap.seq > self._stored_seq:
+                self._store_snapshot(snap)
+            return
+        due = (snap.seq - self._stored_seq >= SNAPSHOT_STORE_EVENTS
+               or (snap.seq > self._stored_seq and time.monotonic() - self._stored_at >= SNAPSHOT_STORE_S))
         if store and due:
-            self._store_snapshot(self._snap)
+            self._store_snapshot(snap)
 
     def _store_snapshot(self, snap: Snapshot) -> None:
         if self._save_task is not None and not self._save_task.done():
@@ -390,7 +428,7 @@ class ServiceRuntime(Generic[S]):
         pickles in ~0.25 s: then every ~12 s; a small core's in 1 ms: every SNAPSHOT_MIN_S)."""
         self._since_snap += n
         if self._since_snap >= SNAPSHOT_EVENTS and self._point_affordable():
-            self._take_snapshot()
+            self._take_snapshot(background=True)
 
     def _point_affordable(self) -> bool:
         """A new rollback point now spends at most SNAPSHOT_CPU_SHARE of the time on them, a
@@ -405,9 +443,7 @@ class ServiceRuntime(Generic[S]):
         folds almost nothing, however few of the events were this core's."""
         if (not self._dirty and self.applied_seq > self._stored_seq
                 and time.monotonic() - self._stored_at >= SNAPSHOT_MIN_S and self._point_affordable()):
-            self._take_snapshot(store=False)
-            if self._snap is not None and self._snap.seq > self._stored_seq:
-                self._store_snapshot(self._snap)
+            self._take_snapshot(background=True, store_always=True)
 
     async def flush_snapshot(self) -> None:
         """Store the current committed point now and wait for it (a clean stop, tests)."""
