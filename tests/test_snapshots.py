@@ -310,3 +310,43 @@ async def test_a_failed_child_leaves_the_older_point_and_the_next_is_taken_in_th
         assert rt._point_task is None and rt._snap is not older and rt._snap.seq == rt.applied_seq
     finally:
         await rt.bus.close()
+
+
+async def test_a_point_taken_in_the_loop_while_a_child_pickles_is_not_replaced_by_the_older_one(
+        bus: Bus, nats_url: str, realm: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    import asyncio
+
+    from gpufleet.shared.runtime import loop, snapshots
+
+    monkeypatch.setattr(loop, "FORK_FROM_S", 0.5)
+    release = asyncio.Event()
+    real_result = snapshots.ForkedPoint.result
+
+    async def held_result(self: Any) -> Any:  # the child's point comes back only when the test says
+        await release.wait()
+        return await real_result(self)
+
+    monkeypatch.setattr(snapshots.ForkedPoint, "result", held_result)
+    creds = realm.creds_path("svc-admission")
+    await bus.publish_batch([submit_cmd(make_job(f"k{i}").dict(), f"k{i}") for i in range(5)])
+    rt = await _runtime(nats_url, creds)
+    try:
+        await _drain(rt, bus)
+        rt._snap_cost_s = 1.0
+        rt._take_snapshot(background=True)
+        task = rt._point_task
+        assert task is not None
+        forked_at = rt.applied_seq
+        await bus.publish_batch([submit_cmd(make_job(f"m{i}").dict(), f"m{i}") for i in range(3)])
+        await _drain(rt, bus)
+        rt._snap_cost_s = 1.0
+        rt._take_snapshot(background=True)  # a second child waits for the first
+        assert rt._point_task is task
+        await rt.flush_snapshot()  # a clean stop: a point in the loop now, however slow
+        assert rt._snap is not None and rt._snap.seq == rt.applied_seq > forked_at
+        release.set()
+        await task
+        assert rt._snap.seq == rt.applied_seq  # the child's older point did not replace it
+    finally:
+        release.set()
+        await rt.bus.close()

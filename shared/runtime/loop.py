@@ -363,8 +363,8 @@ class ServiceRuntime(Generic[S]):
         `ForkedPoint`); the point is kept, and stored, once the child is done."""
         if self._dirty or not self._stream_created:
             return
-        if self._point_task is not None:
-            return  # one child at a time: the next commit tries again
+        if background and self._point_task is not None:
+            return  # one child at a time: the next commit tries again (a point in the loop goes on: newer)
         if background and self._snap_cost_s >= FORK_FROM_S and point_fork():
             try:
                 child = ForkedPoint(self.core, self.engine.state, self.engine.seq, self.engine.last_cas_seq,
