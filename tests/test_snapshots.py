@@ -132,6 +132,16 @@ async def _runtime(nats_url: str, realm_creds: Any = None) -> ServiceRuntime[Any
     return rt
 
 
+async def _full_fold(nats_url: str) -> Any:
+    """The state a fold of the whole log from sequence 1 gives."""
+    full = await _runtime(nats_url, None)
+    try:
+        await full._refold(full=True)
+        return full.state
+    finally:
+        await full.bus.close()
+
+
 async def _drain(rt: ServiceRuntime[Any], bus: Bus) -> None:
     async def caught_up() -> bool:
         await rt.step()
@@ -158,11 +168,7 @@ async def test_a_restart_starts_from_the_stored_snapshot_and_folds_only_the_tail
         assert again.last_fold.events == 3  # the three commands since
         await _drain(again, bus)
         assert set(before.jobs) < set(again.state.jobs) and len(again.state.jobs) == 43
-        # the same state a fold from sequence 1 gives
-        full = await _runtime(nats_url, None)
-        await full._refold(full=True)
-        assert full.state == again.state
-        await full.bus.close()
+        assert await _full_fold(nats_url) == again.state  # the same state a fold from sequence 1 gives
     finally:
         await again.bus.close()
 
@@ -278,10 +284,7 @@ async def test_a_slow_point_is_pickled_by_a_forked_child_as_the_state_was_at_the
         await rt.refold()
         assert rt.last_fold.from_seq == at_fork_seq and rt.last_fold.events > 0
         assert rt.state == before
-        full = await _runtime(nats_url, None)
-        await full._refold(full=True)
-        assert full.state == rt.state
-        await full.bus.close()
+        assert await _full_fold(nats_url) == rt.state
     finally:
         await rt.bus.close()
 

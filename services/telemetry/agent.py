@@ -60,8 +60,6 @@ class SimWorld:
                 self.backends[node_id] = SimGpuBackend(info.gpus)
         for node_id in self.backends:
             self.sync_node(state, node_id)
-        for node_id in [n for n in self._on_node if n not in self.backends]:
-            self._end(node_id, self._on_node.pop(node_id))
 
     def sync_node(self, state: TelemetryState, node_id: str) -> None:
         """The node's processes as the log has them now: one for each started replica on it, and
@@ -89,9 +87,9 @@ class SimWorld:
         gone = {ident for ident in mine if ident not in live}
         if gone:
             mine -= gone
-            self._end(node_id, gone)
+            self._end(gone)
 
-    def _end(self, node_id: str, idents: set[tuple[str, int, int]]) -> None:
+    def _end(self, idents: set[tuple[str, int, int]]) -> None:
         for ident in idents:
             pid = self._pid_of.pop(ident, None)
             if pid is None:

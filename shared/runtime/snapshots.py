@@ -107,8 +107,13 @@ def take(core: Any, state: Any, seq: int, last_cas_seq: int, own: set[str], stre
     blob = pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)
     if compress:
         blob = zlib.compress(blob, 1)
+    return _point(core, state, seq, last_cas_seq, own, stream_created, blob, compress)
+
+
+def _point(core: Any, state: Any, seq: int, last_cas_seq: int, own: set[str], stream_created: str, blob: bytes,
+           compressed: bool) -> Snapshot:
     return Snapshot(core.name, state_fingerprint(core, state), seq, last_cas_seq, tuple(sorted(own)),
-                    stream_created, blob, time.time(), compressed=compress)
+                    stream_created, blob, time.time(), compressed=compressed)
 
 
 # A large state pickles for 0.3-1 s (the placer's at 5,000 nodes and 20,000 jobs: 18 MB), and that
@@ -129,8 +134,7 @@ class ForkedPoint:
     CPU seconds the child spent (user + system), or raises if the child failed."""
 
     def __init__(self, core: Any, state: Any, seq: int, last_cas_seq: int, own: set[str], stream_created: str) -> None:
-        self._meta = (core.name, state_fingerprint(core, state), seq, last_cas_seq, tuple(sorted(own)),
-                      stream_created, time.time())
+        self._point = _point(core, state, seq, last_cas_seq, own, stream_created, b"", compressed=False)
         self.seq = seq
         t0 = time.perf_counter()
         r, w = os.pipe()
@@ -166,10 +170,8 @@ class ForkedPoint:
     async def result(self) -> tuple[Snapshot, float]:
         blob, cpu_s, code = await asyncio.to_thread(self._collect)
         if code != 0 or not blob:
-            raise RuntimeError(f"the child pickling {self._meta[0]}'s point exited with {code}")
-        name, fingerprint, seq, last_cas_seq, own, stream_created, taken_at = self._meta
-        return Snapshot(name, fingerprint, seq, last_cas_seq, own, stream_created, blob, taken_at,
-                        compressed=False), cpu_s + self.fork_s
+            raise RuntimeError(f"the child pickling {self._point.core}'s point exited with {code}")
+        return dataclasses.replace(self._point, blob=blob), cpu_s + self.fork_s
 
 
 class SnapshotRefused(ValueError):
