@@ -264,3 +264,86 @@ def test_a_spec_as_a_person_writes_it_round_trips_and_takes_set_paths() -> None:
         with pytest.raises(SpecError) as err:
             set_path(doc, wrong)
         assert err.value.field == field
+
+
+# ---------------------------------------------------------------- known shapes (specs read from events)
+
+
+def _submitted_json(spec: dict[str, Any], job_id: str = "j1") -> bytes:
+    """A job.submitted event as admission writes it, with the spec's JSON as given (not re-validated)."""
+    import json
+
+    from .builders import submitted
+
+    doc = json.loads(submitted(make_job("x").spec()).to_json())
+    doc["payload"]["spec"] = spec
+    doc["payload"]["job_id"] = doc["correlation_id"] = job_id
+    return json.dumps(doc).encode()
+
+
+def _full(data: bytes) -> Any:
+    """The envelope validated in full (no known shape)."""
+    from gpufleet.shared.contract import spec as spec_module
+    from gpufleet.shared.contract.events import parse_envelope
+
+    saved = dict(spec_module._SHAPES)
+    spec_module._SHAPES.clear()
+    try:
+        return parse_envelope(data)
+    finally:
+        spec_module._SHAPES.clear()
+        spec_module._SHAPES.update(saved)
+
+
+def test_a_spec_of_a_known_shape_read_from_an_event_equals_one_validated_in_full() -> None:
+    from gpufleet.shared.contract import spec as spec_module
+    from gpufleet.shared.contract.events import parse_envelope
+
+    wire = spec_to_wire(parse_spec({"name": "a", "tenant": "acme", "resources": {"gpu": 2, "cpu": 4, "memory": "8Gi"},
+                                    "env": {"K": "v"}, "nodeSelector": {"rack": "r1"}, "sim": {"duration": "5m"}}))
+    first = parse_envelope(_submitted_json({**wire, "name": "a"})).payload.spec
+    assert json_key(wire) in spec_module._SHAPES
+    for name in ("b", "c-2"):
+        again = parse_envelope(_submitted_json({**wire, "name": name})).payload.spec
+        full = _full(_submitted_json({**wire, "name": name})).payload.spec
+        assert again.name == name and first.name == "a"  # its own name; the first keeps its own
+        assert again == full and again.model_fields_set == full.model_fields_set
+        assert again.model_dump_json(by_alias=True) == full.model_dump_json(by_alias=True)
+        assert again.resources is first.resources and again.env is first.env  # the shape's parts, shared
+    assert parse_envelope(_submitted_json({**wire, "name": "b"})).payload.spec != first  # (the names differ)
+
+
+@pytest.mark.parametrize(("change", "field"), [
+    ({"name": "not a token!"}, "name"),
+    ({"name": 7}, "name"),
+    ({"replicas": True}, "replicas"),  # equal to 1 in Python, not in JSON: another shape, refused
+    ({"priority": 1.5}, "priority"),
+    ({"tenant": "sys"}, "tenant"),
+])
+def test_a_known_shape_does_not_let_a_bad_spec_through(change: dict[str, Any], field: str) -> None:
+    import pydantic
+
+    from gpufleet.shared.contract.events import parse_envelope
+
+    wire = spec_to_wire(parse_spec({"name": "a", "tenant": "acme", "replicas": 1, "priority": 1}))
+    parse_envelope(_submitted_json(wire))  # the shape is known
+    with pytest.raises(pydantic.ValidationError) as err:
+        parse_envelope(_submitted_json({**wire, **change}))
+    assert field in {str(p) for e in err.value.errors() for p in e["loc"]}
+
+
+def test_a_users_spec_is_always_validated_in_full() -> None:
+    """parse_spec (cmd.submit, YAML, the SDK) refuses the normalised names, whatever shapes the
+    events carried before."""
+    from gpufleet.shared.contract.events import parse_envelope
+
+    wire = spec_to_wire(parse_spec({"name": "a", "tenant": "acme", "resources": {"cpu": 2}}))
+    parse_envelope(_submitted_json(wire))
+    with pytest.raises(SpecError, match="cpu_milli"):
+        parse_spec({**wire, "name": "b"})
+
+
+def json_key(wire: dict[str, Any]) -> str:
+    import json
+
+    return json.dumps({k: v for k, v in wire.items() if k != "name"}, separators=(",", ":"))
