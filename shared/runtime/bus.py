@@ -31,10 +31,11 @@ from nats.js.client import JetStreamContext
 
 from gpufleet.shared.contract.errors import CasConflict, GpufleetError, PermanentError, RetryableError
 from gpufleet.shared.contract.events import STREAM, TELEMETRY_STREAM, Envelope
-from gpufleet.shared.runtime import otel
+from gpufleet.shared.runtime import headers, otel
 from gpufleet.shared.trust.authz import Creds, find_creds
 
 log = logging.getLogger(__name__)
+headers.install()  # nats-py's header parse, by the header (shared/runtime/headers.py)
 
 ATOMIC_BATCH_MAX = 500  # the server accepts up to 1000 messages in one atomic batch
 ERR_WRONG_LAST_SEQ = 10071
