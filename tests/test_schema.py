@@ -71,6 +71,7 @@ from gpufleet.shared.contract.events import (
     ReplicaAllocation,
     ReportLoadCmd,
     SubmitRequested,
+    parse_envelope,
 )
 from gpufleet.shared.contract.ids import ULID_PATTERN, derive_id, is_ulid, ulid
 from gpufleet.shared.contract.spec import parse_spec
@@ -243,7 +244,12 @@ def test_schema_validates_real_envelope(t: str) -> None:
 def test_payload_type_may_be_omitted(t: str) -> None:
     doc = wire(t)
     del doc["payload"]["type"]
-    Envelope.model_validate(doc)
+    env = Envelope.model_validate(doc)
+    assert env.payload.type == t
+    assert parse_envelope(json.dumps(doc)) == env  # read from its bytes as the services read it
+    bad = {**doc, "payload": {**doc["payload"], "not_a_field": 1}}  # and what is wrong besides is named as ever
+    with pytest.raises(ValidationError, match="not_a_field"):
+        parse_envelope(json.dumps(bad))
     validator(schema.schema_file(t)).validate(doc)
     validator(schema.ENVELOPE_FILE).validate(doc)
 

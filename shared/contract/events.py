@@ -15,11 +15,12 @@ Subjects (ids in them are validated tokens):
 
 from __future__ import annotations
 
+import json
 from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Annotated, Any, Literal, Union, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from gpufleet.shared.contract.ids import check_token
 from gpufleet.shared.contract.spec import JobSpec
@@ -681,15 +682,24 @@ class Envelope(BaseModel):
     actor: str
     payload: Payload
 
-    @model_validator(mode="before")
+    # `payload.type` may be omitted: it is the envelope's `type`. Filled in by these two rather than
+    # by a model validator: a "before" validator has pydantic turn a JSON document into Python
+    # objects first and validate those (job.placed 10.7 -> 6.9 us without it, every process, every
+    # event); an event that names its payload's type, as every service writes them, is read
+    # straight from its bytes, and only one that leaves it out is read twice.
     @classmethod
-    def _payload_type_from_envelope(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            payload = data.get("payload")
-            if isinstance(payload, dict) and "type" not in payload and isinstance(data.get("type"), str):
-                data = dict(data)
-                data["payload"] = {**payload, "type": data["type"]}
-        return data
+    def model_validate(cls, obj: Any, **kwargs: Any) -> Envelope:
+        return super().model_validate(_payload_typed(obj), **kwargs)
+
+    @classmethod
+    def model_validate_json(cls, json_data: str | bytes | bytearray, **kwargs: Any) -> Envelope:
+        try:
+            return super().model_validate_json(json_data, **kwargs)
+        except ValidationError as exc:
+            if not any(e["type"] == "union_tag_not_found" and tuple(e["loc"]) == ("payload",) for e in exc.errors()):
+                raise
+            doc = _payload_typed(json.loads(json_data))  # (it is JSON: the tag alone was missing)
+            return super().model_validate_json(json.dumps(doc), **kwargs)
 
     @model_validator(mode="after")
     def _consistent(self) -> Envelope:
@@ -713,6 +723,15 @@ class Envelope(BaseModel):
 
     def to_json(self) -> bytes:
         return self.model_dump_json(exclude_none=True).encode()
+
+
+def _payload_typed(doc: Any) -> Any:
+    """An envelope's document with its `type` as its payload's where the payload names none."""
+    if isinstance(doc, dict):
+        payload = doc.get("payload")
+        if isinstance(payload, dict) and "type" not in payload and isinstance(doc.get("type"), str):
+            return {**doc, "payload": {**payload, "type": doc["type"]}}
+    return doc
 
 
 def subject_for(tenant: str, payload: Payload) -> str:
