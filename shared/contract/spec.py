@@ -692,13 +692,8 @@ def known_shape(data: dict[str, Any], handler: ModelWrapValidatorHandler[JobSpec
             _SHAPES.clear()
         _SHAPES[key] = seen
         return seen
-    spec = JobSpec.__new__(JobSpec)
-    fields = seen.__dict__.copy()  # (a key-sharing dict's copy shares its keys too)
-    fields["name"] = name
-    object.__setattr__(spec, "__dict__", fields)
-    object.__setattr__(spec, "__pydantic_fields_set__", seen.__pydantic_fields_set__)  # (shared, as compact does)
-    object.__setattr__(spec, "__pydantic_extra__", None)
-    object.__setattr__(spec, "__pydantic_private__", None)
+    spec = seen.model_copy(update={"name": name})  # (its fields' dict still shares its keys)
+    _shared_fields_set(spec)  # (model_copy copies the set of given fields: shared, as compact does)
     return spec
 
 

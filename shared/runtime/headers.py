@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import re
 
+import nats.aio.client
 from nats.aio.client import Client
 
 CHECKED_NATS_PY = ("2.16.0",)
@@ -46,8 +47,6 @@ def parse_header_lines(raw: bytes) -> dict[str, str]:
 
 def install() -> bool:
     """Use `parse_header_lines` in nats-py's client; False where its version was not checked."""
-    import nats.aio.client
-
     if nats.aio.client.__version__ not in CHECKED_NATS_PY:
         return False
     Client._parse_header_lines = staticmethod(parse_header_lines)  # type: ignore[method-assign]
