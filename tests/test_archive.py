@@ -188,3 +188,48 @@ async def test_a_long_read_reports_how_far_it_got(bus: Bus) -> None:
     async for _ in read_stream(bus):  # outside the context: nobody told
         pass
     assert len(seen) == told
+
+
+async def test_a_placement_after_the_last_one_was_purged_is_guarded_by_what_the_stream_still_holds(
+        archive: Archive, bus: Bus, nats_url: str, realm: Any) -> None:
+    """The placer's compare-and-set guard names its newest job.placed. After a quiet spell longer
+    than the retention the archive purges that event, and the server then expects the subject's
+    last sequence to be 0: a guard left at the purged sequence failed every placement, and each
+    refold (archive + stream) set it back, for good (seen in CI: jobs left `reserved`)."""
+    from gpufleet.services.placer.core import PlacerCore
+
+    from .builders import make_job, node, quota_reserved, submitted
+    from .test_runtime import Service, consumer_idle
+
+    job = make_job().gpus(4)
+    await bus.publish_batch([node("n1"), submitted(job, "j0"), quota_reserved(job, "j0")])
+    placer = await Service(nats_url, PlacerCore(), instance="0").start()
+    arch_bus = await Bus.connect(nats_url, name="archive", creds=realm.creds_path("svc-archive"))
+    try:
+        async def placed(job_id: str) -> list[Any]:
+            got = [e for e in await fold_archived(bus) if e.type == "job.placed" and e.job_id == job_id]
+            return got if got and await consumer_idle(bus, placer.rt.durable) else []
+
+        await wait_until(lambda: placed("j0"), timeout_s=10)
+        guard = placer.rt.last_cas_seq
+        assert guard > 0
+        await archive_round(arch_bus, archive, retention=1.0, segment=1000, now=time.time() + 60)
+        info = await bus.js.stream_info(STREAM)
+        assert info.state.messages == 0 and info.state.first_seq > guard  # the job.placed is archived only
+
+        await bus.publish_batch([submitted(job, "j1"), quota_reserved(job, "j1")])
+        (j1,) = await wait_until(lambda: placed("j1"), timeout_s=10)
+        assert placer.rt.stats.cas_conflicts <= 1  # the one commit that still named the purged guard
+        (j0,) = [e for e in await fold_archived(bus) if e.type == "job.placed" and e.job_id == "j0"]
+        taken = {g for a in j0.payload.allocations for g in a.gpu_indices}
+        assert taken and not taken & {g for a in j1.payload.allocations for g in a.gpu_indices}  # the archive was folded
+    finally:
+        await arch_bus.close()
+        await placer.stop()
+
+
+async def fold_archived(bus: Bus) -> list[Any]:
+    """Every event of the log, archive and stream together."""
+    from gpufleet.shared.runtime.engine import parse_logged
+
+    return [parse_logged(m.metadata.sequence.stream, m.data) async for batch in read_stream(bus) for m in batch]

@@ -316,7 +316,26 @@ class ServiceRuntime(Generic[S]):
         engine, snap, t0 = await self._fold_from(full)
         # the tail, by the same rules as a delivered message: a fold equals the live state
         n = await fold_tail(self.bus, engine, subject=self.filter_subject)
+        await self._guard_in_stream(engine)
         return self._folded(engine, snap, n, t0)
+
+    async def _guard_in_stream(self, engine: Engine[S]) -> None:
+        """The compare-and-set guard names the newest event of the core's CAS subject in the log,
+        but the server compares it with the newest one the *stream* still holds. Once a retention
+        purged that event (the archive, after a quiet spell longer than the retention), the stream
+        holds none of the subject and the server expects 0: a guard left at the purged sequence
+        would fail every commit, and every refold would set it back (a livelock). The fold read the
+        stream to its head, so a guard below the stream's first sequence means no event of the
+        subject is left in it. (A purge between this read and the commit fails that one CAS; the
+        refold after it reads the stream again.)"""
+        if not self.core.cas_subject or engine.last_cas_seq == 0:
+            return
+        first = int((await self.bus.js.stream_info(STREAM)).state.first_seq)
+        if engine.last_cas_seq < first:
+            log.info("%s: its compare-and-set guard (seq %d) was purged from the stream (which starts at %d): "
+                     "the stream holds none of %s, so the guard is 0", self.actor, engine.last_cas_seq, first,
+                     self.core.cas_subject)
+            engine.last_cas_seq = 0
 
     async def _fold_from(self, full: bool = False) -> tuple[Engine[S], Snapshot | None, float]:
         """A new engine at the last committed point (none with `full`), to fold the tail into."""
@@ -981,6 +1000,7 @@ class RuntimeGroup:
                 started = [await rt._fold_from() for rt in self.runtimes]
                 counts = await fold_engines(self.bus, [e for e, _, _ in started], subject=self.filter_subject)
                 for rt, (engine, snap, t0), n in zip(self.runtimes, started, counts, strict=True):
+                    await rt._guard_in_stream(engine)
                     rt._folded(engine, snap, n, t0)
 
         await while_unanswered(fold_all, within_s, on_retry=lambda exc: log.warning(
