@@ -555,7 +555,7 @@ class CapacityCommitted(_Payload):
 
     type: Literal["sys.capacity_committed"] = "sys.capacity_committed"
     service: str  # the deciding service (`placer`): the subject's last token
-    events: int = Field(ge=1)  # the events of its atomic batch, all just before it
+    events: int = Field(ge=1)  # the guarded events of the commit, all just before this one
 
     @field_validator("service")
     @classmethod
@@ -767,15 +767,10 @@ def subject_for(tenant: str, payload: Payload) -> str:
     if isinstance(payload, DeadLetter):
         return f"{SUBJECT_ROOT}.evt.{SYS_TENANT}.deadletter.{payload.service}"
     if isinstance(payload, CapacityCommitted):
-        return capacity_subject(payload.service)
+        return f"{SUBJECT_ROOT}.evt.{SYS_TENANT}.capacity.{payload.service}"
     if area == "budget" and isinstance(payload, _BudgetPayload):
         return f"{SUBJECT_ROOT}.evt.{SYS_TENANT}.budget.{payload.scope}.{payload.budget}.{short}"
     raise ValueError(f"no subject for {kind}")
-
-
-def capacity_subject(service: str) -> str:
-    """Where `service`'s commits of capacity decisions end (`sys.capacity_committed`): its guard."""
-    return f"{SUBJECT_ROOT}.evt.{SYS_TENANT}.capacity.{service}"
 
 
 def parse_envelope(data: bytes | str) -> Envelope:

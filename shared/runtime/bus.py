@@ -406,9 +406,12 @@ class Bus:
             if mark is not None:
                 chunk.append(mark(chunk))
             chunk_seqs = await self._atomic(chunk, guard, dups)
-            if mark is not None and marks is not None:
-                marks.append((chunk_seqs[-1], chunk[-1]))
-            seqs.extend(chunk_seqs[:-1] if mark is not None else chunk_seqs)
+            if mark is not None:
+                if marks is not None:
+                    marks.append((chunk_seqs[-1], chunk[-1]))
+                seqs.extend(chunk_seqs[:-1])
+            else:
+                seqs.extend(chunk_seqs)
             if guard is not None:
                 last = guard.last_seq
                 for env, seq in zip(chunk, chunk_seqs, strict=True):
