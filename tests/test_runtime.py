@@ -22,7 +22,6 @@ from gpufleet.shared.contract.errors import CasConflict, RetryableError
 from gpufleet.shared.contract.events import (
     STREAM,
     TERMINAL_JOB_TYPES,
-    CapacityCommitted,
     Envelope,
     JobAdmitted,
     JobRejected,
@@ -37,12 +36,6 @@ from .builders import event, make_job, node, placed, quota_reserved, submit, sub
 from .helpers import default_cores, read_log, running, submit_cmd, wait_until
 
 PLACED = "fleet.evt.*.job.*.placed"
-MARK = "fleet.evt.sys.capacity.placer"  # the placer's guard: each of its commits ends with a marker there
-
-
-def capacity_committed(chunk: Sequence[Envelope]) -> Envelope:
-    """The marker a placer's commit ends with (BaseCore.cas_marker)."""
-    return event(CapacityCommitted(service="placer", events=len(chunk)))
 
 
 class Service:
@@ -383,8 +376,8 @@ async def test_rival_placement_later_in_the_same_batch_fails_the_cas(bus: Bus, n
     try:
         await bus.publish_batch(nodes + jobs)
         rival = [placed(f"j{i}", (f"n{1 + i // 2}", range(4 * (i % 2), 4 * (i % 2) + 4))) for i in range(4)]
-        await bus.publish_batch(rival, cas=Cas(MARK, 0), mark=capacity_committed)  # as a placer commits
-        assert await me.rt.step() == len(nodes + jobs + rival) + 1  # and the rival's marker
+        await bus.publish_batch(rival, cas=Cas(PLACED, 0))
+        assert await me.rt.step() == len(nodes + jobs + rival)
     finally:
         await me.stop()
 
