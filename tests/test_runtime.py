@@ -22,6 +22,7 @@ from gpufleet.shared.contract.errors import CasConflict, RetryableError
 from gpufleet.shared.contract.events import (
     STREAM,
     TERMINAL_JOB_TYPES,
+    CapacityCommitted,
     Envelope,
     JobAdmitted,
     JobRejected,
@@ -36,6 +37,12 @@ from .builders import event, make_job, node, placed, quota_reserved, submit, sub
 from .helpers import default_cores, read_log, running, submit_cmd, wait_until
 
 PLACED = "fleet.evt.*.job.*.placed"
+MARK = "fleet.evt.sys.capacity.placer"  # the placer's guard: each of its commits ends with a marker there
+
+
+def capacity_committed(chunk: Sequence[Envelope]) -> Envelope:
+    """The marker a placer's commit ends with (BaseCore.cas_marker)."""
+    return event(CapacityCommitted(service="placer", events=len(chunk)))
 
 
 class Service:
@@ -376,8 +383,8 @@ async def test_rival_placement_later_in_the_same_batch_fails_the_cas(bus: Bus, n
     try:
         await bus.publish_batch(nodes + jobs)
         rival = [placed(f"j{i}", (f"n{1 + i // 2}", range(4 * (i % 2), 4 * (i % 2) + 4))) for i in range(4)]
-        await bus.publish_batch(rival, cas=Cas(PLACED, 0))
-        assert await me.rt.step() == len(nodes + jobs + rival)
+        await bus.publish_batch(rival, cas=Cas(MARK, 0), mark=capacity_committed)  # as a placer commits
+        assert await me.rt.step() == len(nodes + jobs + rival) + 1  # and the rival's marker
     finally:
         await me.stop()
 
@@ -479,6 +486,36 @@ async def test_a_batch_with_a_copy_held_before_keeps_a_guard_on_another_subject(
         await bus.publish_batch([old, new], cas=Cas(admitted, seq0))
 
     assert new.event_id not in [e.event_id for e in await log_of(bus)]
+
+
+async def test_a_marked_batch_holding_a_copy_held_before_is_refused_whole(bus: Bus) -> None:
+    # The placer's shape: its placements do not move its guard, the marker at the end of the
+    # batch does. One by one (what a batch holding a duplicate fell back to), the placements
+    # would be written under a guard nothing moves until the marker: a rival placer committing
+    # between them, on a view without them, books the same GPUs (seen in the chaos test's audit,
+    # gpu_capacity). Such a batch must be refused whole, so the placer reads the log again.
+    held = placed("j0", ("n1", [0]))
+    await bus.publish(held)  # (a rival's copy of the same decision, or this writer's own unacked one)
+    new = placed("j1", ("n1", [1]))
+    rival = [placed("r", ("n1", [1]))]
+    real_publish = bus.publish
+
+    async def rival_between(env: Envelope, *args: object, **kwargs: object) -> int:
+        seq = await real_publish(env, *args, **kwargs)  # type: ignore[arg-type]
+        if env.event_id == new.event_id:  # a rival commits between this writer's events
+            await Bus.publish_batch(bus, rival, cas=Cas(MARK, 0), mark=capacity_committed)
+        return seq
+
+    bus.publish = rival_between  # type: ignore[method-assign]
+    try:
+        with pytest.raises(CasConflict):
+            await bus.publish_batch([new, held], cas=Cas(MARK, 0), mark=capacity_committed)
+    finally:
+        bus.publish = real_publish  # type: ignore[method-assign]
+
+    log = await log_of(bus)
+    _check_no_gpu_taken_twice(log, gpus_per_node=8)
+    assert [e.event_id for e in log] == [held.event_id]  # nothing of this commit went out
 
 
 @pytest.mark.slow  # (three nats-servers)

@@ -21,6 +21,7 @@ from gpufleet.shared.contract.events import (
     BudgetExceeded,
     BudgetThresholdReached,
     CancelRequestedCmd,
+    CapacityCommitted,
     DeadLetter,
     Envelope,
     GpuDevice,
@@ -172,6 +173,7 @@ EXAMPLES: dict[str, Any] = {
         service="placer", subject="fleet.evt.acme.job.job-0001.submitted", stream_seq=17, reason="bad json",
         data_excerpt="{not json",
     ),
+    "sys.capacity_committed": CapacityCommitted(service="placer", events=3),
     "budget.threshold_reached": BudgetThresholdReached(
         scope="tenant", budget="acme", amount=Decimal("5000"), currency="USD", spent=Decimal("4012.345678"),
         threshold_pct=80, policy="hold"),
@@ -399,6 +401,7 @@ def test_asyncapi_document() -> None:
         "fleet.evt.{tenant}.job.{job_id}.{type}",
         "fleet.evt.sys.node.{node_id}.{type}",
         "fleet.evt.sys.deadletter.{service}",
+        "fleet.evt.sys.capacity.{service}",
         "fleet.evt.sys.budget.{scope}.{budget}.{type}",
         "fleet.tel.node.{node_id}.{kind}",
         "fleet.logs.{tenant}.{node_id}", None,  # a run's logs: request/reply, in no stream (the reply: an inbox)

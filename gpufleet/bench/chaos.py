@@ -310,6 +310,7 @@ async def campaign(d: Path, seed: int, jobs: int, extra_faults: int,
     refused: list[str] = []
     cancels: list[str] = []
     probes: dict[str, float] = {}
+    probes_wall: dict[str, float] = {}  # (wall clock: a placement the live subscription missed is timed from the log)
     t0 = time.monotonic()
 
     async def submit(spec: dict[str, Any]) -> str | None:
@@ -355,6 +356,7 @@ async def campaign(d: Path, seed: int, jobs: int, extra_faults: int,
                                   "resources": {"gpu": 1}, "sim": {"duration": "1s"}})
             if probe is not None:
                 probes[probe] = done
+                probes_wall[probe] = time.time()
             row = {"at_s": round(done - t0, 1), "kind": kind, "hit": hit, "probe": probe}
             injected.append(row)
             say(f"[{done - t0:6.1f}s] {kind}: {hit}")
@@ -364,7 +366,12 @@ async def campaign(d: Path, seed: int, jobs: int, extra_faults: int,
     ends = await _wait_ends(fleet, set(accepted), timeout_s=240 + jobs * 0.2, say=say)
     for row in injected:
         job = row["probe"]
-        row["recovery_s"] = round(placed_at[job] - probes[job], 2) if job in placed_at else None
+        if job in placed_at:
+            row["recovery_s"] = round(placed_at[job] - probes[job], 2)
+        elif job is not None:  # the live subscription is core NATS: a cut of this client's server loses what it sent
+            row["recovery_s"] = await _placed_from_log(fleet, job, probes_wall[job])
+        else:
+            row["recovery_s"] = None
     await sub.unsubscribe()
     report = await _check(d, fleet, set(accepted), ends, say, silenced)
     await fleet.close()
@@ -426,6 +433,18 @@ async def _audit(d: Path, within_s: float = 90.0) -> dict[str, Any]:
             return {"ok": False, "error": f"audit exited {proc.returncode}: "
                                           f"{(proc.stderr.strip() or proc.stdout.strip())[-800:]}"}
         await asyncio.sleep(2.0)
+
+
+async def _placed_from_log(fleet: Any, job_id: str, since: float) -> float | None:
+    """Seconds from `since` (wall clock) to the job's placement as the log holds it (its event's
+    occurred_at), or None when the log holds none."""
+    from gpufleet.shared.contract.events import STREAM, parse_envelope
+
+    try:
+        msg = await fleet.bus.js.get_last_msg(STREAM, f"fleet.evt.*.job.{job_id}.placed")
+    except Exception:  # noqa: BLE001 - none (nats.js.errors.NotFoundError), or the server busy: not placed as far as we know
+        return None
+    return round(parse_envelope(msg.data).occurred_at.timestamp() - since, 2)
 
 
 async def _check(d: Path, fleet: Any, jobs: set[str], ends: dict[str, tuple[str, int]],

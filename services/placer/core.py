@@ -53,6 +53,7 @@ from gpufleet.shared.contract.events import (
     NodeUncordoned,
     Reason,
     ReplicaAllocation,
+    capacity_subject,
     resumed_attempt,
     utc,
 )
@@ -443,9 +444,14 @@ class Plan:
 
 class PlacerCore(BaseCore[PlacerState]):
     name = "placer"
-    state_format = 4  # 4: elastic jobs (`elastic`, PlacerJob.target/resizing/keep_nodes); 3: the run times of similar jobs (`runtimes`); 2: one record per job (`PlacerJob`) for the parallel maps keyed by job
-    cas_subject = "fleet.evt.*.job.*.placed"
+    state_format = 5  # 5: its guard names a sys.capacity_committed (it named a job.placed); 4: elastic jobs (`elastic`, PlacerJob.target/resizing/keep_nodes); 3: the run times of similar jobs (`runtimes`); 2: one record per job (`PlacerJob`) for the parallel maps keyed by job
+    # A placement is published only if no other placer committed since this state: each commit
+    # ends with a sys.capacity_committed on this literal subject (BaseCore.cas_marker).
+    cas_subject = capacity_subject(name)
+    cas_outputs = ("fleet.evt.*.job.*.placed",)
+    cas_marker = True
     subjects = (
+        cas_subject,
         "fleet.evt.sys.node.*.*",
         "fleet.evt.*.job.*.submitted", "fleet.evt.*.job.*.quota_reserved", "fleet.evt.*.job.*.placed",
         "fleet.evt.*.job.*.unschedulable", "fleet.evt.*.job.*.exited", "fleet.evt.*.job.*.cancel_requested",

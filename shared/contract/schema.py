@@ -124,6 +124,9 @@ CHANNELS: tuple[Channel, ...] = (
             "Facts about one node (cluster-wide, tenant `sys`).", "type"),
     Channel("deadLetters", f"{SUBJECT_ROOT}.evt.{SYS_TENANT}.deadletter.{{service}}", "receive", "Dead letters",
             "Messages a service could not take; they were terminated, and this says why."),
+    Channel("capacityCommits", f"{SUBJECT_ROOT}.evt.{SYS_TENANT}.capacity.{{service}}", "receive", "Capacity commits",
+            "The last event of each commit of a service's capacity decisions (the placer's placements), in the "
+            "same atomic batch: its compare-and-set guard is this subject's last sequence."),
     Channel("budgetEvents", f"{SUBJECT_ROOT}.evt.{SYS_TENANT}.budget.{{scope}}.{{budget}}.{{type}}", "receive",
             "Budget events", "A tenant's or a queue's spending crossed a threshold of its budget (billing).", "type"),
     Channel("nodeTelemetry", f"{SUBJECT_ROOT}.tel.node.{{node_id}}.{{kind}}", "receive", "Node telemetry",
@@ -136,7 +139,8 @@ PARAMETERS: dict[str, dict[str, Any]] = {
                "location": "$message.payload#/tenant"},
     "job_id": {"description": "The job (payload `job_id`).", "location": "$message.payload#/payload/job_id"},
     "node_id": {"description": "The node (payload `node_id`).", "location": "$message.payload#/payload/node_id"},
-    "service": {"description": "The service that could not take the message (payload `service`).",
+    "service": {"description": "The service: that could not take the message (a dead letter), or that committed "
+                               "capacity decisions (payload `service`).",
                 "location": "$message.payload#/payload/service"},
     "scope": {"description": "What the budget is of: `tenant` or `queue` (payload `scope`).",
               "location": "$message.payload#/payload/scope"},

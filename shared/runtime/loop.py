@@ -41,6 +41,7 @@ from gpufleet.shared.contract.errors import CasConflict, RetryableError
 from gpufleet.shared.contract.events import (
     STREAM,
     SYS_TENANT,
+    CapacityCommitted,
     DeadLetter,
     Envelope,
     Payload,
@@ -130,6 +131,8 @@ class Core(Protocol[S]):
     @property
     def cas_outputs(self) -> tuple[str, ...]: ...  # the outputs that carry the guard (() : those on cas_subject)
     @property
+    def cas_marker(self) -> bool: ...  # each guarded commit ends with a sys.capacity_committed on cas_subject
+    @property
     def tick_s(self) -> float | None: ...  # how often `tick` runs (None: never)
 
     def initial_state(self) -> S: ...
@@ -150,6 +153,12 @@ class BaseCore(Generic[S]):
     # them; () means the outputs on `cas_subject` itself (the placer: a placement, guarded by the
     # placements). The executor guards its starts and exits by the nodes' losses instead.
     cas_outputs: tuple[str, ...] = ()
+    # Each guarded commit ends with a `sys.capacity_committed` on `cas_subject`, which must then be
+    # `events.capacity_subject(name)` (literal), in the same atomic batch, and the guard is that subject's
+    # last sequence (the placer). A guard on a wildcard subject costs the server a match over
+    # every subject of the stream it covers, at each check (`fleet.evt.*.job.*.placed`: every job
+    # the stream holds, 44.5 ms at 50,000 jobs); a literal one is one lookup (0.3 ms).
+    cas_marker: bool = False
     tick_s: float | None = None
 
     def decide(self, state: S, env: Envelope, ctx: Ctx) -> list[Envelope]:
@@ -716,11 +725,13 @@ class ServiceRuntime(Generic[S]):
             if self.core.cas_subject and self.engine.takes_capacity(outputs):
                 cas = Cas(self.core.cas_subject, self.last_cas_seq if cas_seq is None else cas_seq)
             main = [o for o in outputs if not o.subject().startswith("fleet.tel.")]
-            seqs = await (self.bus.publish_batch(main, cas=cas, dups=dups) if cas
+            marks: list[tuple[int, Envelope]] = []  # (seq, marker) of each atomic batch's marker
+            mark = self._capacity_marker if cas is not None and self.core.cas_marker else None
+            seqs = await (self.bus.publish_batch(main, cas=cas, dups=dups, mark=mark, marks=marks) if cas
                           else self.bus.publish_many(main, dups=dups))
-            self.stats.published += len(main)
+            self.stats.published += len(main) + len(marks)
             if cas is not None:
-                for o, seq in zip(main, seqs, strict=True):
+                for o, seq in [*zip(main, seqs, strict=True), *((m, s) for s, m in marks)]:
                     if self.engine.takes(o.subject()) and seq > self.engine.last_cas_seq:
                         self.engine.last_cas_seq = seq
             for o in outputs:
@@ -737,6 +748,12 @@ class ServiceRuntime(Generic[S]):
             # the decision is in the log (the cause is decided), but in another version than the
             # one this state evolved: the state is rebuilt from the log, the log's version wins
             await self._refold()
+
+    def _capacity_marker(self, chunk: Sequence[Envelope]) -> Envelope:
+        """The last event of an atomic batch of guarded outputs (`cas_marker`): its id derived
+        from the batch's last output, so a commit sent again is the same batch."""
+        return self.ctx().emit(CapacityCommitted(service=self.core.name, events=len(chunk)), SYS_TENANT,
+                               cause_id=chunk[-1].event_id, key="capacity_committed")
 
     async def _others_version(self, dups: list[tuple[int, Envelope]]) -> bool:
         """Whether the stream holds, for any of these outputs the server had already, another

@@ -107,6 +107,7 @@ OWNERS: dict[str, frozenset[str]] = {
     "budget.threshold_reached": frozenset({"billing"}),
     "budget.exceeded": frozenset({"billing"}),
     "sys.dead_letter": frozenset(SERVICES),  # each on its own subject: deadletter.<service>
+    "sys.capacity_committed": frozenset({"placer"}),  # on capacity.<service>: the placer's guard
 }
 # facts an operator states by command (cordon a node, return a GPU to service, requeue a job)
 OPERATOR_TYPES = frozenset({"node.cordoned", "node.uncordoned", "node.gpu_cleared", "job.resume_requested"})
@@ -129,6 +130,8 @@ def subject_pattern(event_type: str, service: str | None = None) -> str:
         return f"fleet.evt.{SYS_TENANT}.node.*.{short}"
     if event_type == "sys.dead_letter":
         return f"fleet.evt.{SYS_TENANT}.deadletter.{service or '*'}"
+    if event_type == "sys.capacity_committed":
+        return f"fleet.evt.{SYS_TENANT}.capacity.{service or '*'}"
     if area == "budget":
         return f"fleet.evt.{SYS_TENANT}.budget.*.*.{short}"
     raise ValueError(f"no subject for {event_type}")
