@@ -37,6 +37,7 @@ from gpufleet.shared.contract.events import (
     Envelope,
     _JobPayload,
     _NodePayload,
+    capacity_subject,
     subject_for,
 )
 from gpufleet.shared.contract.ids import _TOKEN_RE, TOKEN_LEN_MAX, ULID_LEN, ULID_PATTERN
@@ -124,7 +125,7 @@ CHANNELS: tuple[Channel, ...] = (
             "Facts about one node (cluster-wide, tenant `sys`).", "type"),
     Channel("deadLetters", f"{SUBJECT_ROOT}.evt.{SYS_TENANT}.deadletter.{{service}}", "receive", "Dead letters",
             "Messages a service could not take; they were terminated, and this says why."),
-    Channel("capacityCommits", f"{SUBJECT_ROOT}.evt.{SYS_TENANT}.capacity.{{service}}", "receive", "Capacity commits",
+    Channel("capacityCommits", capacity_subject("{service}"), "receive", "Capacity commits",
             "The last event of each commit of a service's capacity decisions (the placer's placements), in the "
             "same atomic batch: its compare-and-set guard is this subject's last sequence."),
     Channel("budgetEvents", f"{SUBJECT_ROOT}.evt.{SYS_TENANT}.budget.{{scope}}.{{budget}}.{{type}}", "receive",

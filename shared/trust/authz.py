@@ -40,6 +40,7 @@ from gpufleet.shared.contract.events import (
     SYS_TENANT,
     TELEMETRY_STREAM,
     Envelope,
+    capacity_subject,
 )
 from gpufleet.shared.trust.tls import TLS_TIMEOUT_S, ServerTls, tls_block
 
@@ -131,7 +132,7 @@ def subject_pattern(event_type: str, service: str | None = None) -> str:
     if event_type == "sys.dead_letter":
         return f"fleet.evt.{SYS_TENANT}.deadletter.{service or '*'}"
     if event_type == "sys.capacity_committed":
-        return f"fleet.evt.{SYS_TENANT}.capacity.{service or '*'}"
+        return capacity_subject(service or "*")
     if area == "budget":
         return f"fleet.evt.{SYS_TENANT}.budget.*.*.{short}"
     raise ValueError(f"no subject for {event_type}")
